@@ -1,1 +1,38 @@
-fn main() {}
+//! `tlsplane`: HTTPS static files over split-plane TLS, and a TLS load generator.
+#![forbid(unsafe_code)]
+
+mod serve;
+
+use clap::{Parser, Subcommand};
+
+/// Split-plane TLS for Linux: handshakes in user space (rustls + aws-lc-rs), records in the
+/// kernel (kTLS) when it can take them, in user space otherwise.
+#[derive(Parser, Debug)]
+#[command(name = "tlsplane", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve a directory over HTTPS (HTTP/1.1), file bodies by sendfile on the kernel plane.
+    Serve(serve::ServeArgs),
+    /// Load generators: TLS handshakes per second, HTTPS throughput.
+    #[command(subcommand)]
+    Bench(tlsplane_bench::BenchCommand),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TLSPLANE_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    let result = match cli.command {
+        Command::Serve(args) => serve::run(args),
+        Command::Bench(cmd) => tlsplane_bench::run(cmd),
+    };
+    if let Err(e) = result {
+        eprintln!("tlsplane: error: {e:#}");
+        std::process::exit(1);
+    }
+}

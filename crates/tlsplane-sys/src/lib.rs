@@ -1,1 +1,421 @@
+//! Every `unsafe` line of tlsplane lives here.
+//!
+//! The rest of the workspace is `#![forbid(unsafe_code)]` and reaches the kernel only through the
+//! safe functions below: kTLS set-up (`TCP_ULP`, `SOL_TLS`/`TLS_TX`/`TLS_RX`), record-typed
+//! `recvmsg`/`sendmsg` (`TLS_GET_RECORD_TYPE`/`TLS_SET_RECORD_TYPE` control messages) and
+//! `sendfile(2)`. All calls are non-blocking (`MSG_DONTWAIT` or a non-blocking descriptor), so
+//! callers drive them from an event loop and see `WouldBlock` like any other socket operation.
 
+use std::io;
+use std::mem::{size_of, zeroed};
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+use zeroize::Zeroize;
+
+/// Linux UAPI constants (include/uapi/linux/tls.h, include/uapi/linux/tcp.h). Spelled out here
+/// rather than taken from `libc` so that the exact values the kernel ABI fixes are reviewable in
+/// one place.
+mod uapi {
+    pub const SOL_TLS: libc::c_int = 282;
+    pub const TCP_ULP: libc::c_int = 31;
+    pub const TLS_TX: libc::c_int = 1;
+    pub const TLS_RX: libc::c_int = 2;
+    pub const TLS_SET_RECORD_TYPE: libc::c_int = 1;
+    pub const TLS_GET_RECORD_TYPE: libc::c_int = 2;
+    pub const TLS_1_2_VERSION: u16 = 0x0303;
+    pub const TLS_1_3_VERSION: u16 = 0x0304;
+    pub const TLS_CIPHER_AES_GCM_128: u16 = 51;
+    pub const TLS_CIPHER_AES_GCM_256: u16 = 52;
+    pub const TLS_CIPHER_CHACHA20_POLY1305: u16 = 54;
+}
+
+/// TLS protocol version as the kernel names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TlsVersion {
+    Tls12,
+    Tls13,
+}
+
+/// The AEADs the Linux software kTLS implementation accepts and tlsplane offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelCipher {
+    Aes128Gcm,
+    Aes256Gcm,
+    Chacha20Poly1305,
+}
+
+impl KernelCipher {
+    pub const ALL: [KernelCipher; 3] = [Self::Aes128Gcm, Self::Aes256Gcm, Self::Chacha20Poly1305];
+
+    pub fn key_len(self) -> usize {
+        match self {
+            Self::Aes128Gcm => 16,
+            Self::Aes256Gcm | Self::Chacha20Poly1305 => 32,
+        }
+    }
+
+    /// Length of the implicit salt the kernel keeps apart from the per-record IV.
+    pub fn salt_len(self) -> usize {
+        match self {
+            Self::Aes128Gcm | Self::Aes256Gcm => 4,
+            Self::Chacha20Poly1305 => 0,
+        }
+    }
+}
+
+/// Which direction of a socket a key is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    Tx,
+    Rx,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CryptoInfoHeader {
+    version: u16,
+    cipher_type: u16,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AesGcm128 {
+    info: CryptoInfoHeader,
+    iv: [u8; 8],
+    key: [u8; 16],
+    salt: [u8; 4],
+    rec_seq: [u8; 8],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AesGcm256 {
+    info: CryptoInfoHeader,
+    iv: [u8; 8],
+    key: [u8; 32],
+    salt: [u8; 4],
+    rec_seq: [u8; 8],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Chacha20Poly1305 {
+    info: CryptoInfoHeader,
+    iv: [u8; 12],
+    key: [u8; 32],
+    rec_seq: [u8; 8],
+}
+
+/// The kernel's `tls12_crypto_info_*` struct for one direction, built from key material.
+///
+/// Holds a traffic key, so it is wiped when dropped, whether or not the setsockopt succeeded.
+pub struct CryptoInfo {
+    bytes: Vec<u8>,
+}
+
+/// Why a [`CryptoInfo`] could not be built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CryptoInfoError(&'static str);
+
+impl std::fmt::Display for CryptoInfoError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for CryptoInfoError {}
+
+impl CryptoInfo {
+    /// `salt` is the implicit part of the nonce (4 bytes for AES-GCM, empty for ChaCha20), `iv`
+    /// the rest (8 bytes for AES-GCM, 12 for ChaCha20), `rec_seq` the sequence number of the
+    /// next record in this direction.
+    pub fn new(
+        version: TlsVersion,
+        cipher: KernelCipher,
+        key: &[u8],
+        salt: &[u8],
+        iv: &[u8],
+        rec_seq: u64,
+    ) -> Result<Self, CryptoInfoError> {
+        if key.len() != cipher.key_len() {
+            return Err(CryptoInfoError("key length does not match the cipher"));
+        }
+        if salt.len() != cipher.salt_len() || salt.len() + iv.len() != 12 {
+            return Err(CryptoInfoError("salt/iv lengths do not match the cipher"));
+        }
+        let header = CryptoInfoHeader {
+            version: match version {
+                TlsVersion::Tls12 => uapi::TLS_1_2_VERSION,
+                TlsVersion::Tls13 => uapi::TLS_1_3_VERSION,
+            },
+            cipher_type: match cipher {
+                KernelCipher::Aes128Gcm => uapi::TLS_CIPHER_AES_GCM_128,
+                KernelCipher::Aes256Gcm => uapi::TLS_CIPHER_AES_GCM_256,
+                KernelCipher::Chacha20Poly1305 => uapi::TLS_CIPHER_CHACHA20_POLY1305,
+            },
+        };
+        let seq = rec_seq.to_be_bytes();
+        let mut bytes = Vec::new();
+        // Each arm fills a stack value and copies it out byte-wise; the stack copy is wiped
+        // before it goes out of scope so no key byte outlives this function outside `bytes`.
+        match cipher {
+            KernelCipher::Aes128Gcm => {
+                let mut s = AesGcm128 {
+                    info: header,
+                    iv: [0; 8],
+                    key: [0; 16],
+                    salt: [0; 4],
+                    rec_seq: seq,
+                };
+                s.iv.copy_from_slice(iv);
+                s.key.copy_from_slice(key);
+                s.salt.copy_from_slice(salt);
+                bytes.extend_from_slice(as_bytes(&s));
+                wipe(&mut s);
+            }
+            KernelCipher::Aes256Gcm => {
+                let mut s = AesGcm256 {
+                    info: header,
+                    iv: [0; 8],
+                    key: [0; 32],
+                    salt: [0; 4],
+                    rec_seq: seq,
+                };
+                s.iv.copy_from_slice(iv);
+                s.key.copy_from_slice(key);
+                s.salt.copy_from_slice(salt);
+                bytes.extend_from_slice(as_bytes(&s));
+                wipe(&mut s);
+            }
+            KernelCipher::Chacha20Poly1305 => {
+                let mut s = Chacha20Poly1305 {
+                    info: header,
+                    iv: [0; 12],
+                    key: [0; 32],
+                    rec_seq: seq,
+                };
+                s.iv.copy_from_slice(iv);
+                s.key.copy_from_slice(key);
+                bytes.extend_from_slice(as_bytes(&s));
+                wipe(&mut s);
+            }
+        }
+        Ok(Self { bytes })
+    }
+}
+
+impl Drop for CryptoInfo {
+    fn drop(&mut self) {
+        self.bytes.zeroize();
+    }
+}
+
+/// Views a plain-old-data `repr(C)` struct of byte arrays as bytes.
+fn as_bytes<T: Copy>(value: &T) -> &[u8] {
+    // SAFETY: only called with the crypto-info structs above, which are `repr(C)`, `Copy`, made
+    // of u16 and u8 arrays laid out without padding (the kernel ABI relies on the same layout),
+    // so every byte is initialised; the slice borrows `value` and cannot outlive it.
+    unsafe { std::slice::from_raw_parts(value as *const T as *const u8, size_of::<T>()) }
+}
+
+fn wipe<T: Copy>(value: &mut T) {
+    // SAFETY: as in `as_bytes`: T is a padding-free POD struct, so writing zero bytes over it
+    // yields a valid T; the pointer is derived from a live exclusive reference.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(value as *mut T as *mut u8, size_of::<T>()) };
+    bytes.zeroize();
+}
+
+fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+fn cvt_size(ret: libc::ssize_t) -> io::Result<usize> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+/// Attaches the "tls" upper-layer protocol to a connected TCP socket.
+///
+/// Fails with `ENOENT` when the kernel has no TLS ULP (module absent or not built), which is the
+/// usual reason to stay on the user-space plane. A socket with the ULP but no keys still behaves
+/// as plain TCP, so a later decision not to offload is harmless.
+pub fn attach_tls_ulp(sock: BorrowedFd<'_>) -> io::Result<()> {
+    let name = b"tls";
+    // SAFETY: `sock` is a live descriptor for the duration of the borrow; the option value
+    // points at a 3-byte buffer whose exact length is passed.
+    cvt(unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_TCP,
+            uapi::TCP_ULP,
+            name.as_ptr() as *const libc::c_void,
+            name.len() as libc::socklen_t,
+        )
+    })?;
+    Ok(())
+}
+
+/// Installs a key for one direction (`TLS_TX` or `TLS_RX`).
+pub fn set_crypto_info(sock: BorrowedFd<'_>, direction: Direction, info: &CryptoInfo) -> io::Result<()> {
+    let optname = match direction {
+        Direction::Tx => uapi::TLS_TX,
+        Direction::Rx => uapi::TLS_RX,
+    };
+    // SAFETY: the descriptor is live for the borrow; the option value is the initialised
+    // crypto-info struct held in `info.bytes`, passed with its exact length, and the kernel
+    // copies it before returning.
+    cvt(unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            uapi::SOL_TLS,
+            optname,
+            info.bytes.as_ptr() as *const libc::c_void,
+            info.bytes.len() as libc::socklen_t,
+        )
+    })?;
+    Ok(())
+}
+
+/// Room for one `cmsghdr` carrying a single byte, with the alignment the kernel expects.
+#[repr(C, align(8))]
+struct CmsgBuf([u8; 64]);
+
+/// Receives from a kTLS RX socket, reporting the TLS content type of the record the bytes came
+/// from. The kernel never mixes record types in one call: application data comes back as type
+/// 23, and an alert or handshake record is returned on its own with its type.
+///
+/// Non-blocking (`MSG_DONTWAIT`). `Ok((0, 23))` is TCP EOF.
+pub fn recv_record(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, u8)> {
+    let mut cmsg = CmsgBuf([0; 64]);
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: msghdr is a plain C struct for which all-zero is a valid value.
+    let mut msg: libc::msghdr = unsafe { zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg.0.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = cmsg.0.len() as _;
+    // SAFETY: `msg` points at `iov` (which covers exactly `buf`) and at `cmsg`, all of which
+    // outlive the call; the kernel writes at most their stated lengths.
+    let n = cvt_size(unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) })?;
+    let mut record_type = 23u8;
+    // SAFETY: CMSG_FIRSTHDR/CMSG_NXTHDR walk the control buffer the kernel filled, bounded by
+    // the msg_controllen it set; CMSG_DATA of a SOL_TLS/TLS_GET_RECORD_TYPE header points at
+    // one byte inside that buffer.
+    unsafe {
+        let mut hdr = libc::CMSG_FIRSTHDR(&msg);
+        while !hdr.is_null() {
+            if (*hdr).cmsg_level == uapi::SOL_TLS && (*hdr).cmsg_type == uapi::TLS_GET_RECORD_TYPE {
+                record_type = *libc::CMSG_DATA(hdr);
+            }
+            hdr = libc::CMSG_NXTHDR(&msg, hdr);
+        }
+    }
+    Ok((n, record_type))
+}
+
+/// Sends `data` as one or more records of the given TLS content type through kTLS TX (used for
+/// alerts, close_notify and post-handshake messages). Non-blocking.
+pub fn send_record(sock: BorrowedFd<'_>, record_type: u8, data: &[u8]) -> io::Result<usize> {
+    let mut cmsg = CmsgBuf([0; 64]);
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // SAFETY: all-zero msghdr is valid.
+    let mut msg: libc::msghdr = unsafe { zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg.0.as_mut_ptr() as *mut libc::c_void;
+    // SAFETY: CMSG_SPACE/CMSG_LEN are pure size computations.
+    let space = unsafe { libc::CMSG_SPACE(1) } as usize;
+    assert!(space <= cmsg.0.len());
+    msg.msg_controllen = space as _;
+    // SAFETY: the control buffer is `space` bytes long and aligned, so CMSG_FIRSTHDR returns a
+    // valid header pointer into it and CMSG_DATA points at the byte after that header. The
+    // kernel only reads `data` (the iovec's mutable pointer type is the C API's, not a write).
+    unsafe {
+        let hdr = libc::CMSG_FIRSTHDR(&msg);
+        (*hdr).cmsg_level = uapi::SOL_TLS;
+        (*hdr).cmsg_type = uapi::TLS_SET_RECORD_TYPE;
+        (*hdr).cmsg_len = libc::CMSG_LEN(1) as _;
+        *libc::CMSG_DATA(hdr) = record_type;
+        cvt_size(libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL))
+    }
+}
+
+/// `sendfile(2)` from `file` at `*offset` to `sock`, advancing `*offset` by what was sent.
+/// The socket must be non-blocking for this not to block.
+pub fn sendfile(sock: BorrowedFd<'_>, file: BorrowedFd<'_>, offset: &mut u64, count: usize) -> io::Result<usize> {
+    let mut off: libc::off_t = i64::try_from(*offset)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file offset too large"))?;
+    // SAFETY: both descriptors are live for their borrows; `off` is a valid, exclusively
+    // borrowed off_t the kernel updates in place.
+    let n = cvt_size(unsafe { libc::sendfile(sock.as_raw_fd(), file.as_raw_fd(), &mut off, count) })?;
+    *offset = off as u64;
+    Ok(n)
+}
+
+/// `send(2)` with `MSG_MORE`: the kernel keeps the TLS record open so that what follows (the
+/// file body after response headers) shares a record instead of costing one of its own.
+pub fn send_more(sock: BorrowedFd<'_>, data: &[u8]) -> io::Result<usize> {
+    // SAFETY: the pointer and length describe `data`, borrowed for the call; the descriptor is
+    // live for its borrow.
+    cvt_size(unsafe {
+        libc::send(
+            sock.as_raw_fd(),
+            data.as_ptr() as *const libc::c_void,
+            data.len(),
+            libc::MSG_MORE | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crypto_info_layouts_match_the_kernel_abi() {
+        // Sizes from include/uapi/linux/tls.h; a mismatch makes setsockopt return EINVAL.
+        assert_eq!(size_of::<AesGcm128>(), 40);
+        assert_eq!(size_of::<AesGcm256>(), 56);
+        assert_eq!(size_of::<Chacha20Poly1305>(), 56);
+    }
+
+    #[test]
+    fn crypto_info_encodes_fields_in_order() {
+        let key = [0x11u8; 16];
+        let info = CryptoInfo::new(TlsVersion::Tls13, KernelCipher::Aes128Gcm, &key, &[1, 2, 3, 4], &[5; 8], 7).unwrap();
+        let b = &info.bytes;
+        assert_eq!(&b[0..2], &0x0304u16.to_ne_bytes());
+        assert_eq!(&b[2..4], &51u16.to_ne_bytes());
+        assert_eq!(&b[4..12], &[5; 8]);
+        assert_eq!(&b[12..28], &key);
+        assert_eq!(&b[28..32], &[1, 2, 3, 4]);
+        assert_eq!(&b[32..40], &7u64.to_be_bytes());
+    }
+
+    #[test]
+    fn crypto_info_rejects_wrong_lengths() {
+        assert!(CryptoInfo::new(TlsVersion::Tls13, KernelCipher::Aes256Gcm, &[0; 16], &[0; 4], &[0; 8], 0).is_err());
+        assert!(CryptoInfo::new(TlsVersion::Tls12, KernelCipher::Chacha20Poly1305, &[0; 32], &[0; 4], &[0; 8], 0).is_err());
+        assert!(CryptoInfo::new(TlsVersion::Tls12, KernelCipher::Chacha20Poly1305, &[0; 32], &[], &[0; 12], 0).is_ok());
+    }
+
+    #[test]
+    fn ulp_on_a_non_socket_fails_cleanly() {
+        let f = std::fs::File::open("/dev/null").unwrap();
+        use std::os::fd::AsFd;
+        assert!(attach_tls_ulp(f.as_fd()).is_err());
+    }
+}

@@ -1,1 +1,25 @@
+//! tlsplane: TLS split in two planes.
+//!
+//! The **control plane** (this crate, on rustls with the aws-lc-rs provider) runs the handshake,
+//! owns certificates and keys, and handles alerts and post-handshake messages. The **data plane**
+//! moves application records: preferably the Linux kernel ([`plane::kernel`], kTLS), so that
+//! `sendfile(2)` keeps its zero-copy path, otherwise rustls' own record layer in user space
+//! ([`plane::user`]). The choice is made per connection after the handshake and the application
+//! sees one [`TlsStream`] either way.
+//!
+//! Every system call that needs `unsafe` lives in `tlsplane-sys`; this crate forbids it.
+#![forbid(unsafe_code)]
 
+pub mod cert;
+pub mod config;
+pub mod error;
+mod handshake;
+pub mod plane;
+pub mod probe;
+pub mod stats;
+mod stream;
+
+pub use config::{Acceptor, DataPlanePolicy, ServerOptions};
+pub use error::Error;
+pub use plane::PlaneKind;
+pub use stream::TlsStream;

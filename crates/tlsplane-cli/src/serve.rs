@@ -1,0 +1,377 @@
+//! `tlsplane serve`: an HTTPS static-file server.
+//!
+//! One event loop per worker thread (a current-thread tokio runtime), each with its own
+//! `SO_REUSEPORT` listening socket per address, so the kernel spreads connections across
+//! workers without a shared accept lock. HTTP/1.1 is parsed by `tlsplane-http`; responses are
+//! written here so that file bodies can follow the headers by `sendfile(2)`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions, TlsStream};
+use tlsplane_http::{error_response, parse_request, respond, Body, DocRoot, Limits, Parsed};
+use tokio::sync::watch;
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Directory to serve.
+    #[arg(default_value = ".")]
+    pub dir: PathBuf,
+    /// Address to listen on (repeatable; IPv6 as [::1]:8443). Port 0 picks a free port.
+    #[arg(long = "listen", default_value = "127.0.0.1:8443")]
+    pub listen: Vec<SocketAddr>,
+    /// Certificate chain (PEM). Without --cert/--key a self-signed localhost certificate is
+    /// generated once and reused (its path is printed).
+    #[arg(long, requires = "key")]
+    pub cert: Option<PathBuf>,
+    /// Private key (PEM: PKCS#8, SEC1 or PKCS#1; ECDSA P-256/P-384, Ed25519 or RSA).
+    #[arg(long, requires = "cert")]
+    pub key: Option<PathBuf>,
+    /// Worker threads, each an event loop with its own listening socket [default: CPU count].
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Record layer: `auto` (kernel kTLS when possible, per connection), `kernel` (required:
+    /// refuse to start without a TLS ULP, close connections it cannot take), `user`.
+    #[arg(long, default_value = "auto")]
+    pub data_plane: DataPlanePolicy,
+    /// Log one line per request at info level.
+    #[arg(long)]
+    pub access_log: bool,
+    /// Follow symlinks that lead outside DIR (refused by default).
+    #[arg(long)]
+    pub allow_symlinks_outside: bool,
+    /// Seconds a TLS handshake may take.
+    #[arg(long, default_value_t = 10)]
+    pub handshake_timeout: u64,
+    /// Seconds from the first byte of a request to the end of its headers.
+    #[arg(long, default_value_t = 10)]
+    pub header_timeout: u64,
+    /// Seconds a keep-alive connection may stay idle between requests.
+    #[arg(long, default_value_t = 60)]
+    pub idle_timeout: u64,
+    /// Seconds in-flight responses get to finish after SIGTERM/SIGINT.
+    #[arg(long, default_value_t = 10)]
+    pub shutdown_grace: u64,
+    /// TLS 1.3 session tickets sent after a full handshake (0 disables TLS 1.3 resumption).
+    #[arg(long, default_value_t = 1)]
+    pub tls13_tickets: usize,
+    /// Testing aid: records per key before the kernel plane re-keys or closes (default: the
+    /// suite's AEAD confidentiality limit).
+    #[arg(long, hide = true)]
+    pub aead_record_limit: Option<u64>,
+    /// Print the counters as one JSON line to stderr at exit.
+    #[arg(long)]
+    pub stats: bool,
+}
+
+/// HTTP-level counters; TLS counters live in `tlsplane::stats`.
+#[derive(Default)]
+struct HttpStats {
+    connections: AtomicU64,
+    requests: AtomicU64,
+    responses_4xx: AtomicU64,
+    responses_5xx: AtomicU64,
+    timeouts: AtomicU64,
+    handshake_errors: AtomicU64,
+    io_errors: AtomicU64,
+}
+
+struct Shared {
+    acceptor: Acceptor,
+    root: DocRoot,
+    args: ServeArgs,
+    limits: Limits,
+    stats: HttpStats,
+    in_flight: AtomicUsize,
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let root = DocRoot::new(&args.dir, args.allow_symlinks_outside).with_context(|| format!("cannot serve {}", args.dir.display()))?;
+    let cert = match (&args.cert, &args.key) {
+        (Some(c), Some(k)) => tlsplane::cert::load_pem(c, k)?,
+        _ => {
+            let dir = tlsplane::cert::default_state_dir();
+            let g = tlsplane::cert::ensure_localhost_cert(&dir)?;
+            eprintln!(
+                "certificate: {} ({} self-signed for localhost, 127.0.0.1, ::1; e.g. curl --cacert {} https://localhost:PORT/)",
+                g.cert.display(),
+                if g.created { "generated" } else { "reusing" },
+                g.cert.display()
+            );
+            tlsplane::cert::load_pem(&g.cert, &g.key)?
+        }
+    };
+    let mut opts = ServerOptions::new(cert);
+    opts.policy = args.data_plane;
+    opts.tls13_tickets = args.tls13_tickets;
+    opts.aead_record_limit = args.aead_record_limit;
+    let acceptor = Acceptor::new(opts)?;
+    eprintln!("data plane: {} ({})", args.data_plane, acceptor.kernel_support().reason);
+
+    let workers = args.workers.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).max(1);
+    if args.listen.is_empty() {
+        bail!("no --listen address");
+    }
+    // Bind everything before starting workers so that address errors stop start-up, and so
+    // that port 0 resolves once and every worker shares the port.
+    let mut per_worker: Vec<Vec<std::net::TcpListener>> = (0..workers).map(|_| Vec::new()).collect();
+    for addr in &args.listen {
+        let mut actual = *addr;
+        for (i, slot) in per_worker.iter_mut().enumerate() {
+            let l = bind_reuseport(actual).with_context(|| format!("cannot listen on {actual}"))?;
+            if i == 0 {
+                actual = l.local_addr()?;
+                eprintln!("listening on https://{actual}");
+            }
+            slot.push(l);
+        }
+    }
+
+    let shared = Arc::new(Shared { acceptor, root, limits: Limits::default(), stats: HttpStats::default(), in_flight: AtomicUsize::new(0), args: args.clone() });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut threads = Vec::new();
+    for (i, listeners) in per_worker.into_iter().enumerate() {
+        let shared = shared.clone();
+        let stop = stop_rx.clone();
+        threads.push(std::thread::Builder::new().name(format!("worker-{i}")).spawn(move || worker(listeners, shared, stop))?);
+    }
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        anyhow::Ok(())
+    })?;
+    eprintln!("shutting down: no new connections; in-flight responses get {} s", args.shutdown_grace);
+    let _ = stop_tx.send(true);
+    for t in threads {
+        let _ = t.join();
+    }
+    if args.stats {
+        eprintln!("tlsplane-stats {}", stats_json(&shared.stats));
+    }
+    Ok(())
+}
+
+fn stats_json(h: &HttpStats) -> String {
+    let mut pairs = tlsplane::stats::global().snapshot();
+    pairs.extend([
+        ("http_connections", h.connections.load(Relaxed)),
+        ("http_requests", h.requests.load(Relaxed)),
+        ("http_responses_4xx", h.responses_4xx.load(Relaxed)),
+        ("http_responses_5xx", h.responses_5xx.load(Relaxed)),
+        ("http_timeouts", h.timeouts.load(Relaxed)),
+        ("http_handshake_errors", h.handshake_errors.load(Relaxed)),
+        ("http_io_errors", h.io_errors.load(Relaxed)),
+    ]);
+    tlsplane::stats::to_json(&pairs)
+}
+
+fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    s.set_reuse_address(true)?;
+    s.set_reuse_port(true)?;
+    if addr.is_ipv6() {
+        s.set_only_v6(true)?;
+    }
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    s.listen(1024)?;
+    Ok(s.into())
+}
+
+fn worker(listeners: Vec<std::net::TcpListener>, shared: Arc<Shared>, stop: watch::Receiver<bool>) {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "worker runtime failed to start");
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let mut accepts = Vec::new();
+        for l in listeners {
+            let l = match tokio::net::TcpListener::from_std(l) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!(error = %e, "listener registration failed");
+                    continue;
+                }
+            };
+            let shared = shared.clone();
+            let mut stop = stop.clone();
+            accepts.push(tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        r = l.accept() => match r {
+                            Ok((tcp, peer)) => {
+                                let shared = shared.clone();
+                                let stop = stop.clone();
+                                tokio::spawn(async move { connection(tcp, peer, shared, stop).await });
+                            }
+                            Err(e) => {
+                                // EMFILE and friends: back off instead of spinning.
+                                tracing::warn!(error = %e, "accept failed");
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                        },
+                        _ = stop.changed() => break,
+                    }
+                }
+            }));
+        }
+        for a in accepts {
+            let _ = a.await;
+        }
+        // Listeners are closed; give in-flight connections the grace period.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(shared.args.shutdown_grace);
+        while shared.in_flight.load(Relaxed) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}
+
+/// Decrements the in-flight count however the connection task ends.
+struct InFlight<'a>(&'a AtomicUsize);
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+async fn connection(tcp: tokio::net::TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    shared.in_flight.fetch_add(1, Relaxed);
+    let _guard = InFlight(&shared.in_flight);
+    shared.stats.connections.fetch_add(1, Relaxed);
+    let _ = tcp.set_nodelay(true);
+    let args = &shared.args;
+    let tls = match tokio::time::timeout(Duration::from_secs(args.handshake_timeout), shared.acceptor.accept(tcp)).await {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            shared.stats.handshake_errors.fetch_add(1, Relaxed);
+            tracing::debug!(%peer, error = %e, "handshake failed");
+            return;
+        }
+        Err(_) => {
+            shared.stats.timeouts.fetch_add(1, Relaxed);
+            tracing::debug!(%peer, "handshake timed out");
+            return;
+        }
+    };
+    if let Err(e) = http_loop(tls, peer, &shared, &mut stop).await {
+        shared.stats.io_errors.fetch_add(1, Relaxed);
+        tracing::debug!(%peer, error = %e, "connection ended with error");
+    }
+}
+
+async fn http_loop(mut tls: TlsStream, peer: SocketAddr, shared: &Shared, stop: &mut watch::Receiver<bool>) -> std::io::Result<()> {
+    let args = &shared.args;
+    let mut buf = vec![0u8; shared.limits.max_head_bytes + 1024];
+    let mut used = 0usize;
+    loop {
+        match parse_request(&buf[..used], &shared.limits) {
+            Ok(Parsed::Complete { head_len, request }) => {
+                shared.stats.requests.fetch_add(1, Relaxed);
+                let mut resp = respond(&request, &shared.root, SystemTime::now());
+                if *stop.borrow() && resp.keep_alive {
+                    // Draining: answer this request, then close.
+                    resp = with_close(resp, &request, &shared.root);
+                }
+                count_status(&shared.stats, resp.status);
+                if args.access_log {
+                    tracing::info!(%peer, method = ?request.method, target = %request.target, status = resp.status, plane = ?tls.plane(), "request");
+                }
+                send_response(&mut tls, &resp).await?;
+                buf.copy_within(head_len..used, 0);
+                used -= head_len;
+                if !resp.keep_alive {
+                    return tls.shutdown().await;
+                }
+            }
+            Ok(Parsed::Incomplete) => {
+                if used == buf.len() {
+                    // parse_request enforces the head limit before this can happen; be safe.
+                    let resp = error_response(431, false);
+                    count_status(&shared.stats, 431);
+                    send_response(&mut tls, &resp).await?;
+                    return tls.shutdown().await;
+                }
+                let wait = if used == 0 { args.idle_timeout } else { args.header_timeout };
+                let read = tokio::select! {
+                    r = tokio::time::timeout(Duration::from_secs(wait), tls.read(&mut buf[used..])) => r,
+                    _ = stop.changed(), if used == 0 && !*stop.borrow() => {
+                        // Idle keep-alive connection during shutdown: close it now.
+                        return tls.shutdown().await;
+                    }
+                };
+                match read {
+                    Ok(Ok(0)) => {
+                        // Peer finished (close_notify or FIN); answer its close_notify.
+                        let _ = tls.shutdown().await;
+                        return Ok(());
+                    }
+                    Ok(Ok(n)) => used += n,
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => {
+                        shared.stats.timeouts.fetch_add(1, Relaxed);
+                        if used > 0 {
+                            let resp = error_response(408, false);
+                            let _ = send_response(&mut tls, &resp).await;
+                        }
+                        return tls.shutdown().await;
+                    }
+                }
+                if *stop.borrow() && used == 0 {
+                    return tls.shutdown().await;
+                }
+            }
+            Err(e) => {
+                let status = e.status();
+                count_status(&shared.stats, status);
+                if args.access_log {
+                    tracing::info!(%peer, status, error = %e, "bad request");
+                }
+                send_response(&mut tls, &error_response(status, false)).await?;
+                return tls.shutdown().await;
+            }
+        }
+    }
+}
+
+fn with_close(_resp: tlsplane_http::Response, request: &tlsplane_http::Request, root: &DocRoot) -> tlsplane_http::Response {
+    let mut req = request.clone();
+    req.keep_alive = false;
+    respond(&req, root, SystemTime::now())
+}
+
+fn count_status(stats: &HttpStats, status: u16) {
+    match status {
+        400..=499 => stats.responses_4xx.fetch_add(1, Relaxed),
+        500..=599 => stats.responses_5xx.fetch_add(1, Relaxed),
+        _ => 0,
+    };
+}
+
+async fn send_response(tls: &mut TlsStream, resp: &tlsplane_http::Response) -> std::io::Result<()> {
+    match &resp.body {
+        Body::Empty => tls.write_all(&resp.head).await,
+        Body::Bytes(b) => {
+            let mut all = Vec::with_capacity(resp.head.len() + b.len());
+            all.extend_from_slice(&resp.head);
+            all.extend_from_slice(b);
+            tls.write_all(&all).await
+        }
+        Body::File { file, offset, len } => tls.write_file(&resp.head, file, *offset, *len).await,
+    }
+}

@@ -1,0 +1,153 @@
+//! Server configuration: the rustls `ServerConfig` tlsplane needs, and the data-plane policy.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use rustls::crypto::aws_lc_rs::{self as provider, cipher_suite as cs, kx_group};
+use rustls::crypto::CryptoProvider;
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls::ServerConfig;
+
+use crate::probe::KernelSupport;
+use crate::Error;
+
+/// Where application records should be encrypted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DataPlanePolicy {
+    /// Kernel when it can take the connection, user space otherwise (per connection).
+    #[default]
+    Auto,
+    /// Kernel only: refuse to start without a TLS ULP, and close connections it cannot take.
+    Kernel,
+    /// Always user space.
+    User,
+}
+
+impl FromStr for DataPlanePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "kernel" => Ok(Self::Kernel),
+            "user" => Ok(Self::User),
+            other => Err(format!("unknown data plane {other:?} (expected auto, kernel or user)")),
+        }
+    }
+}
+
+impl fmt::Display for DataPlanePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Kernel => "kernel",
+            Self::User => "user",
+        })
+    }
+}
+
+/// What a server needs to accept TLS connections.
+#[derive(Clone)]
+pub struct ServerOptions {
+    pub cert: Arc<CertifiedKey>,
+    pub policy: DataPlanePolicy,
+    /// ALPN protocols offered, most preferred first.
+    pub alpn: Vec<Vec<u8>>,
+    /// TLS 1.3 tickets sent after each full handshake (0 disables TLS 1.3 resumption).
+    pub tls13_tickets: usize,
+    /// Records encrypted under one key on the kernel plane before we re-key or close. `None`
+    /// uses the suite's confidentiality limit (as rustls would); tests lower it.
+    pub aead_record_limit: Option<u64>,
+}
+
+impl ServerOptions {
+    pub fn new(cert: Arc<CertifiedKey>) -> Self {
+        Self { cert, policy: DataPlanePolicy::Auto, alpn: vec![b"http/1.1".to_vec()], tls13_tickets: 1, aead_record_limit: None }
+    }
+}
+
+/// The crypto provider: aws-lc-rs, restricted to the suites and groups tlsplane supports.
+/// Every suite here is one Linux kTLS can also take (AES-GCM and ChaCha20-Poly1305), so the
+/// kernel plane is never ruled out by negotiation alone.
+pub fn crypto_provider() -> CryptoProvider {
+    CryptoProvider {
+        cipher_suites: vec![
+            cs::TLS13_AES_128_GCM_SHA256,
+            cs::TLS13_AES_256_GCM_SHA384,
+            cs::TLS13_CHACHA20_POLY1305_SHA256,
+            cs::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+            cs::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+            cs::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+            cs::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+            cs::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+            cs::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+        ],
+        kx_groups: vec![kx_group::X25519MLKEM768, kx_group::X25519, kx_group::SECP256R1, kx_group::SECP384R1],
+        ..provider::default_provider()
+    }
+}
+
+/// Serves one certificate whatever the SNI (the common single-site case).
+#[derive(Debug)]
+struct CertStore {
+    default: Arc<CertifiedKey>,
+}
+
+impl ResolvesServerCert for CertStore {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.default.clone())
+    }
+}
+
+/// Accepts TLS connections: holds the rustls configuration, the policy and what the kernel can
+/// do. Cheap to share between workers (`Arc` inside).
+#[derive(Clone)]
+pub struct Acceptor {
+    pub(crate) config: Arc<ServerConfig>,
+    pub(crate) policy: DataPlanePolicy,
+    pub(crate) kernel: Arc<KernelSupport>,
+    pub(crate) aead_record_limit: Option<u64>,
+}
+
+impl Acceptor {
+    /// Builds the acceptor. With [`DataPlanePolicy::Kernel`] this fails when the kernel has no
+    /// TLS ULP, so a server asked for the kernel plane refuses to start rather than silently
+    /// running in user space.
+    pub fn new(opts: ServerOptions) -> Result<Self, Error> {
+        let kernel = match opts.policy {
+            DataPlanePolicy::User => KernelSupport::disabled("data plane set to user"),
+            _ => KernelSupport::probe(),
+        };
+        Self::with_kernel_support(opts, kernel)
+    }
+
+    /// As [`Acceptor::new`] with an explicit kernel capability set (tests, forced fallbacks).
+    pub fn with_kernel_support(opts: ServerOptions, kernel: KernelSupport) -> Result<Self, Error> {
+        if opts.policy == DataPlanePolicy::Kernel && !kernel.ulp {
+            return Err(Error::Config(format!(
+                "--data-plane kernel: this kernel cannot offload TLS ({}); use --data-plane auto or user, or load the `tls` module",
+                kernel.reason
+            )));
+        }
+        let mut config = ServerConfig::builder_with_provider(Arc::new(crypto_provider()))
+            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+            .map_err(|e| Error::Config(e.to_string()))?
+            .with_no_client_auth()
+            .with_cert_resolver(Arc::new(CertStore { default: opts.cert }));
+        config.alpn_protocols = opts.alpn;
+        config.enable_secret_extraction = true;
+        config.send_tls13_tickets = opts.tls13_tickets;
+        config.ticketer = provider::Ticketer::new().map_err(|e| Error::Config(e.to_string()))?;
+        Ok(Self { config: Arc::new(config), policy: opts.policy, kernel: Arc::new(kernel), aead_record_limit: opts.aead_record_limit })
+    }
+
+    pub fn policy(&self) -> DataPlanePolicy {
+        self.policy
+    }
+
+    /// What the kernel was found to support at start-up.
+    pub fn kernel_support(&self) -> &KernelSupport {
+        &self.kernel
+    }
+}

@@ -1,0 +1,77 @@
+use std::fmt;
+use std::io;
+
+/// Errors of the split-plane TLS layer.
+///
+/// Each variant says which side caused it, so callers can count peer misbehaviour apart from
+/// local failures (as a proxy would record client, upstream or internal errors).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// The peer broke the TLS protocol (bad record, bad handshake message, failed decryption).
+    /// Where TLS allowed it, an alert was sent before this was returned.
+    Protocol(rustls::Error),
+    /// The peer sent a fatal alert.
+    PeerAlert(u8),
+    /// The peer closed the TCP connection during the handshake.
+    PeerClosedInHandshake,
+    /// A socket or file operation failed.
+    Io(io::Error),
+    /// The kernel plane was required but could not be used for this connection.
+    KernelRequired(&'static str),
+    /// Our configuration is unusable (certificate, key, options).
+    Config(String),
+}
+
+impl Error {
+    /// True when the peer, not this process, is at fault.
+    pub fn is_peer_fault(&self) -> bool {
+        matches!(self, Error::Protocol(_) | Error::PeerAlert(_) | Error::PeerClosedInHandshake)
+            || matches!(self, Error::Io(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::UnexpectedEof | io::ErrorKind::TimedOut))
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Protocol(e) => write!(f, "TLS protocol error: {e}"),
+            Error::PeerAlert(d) => write!(f, "peer sent fatal alert {d}"),
+            Error::PeerClosedInHandshake => f.write_str("peer closed the connection during the handshake"),
+            Error::Io(e) => write!(f, "I/O error: {e}"),
+            Error::KernelRequired(why) => write!(f, "kernel data plane required but unavailable: {why}"),
+            Error::Config(s) => write!(f, "configuration error: {s}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Protocol(e) => Some(e),
+            Error::Io(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<io::Error> for Error {
+    fn from(e: io::Error) -> Self {
+        Error::Io(e)
+    }
+}
+
+impl From<rustls::Error> for Error {
+    fn from(e: rustls::Error) -> Self {
+        Error::Protocol(e)
+    }
+}
+
+impl From<Error> for io::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Io(e) => e,
+            Error::PeerClosedInHandshake => io::Error::new(io::ErrorKind::UnexpectedEof, e.to_string()),
+            other => io::Error::new(io::ErrorKind::InvalidData, other.to_string()),
+        }
+    }
+}

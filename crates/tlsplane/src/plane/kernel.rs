@@ -1,0 +1,341 @@
+//! The kernel plane: rustls hands its traffic secrets to Linux kTLS, which then encrypts and
+//! decrypts application records itself. We keep rustls' `KernelConnection` to derive the next
+//! secrets on KeyUpdate, and handle every non-data record the kernel passes up.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsFd;
+
+use rustls::kernel::KernelConnection;
+use rustls::server::{ServerConnectionData, UnbufferedServerConnection};
+use rustls::ConnectionTrafficSecrets;
+use tlsplane_sys::{self as sys, CryptoInfo, Direction, KernelCipher, TlsVersion};
+use tokio::io::Interest;
+use tokio::net::TcpStream;
+
+use crate::stats::{bump, global};
+use crate::Error;
+
+/// TLS content types (RFC 8446 §5.1).
+const CT_ALERT: u8 = 21;
+const CT_HANDSHAKE: u8 = 22;
+const CT_APPLICATION_DATA: u8 = 23;
+/// Alert descriptions we send.
+const ALERT_CLOSE_NOTIFY: u8 = 0;
+const ALERT_UNEXPECTED_MESSAGE: u8 = 10;
+const ALERT_BAD_RECORD_MAC: u8 = 20;
+const ALERT_RECORD_OVERFLOW: u8 = 22;
+const ALERT_DECODE_ERROR: u8 = 50;
+const ALERT_NO_RENEGOTIATION: u8 = 100;
+const HS_KEY_UPDATE: u8 = 24;
+/// Largest plaintext per record; the kernel fills records up to this.
+const MAX_FRAGMENT: u64 = 16384;
+
+/// Builds the kernel's crypto-info for one direction from rustls' extracted secrets.
+///
+/// For TLS 1.2 AES-GCM the kernel sends an *incrementing* explicit nonce starting from the IV we
+/// give it, while rustls used `explicit_base XOR seq` for the records it already sent under this
+/// key. Starting the kernel at `explicit_base` would reuse a nonce rustls used (its Finished),
+/// which breaks GCM. So the kernel starts just past the aligned block of values rustls can have
+/// used; it would take ~2^64 records to wrap back into it.
+pub(crate) fn crypto_info(version: TlsVersion, secrets: &ConnectionTrafficSecrets, seq: u64, direction: Direction) -> Result<CryptoInfo, Error> {
+    let (cipher, key, iv) = match secrets {
+        ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (KernelCipher::Aes128Gcm, key.as_ref(), iv.as_ref()),
+        ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (KernelCipher::Aes256Gcm, key.as_ref(), iv.as_ref()),
+        ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (KernelCipher::Chacha20Poly1305, key.as_ref(), iv.as_ref()),
+        _ => return Err(Error::KernelRequired("suite has no kernel implementation")),
+    };
+    let salt_len = cipher.salt_len();
+    let (salt, rest) = iv.split_at(salt_len);
+    let mut explicit = [0u8; 12];
+    let rest_len = rest.len();
+    explicit[..rest_len].copy_from_slice(rest);
+    if version == TlsVersion::Tls12 && salt_len == 4 && direction == Direction::Tx {
+        let base = u64::from_be_bytes(explicit[..8].try_into().expect("8-byte explicit nonce"));
+        explicit[..8].copy_from_slice(&tls12_gcm_kernel_nonce_start(base, seq).to_be_bytes());
+    }
+    CryptoInfo::new(version, cipher, key, salt, &explicit[..rest_len], seq).map_err(|e| Error::Config(e.to_string()))
+}
+
+/// First explicit nonce for the kernel's TLS 1.2 GCM sender, given that rustls used
+/// `base ^ j` for j in 0..used.
+pub(crate) fn tls12_gcm_kernel_nonce_start(base: u64, used: u64) -> u64 {
+    let mask = used.max(1).next_power_of_two() - 1;
+    (base | mask).wrapping_add(1)
+}
+
+pub(crate) struct KernelPlane {
+    kconn: KernelConnection<ServerConnectionData>,
+    version: TlsVersion,
+    /// Upper bound of records encrypted by the kernel under the current TX key.
+    tx_records: u64,
+    tx_limit: u64,
+    rekey: bool,
+    read_closed: bool,
+    write_closed: bool,
+}
+
+impl KernelPlane {
+    /// Hands the connection's keys to the kernel. The socket must already have the TLS ULP.
+    /// Past `dangerous_into_kernel_connection` there is no way back to rustls' record layer, so
+    /// a failure here ends the connection (the probe makes it rare).
+    pub(crate) fn install(
+        conn: UnbufferedServerConnection,
+        sock: &TcpStream,
+        version: TlsVersion,
+        tx_limit: u64,
+        rekey: bool,
+    ) -> Result<Self, Error> {
+        let (secrets, kconn) = conn.dangerous_into_kernel_connection()?;
+        let tx = crypto_info(version, &secrets.tx.1, secrets.tx.0, Direction::Tx)?;
+        let rx = crypto_info(version, &secrets.rx.1, secrets.rx.0, Direction::Rx)?;
+        drop(secrets);
+        sys::set_crypto_info(sock.as_fd(), Direction::Tx, &tx)?;
+        sys::set_crypto_info(sock.as_fd(), Direction::Rx, &rx)?;
+        Ok(Self { kconn, version, tx_records: 0, tx_limit, rekey, read_closed: false, write_closed: false })
+    }
+
+    /// Reads application data. Control records are handled here: close_notify is EOF, a fatal
+    /// alert or a decryption failure is an error, KeyUpdate re-keys the kernel (or ends the
+    /// connection cleanly where the kernel cannot re-key).
+    pub(crate) async fn read(&mut self, sock: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+        // Control records are a few bytes; a tiny caller buffer would split them. Callers of
+        // this crate read into buffers of at least this size (TlsStream guarantees it).
+        debug_assert!(buf.len() >= 64);
+        loop {
+            if self.read_closed || buf.is_empty() {
+                return Ok(0);
+            }
+            sock.readable().await?;
+            let r = sock.try_io(Interest::READABLE, || sys::recv_record(sock.as_fd(), buf));
+            match r {
+                Ok((0, _)) => {
+                    self.read_closed = true;
+                    return Ok(0);
+                }
+                Ok((n, CT_APPLICATION_DATA)) => return Ok(n),
+                Ok((n, CT_ALERT)) => return self.on_alert(sock, &buf[..n]).await,
+                Ok((n, CT_HANDSHAKE)) => {
+                    let msg = buf[..n].to_vec();
+                    self.on_handshake(sock, &msg).await?;
+                }
+                Ok((_, _)) => {
+                    bump(&global().kernel_unexpected_messages);
+                    return Err(self.fail(sock, ALERT_UNEXPECTED_MESSAGE, "unexpected record type after handshake").await);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) if e.raw_os_error() == Some(libc_errno::EBADMSG) => {
+                    bump(&global().kernel_decrypt_errors);
+                    return Err(self.fail(sock, ALERT_BAD_RECORD_MAC, "record failed to decrypt (bad_record_mac)").await);
+                }
+                Err(e) if e.raw_os_error() == Some(libc_errno::EMSGSIZE) => {
+                    return Err(self.fail(sock, ALERT_RECORD_OVERFLOW, "record too large").await);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn on_alert(&mut self, sock: &TcpStream, alert: &[u8]) -> io::Result<usize> {
+        if alert.len() == 2 && alert[1] == ALERT_CLOSE_NOTIFY {
+            bump(&global().close_notify_received);
+            self.read_closed = true;
+            return Ok(0);
+        }
+        bump(&global().kernel_alerts_received);
+        self.read_closed = true;
+        self.write_closed = true;
+        let _ = sock;
+        let desc = alert.get(1).copied().unwrap_or(0);
+        Err(io::Error::new(io::ErrorKind::ConnectionAborted, format!("peer sent alert {desc}")))
+    }
+
+    async fn on_handshake(&mut self, sock: &TcpStream, mut msgs: &[u8]) -> io::Result<()> {
+        while !msgs.is_empty() {
+            if msgs.len() < 4 {
+                return Err(self.fail(sock, ALERT_DECODE_ERROR, "truncated handshake message").await);
+            }
+            let typ = msgs[0];
+            let len = u32::from_be_bytes([0, msgs[1], msgs[2], msgs[3]]) as usize;
+            if msgs.len() < 4 + len {
+                return Err(self.fail(sock, ALERT_DECODE_ERROR, "truncated handshake message").await);
+            }
+            let body = &msgs[4..4 + len];
+            msgs = &msgs[4 + len..];
+            match (typ, self.version) {
+                (HS_KEY_UPDATE, TlsVersion::Tls13) if len == 1 && body[0] <= 1 => self.on_key_update(sock, body[0] == 1).await?,
+                (HS_KEY_UPDATE, TlsVersion::Tls13) => return Err(self.fail(sock, ALERT_DECODE_ERROR, "malformed KeyUpdate").await),
+                (1, TlsVersion::Tls12) => {
+                    // A renegotiating ClientHello: refused, as rustls refuses it.
+                    bump(&global().kernel_unexpected_messages);
+                    return Err(self.fail(sock, ALERT_NO_RENEGOTIATION, "renegotiation refused").await);
+                }
+                _ => {
+                    bump(&global().kernel_unexpected_messages);
+                    return Err(self.fail(sock, ALERT_UNEXPECTED_MESSAGE, "unexpected handshake message after handshake").await);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn on_key_update(&mut self, sock: &TcpStream, update_requested: bool) -> io::Result<()> {
+        if !self.rekey {
+            // Linux < 6.14 would go on decrypting with the old key and fail; end cleanly now.
+            bump(&global().key_update_unsupported);
+            let _ = self.send_alert(sock, ALERT_CLOSE_NOTIFY).await;
+            self.read_closed = true;
+            self.write_closed = true;
+            return Err(io::Error::new(io::ErrorKind::ConnectionAborted, "peer sent KeyUpdate; this kernel cannot re-key TLS 1.3, connection closed with close_notify"));
+        }
+        let (seq, secrets) = self.kconn.update_rx_secret().map_err(io::Error::other)?;
+        let info = crypto_info(self.version, &secrets, seq, Direction::Rx)?;
+        drop(secrets);
+        sys::set_crypto_info(sock.as_fd(), Direction::Rx, &info)?;
+        if update_requested {
+            self.update_tx(sock).await?;
+        }
+        bump(&global().key_updates);
+        Ok(())
+    }
+
+    /// Sends KeyUpdate(update_not_requested) under the old key, then installs the next TX key.
+    async fn update_tx(&mut self, sock: &TcpStream) -> io::Result<()> {
+        send_all_record(sock, CT_HANDSHAKE, &[HS_KEY_UPDATE, 0, 0, 1, 0]).await?;
+        let (seq, secrets) = self.kconn.update_tx_secret().map_err(io::Error::other)?;
+        let info = crypto_info(self.version, &secrets, seq, Direction::Tx)?;
+        drop(secrets);
+        sys::set_crypto_info(sock.as_fd(), Direction::Tx, &info)?;
+        self.tx_records = 0;
+        Ok(())
+    }
+
+    /// Sends a fatal alert (best effort) and returns the error to report.
+    async fn fail(&mut self, sock: &TcpStream, alert: u8, why: &'static str) -> io::Error {
+        let _ = self.send_alert(sock, alert).await;
+        self.read_closed = true;
+        self.write_closed = true;
+        io::Error::new(io::ErrorKind::InvalidData, why)
+    }
+
+    async fn send_alert(&mut self, sock: &TcpStream, desc: u8) -> io::Result<()> {
+        if self.write_closed {
+            return Ok(());
+        }
+        let level = if desc == ALERT_CLOSE_NOTIFY { 1 } else { 2 };
+        bump(&global().kernel_alerts_sent);
+        let r = tokio::time::timeout(std::time::Duration::from_secs(1), send_all_record(sock, CT_ALERT, &[level, desc])).await;
+        self.write_closed = true;
+        r.map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
+    }
+
+    /// Accounts for records about to be written and re-keys or refuses at the AEAD limit.
+    async fn before_write(&mut self, sock: &TcpStream, bytes: u64) -> io::Result<()> {
+        if self.write_closed {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "TLS connection closed for writing"));
+        }
+        let records = bytes.div_ceil(MAX_FRAGMENT) + 1;
+        if self.tx_records + records >= self.tx_limit {
+            if self.version == TlsVersion::Tls13 && self.rekey {
+                self.update_tx(sock).await?;
+                bump(&global().aead_limit_rekeys);
+            } else {
+                bump(&global().aead_limit_closes);
+                let _ = self.send_alert(sock, ALERT_CLOSE_NOTIFY).await;
+                return Err(io::Error::other("AEAD confidentiality limit reached and this connection cannot re-key; closed with close_notify"));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn write_all(&mut self, sock: &TcpStream, mut data: &[u8], more: bool) -> io::Result<()> {
+        while !data.is_empty() {
+            self.before_write(sock, data.len().min(1 << 20) as u64).await?;
+            sock.writable().await?;
+            let chunk = &data[..data.len().min(1 << 20)];
+            let r = if more { sock.try_io(Interest::WRITABLE, || sys::send_more(sock.as_fd(), chunk)) } else { sock.try_write(chunk) };
+            match r {
+                Ok(n) => {
+                    self.tx_records += (n as u64).div_ceil(MAX_FRAGMENT) + 1;
+                    data = &data[n..];
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Zero-copy file body: the kernel reads the page cache, encrypts and sends.
+    pub(crate) async fn send_file(&mut self, sock: &TcpStream, file: &File, mut offset: u64, len: u64) -> io::Result<()> {
+        let end = offset + len;
+        while offset < end {
+            let want = (end - offset).min(1 << 22) as usize;
+            self.before_write(sock, want as u64).await?;
+            sock.writable().await?;
+            match sock.try_io(Interest::WRITABLE, || sys::sendfile(sock.as_fd(), file.as_fd(), &mut offset, want)) {
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "file shrank while being sent")),
+                Ok(n) => self.tx_records += (n as u64).div_ceil(MAX_FRAGMENT) + 1,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// close_notify through kTLS, then TCP FIN.
+    pub(crate) async fn shutdown(&mut self, sock: &TcpStream) -> io::Result<()> {
+        if !self.write_closed {
+            self.send_alert(sock, ALERT_CLOSE_NOTIFY).await?;
+        }
+        socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write)
+    }
+}
+
+async fn send_all_record(sock: &TcpStream, typ: u8, mut data: &[u8]) -> io::Result<()> {
+    while !data.is_empty() {
+        sock.writable().await?;
+        match sock.try_io(Interest::WRITABLE, || sys::send_record(sock.as_fd(), typ, data)) {
+            Ok(n) => data = &data[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// errno values we match on (Linux x86-64/generic; stable ABI).
+mod libc_errno {
+    pub const EBADMSG: i32 = 74;
+    pub const EMSGSIZE: i32 = 90;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls12_kernel_nonces_never_meet_rustls_nonces() {
+        for base in [0u64, 1, 2, 3, 0x7fff_ffff_ffff_fffe, u64::MAX - 1, u64::MAX, 0x1234_5678_9abc_def1] {
+            for used in 0u64..9 {
+                let start = tls12_gcm_kernel_nonce_start(base, used);
+                // The kernel sends start, start+1, ...: check a long run against every nonce
+                // rustls already spent under this key.
+                for k in 0..10_000u64 {
+                    let kernel = start.wrapping_add(k);
+                    for j in 0..used {
+                        assert_ne!(kernel, base ^ j, "base={base:#x} used={used} k={k}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn crypto_info_for_each_secret_kind() {
+        let key32 = rustls::crypto::cipher::AeadKey::from([7u8; 32]);
+        let iv = rustls::crypto::cipher::Iv::new([1u8; 12]);
+        let s = ConnectionTrafficSecrets::Chacha20Poly1305 { key: key32, iv };
+        assert!(crypto_info(TlsVersion::Tls13, &s, 3, Direction::Rx).is_ok());
+    }
+}

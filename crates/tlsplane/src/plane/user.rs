@@ -1,0 +1,235 @@
+//! The user plane: rustls' own record layer (unbuffered API), with buffers we own and reuse.
+//!
+//! `pump` is the state machine step and does no I/O; the async methods around it move bytes
+//! between the socket and the buffers.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+
+use rustls::server::UnbufferedServerConnection;
+use rustls::unbuffered::{ConnectionState, EncryptError, UnbufferedStatus};
+use tokio::net::TcpStream;
+
+use crate::handshake::{encode_into, flush_alert, write_all, Incoming};
+use crate::stats::{bump, global};
+use crate::Error;
+
+/// Plaintext encrypted per socket write: four full records.
+const CHUNK: usize = 4 * 16384;
+/// Worst-case per-record expansion (TLS 1.2 GCM: 5 header + 8 explicit nonce + 16 tag; TLS 1.3
+/// adds a content-type byte instead of the nonce).
+const RECORD_OVERHEAD: usize = 5 + 8 + 16 + 1;
+
+enum Pumped {
+    /// Plaintext bytes of `send` that were encrypted into `out`.
+    Wrote(usize),
+    /// rustls needs more bytes from the peer to make progress.
+    NeedInput,
+    /// The peer sent close_notify.
+    PeerClosed,
+}
+
+pub(crate) struct UserPlane {
+    conn: UnbufferedServerConnection,
+    incoming: Incoming,
+    /// TLS bytes waiting to be written, in order.
+    out: Vec<u8>,
+    /// Decrypted bytes not yet delivered to the application.
+    plain: Vec<u8>,
+    plain_pos: usize,
+    /// File chunks are read here before encryption; allocated on first use, then reused.
+    file_buf: Vec<u8>,
+    peer_closed: bool,
+}
+
+impl UserPlane {
+    pub(crate) fn new(conn: UnbufferedServerConnection, incoming: Incoming) -> Self {
+        Self { conn, incoming, out: Vec::new(), plain: Vec::new(), plain_pos: 0, file_buf: Vec::new(), peer_closed: false }
+    }
+
+    /// One step of rustls over what we have buffered. Decrypted data goes to `plain`, TLS
+    /// output to `out`; with `send`, up to CHUNK bytes of it are encrypted.
+    fn pump(&mut self, send: Option<&[u8]>, close_notify: bool) -> Result<Pumped, rustls::Error> {
+        loop {
+            let UnbufferedStatus { mut discard, state } = self.conn.process_tls_records(&mut self.incoming.buf[..self.incoming.used]);
+            let done = match state {
+                Err(e) => {
+                    self.incoming.discard(discard);
+                    return Err(e);
+                }
+                Ok(ConnectionState::ReadTraffic(mut r)) => {
+                    while let Some(rec) = r.next_record() {
+                        let rec = rec?;
+                        discard += rec.discard;
+                        self.plain.extend_from_slice(rec.payload);
+                    }
+                    None
+                }
+                Ok(ConnectionState::EncodeTlsData(mut e)) => {
+                    encode_into(&mut e, &mut self.out).map_err(|e| rustls::Error::General(e.to_string()))?;
+                    None
+                }
+                Ok(ConnectionState::TransmitTlsData(t)) => {
+                    // `out` is flushed, in order, before any later read or write.
+                    t.done();
+                    None
+                }
+                Ok(ConnectionState::WriteTraffic(mut w)) => {
+                    if close_notify {
+                        let start = self.out.len();
+                        self.out.resize(start + 64, 0);
+                        let n = w.queue_close_notify(&mut self.out[start..]).map_err(|e| rustls::Error::General(e.to_string()))?;
+                        self.out.truncate(start + n);
+                        Some(Pumped::Wrote(0))
+                    } else if let Some(data) = send {
+                        let data = &data[..data.len().min(CHUNK)];
+                        let start = self.out.len();
+                        let records = data.len().div_ceil(16384).max(1);
+                        self.out.resize(start + data.len() + records * RECORD_OVERHEAD, 0);
+                        match w.encrypt(data, &mut self.out[start..]) {
+                            Ok(n) => self.out.truncate(start + n),
+                            Err(EncryptError::InsufficientSize(s)) => {
+                                self.out.resize(start + s.required_size, 0);
+                                let n = w.encrypt(data, &mut self.out[start..]).map_err(|e| rustls::Error::General(e.to_string()))?;
+                                self.out.truncate(start + n);
+                            }
+                            Err(e) => {
+                                self.out.truncate(start);
+                                return Err(rustls::Error::General(e.to_string()));
+                            }
+                        }
+                        Some(Pumped::Wrote(data.len()))
+                    } else {
+                        Some(Pumped::NeedInput)
+                    }
+                }
+                Ok(ConnectionState::PeerClosed) | Ok(ConnectionState::Closed) => {
+                    if !self.peer_closed {
+                        self.peer_closed = true;
+                        bump(&global().close_notify_received);
+                    }
+                    if send.is_some() || close_notify {
+                        // Half-closed: we may still write; ask again for WriteTraffic.
+                        None
+                    } else {
+                        Some(Pumped::PeerClosed)
+                    }
+                }
+                Ok(ConnectionState::BlockedHandshake) => Some(Pumped::NeedInput),
+                Ok(_) => return Err(rustls::Error::General("unexpected TLS state".into())),
+            };
+            self.incoming.discard(discard);
+            if let Some(p) = done {
+                return Ok(p);
+            }
+        }
+    }
+
+    async fn flush(&mut self, sock: &TcpStream) -> io::Result<()> {
+        if !self.out.is_empty() {
+            write_all(sock, &self.out).await?;
+            self.out.clear();
+        }
+        Ok(())
+    }
+
+    async fn fail(&mut self, sock: &TcpStream, e: rustls::Error) -> io::Error {
+        let _ = self.flush(sock).await;
+        flush_alert(&mut self.conn, sock).await;
+        Error::Protocol(e).into()
+    }
+
+    pub(crate) async fn read(&mut self, sock: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            if self.plain_pos < self.plain.len() {
+                let n = buf.len().min(self.plain.len() - self.plain_pos);
+                buf[..n].copy_from_slice(&self.plain[self.plain_pos..self.plain_pos + n]);
+                self.plain_pos += n;
+                if self.plain_pos == self.plain.len() {
+                    self.plain.clear();
+                    self.plain_pos = 0;
+                }
+                return Ok(n);
+            }
+            if buf.is_empty() {
+                return Ok(0);
+            }
+            match self.pump(None, false) {
+                Err(e) => return Err(self.fail(sock, e).await),
+                Ok(Pumped::PeerClosed) => {
+                    self.flush(sock).await?;
+                    if self.plain.is_empty() {
+                        return Ok(0);
+                    }
+                }
+                Ok(Pumped::Wrote(_)) => {}
+                Ok(Pumped::NeedInput) => {
+                    // A key-update response may be waiting to go out before the peer sends more.
+                    self.flush(sock).await?;
+                    if !self.plain.is_empty() {
+                        continue;
+                    }
+                    if self.incoming.read_more(sock).await? == 0 {
+                        // TCP EOF without close_notify: the peer is gone; report EOF like
+                        // other servers do, rather than an error for every impolite client.
+                        return Ok(0);
+                    }
+                }
+            }
+        }
+    }
+
+    pub(crate) async fn write_all(&mut self, sock: &TcpStream, mut data: &[u8]) -> io::Result<()> {
+        while !data.is_empty() {
+            match self.pump(Some(data), false) {
+                Ok(Pumped::Wrote(n)) => data = &data[n..],
+                Ok(_) => return Err(io::Error::other("TLS connection not writable")),
+                Err(e) => return Err(self.fail(sock, e).await),
+            }
+            self.flush(sock).await?;
+        }
+        Ok(())
+    }
+
+    /// Sends `prefix` then `len` bytes of `file` from `offset`, encrypted in CHUNK-sized pieces
+    /// through one reused buffer. The prefix (response headers) shares the first record.
+    pub(crate) async fn write_file(&mut self, sock: &TcpStream, prefix: &[u8], file: &File, mut offset: u64, len: u64) -> io::Result<()> {
+        let mut buf = std::mem::take(&mut self.file_buf);
+        buf.resize(CHUNK, 0);
+        let mut remaining = len;
+        let mut first = prefix;
+        let res = async {
+            while remaining > 0 || !first.is_empty() {
+                let head = first.len().min(CHUNK);
+                buf[..head].copy_from_slice(&first[..head]);
+                first = &first[head..];
+                let want = ((CHUNK - head) as u64).min(remaining) as usize;
+                let mut got = 0;
+                while got < want {
+                    let n = file.read_at(&mut buf[head + got..head + want], offset + got as u64)?;
+                    if n == 0 {
+                        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "file shrank while being sent"));
+                    }
+                    got += n;
+                }
+                offset += want as u64;
+                remaining -= want as u64;
+                self.write_all(sock, &buf[..head + want]).await?;
+            }
+            Ok(())
+        }
+        .await;
+        self.file_buf = buf;
+        res
+    }
+
+    pub(crate) async fn shutdown(&mut self, sock: &TcpStream) -> io::Result<()> {
+        match self.pump(None, true) {
+            Ok(_) => {}
+            Err(e) => return Err(self.fail(sock, e).await),
+        }
+        self.flush(sock).await?;
+        socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write)
+    }
+}

@@ -1,0 +1,82 @@
+//! Process-wide counters. Cheap relaxed atomics: they are for operators and tests, not for
+//! synchronisation.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+macro_rules! counters {
+    ($( $(#[$doc:meta])* $name:ident ),* $(,)?) => {
+        /// Counters of the TLS layer; read them with [`Stats::snapshot`].
+        #[derive(Default)]
+        pub struct Stats { $( $(#[$doc])* pub $name: AtomicU64, )* }
+
+        impl Stats {
+            /// All counters as (name, value) pairs, in declaration order.
+            pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+                vec![ $( (stringify!($name), self.$name.load(Relaxed)), )* ]
+            }
+        }
+    };
+}
+
+counters! {
+    /// Handshakes completed.
+    handshakes,
+    /// Handshakes that resumed a session.
+    handshakes_resumed,
+    /// Handshakes that failed (any reason).
+    handshake_failures,
+    /// Handshake failures caused by the peer's input (bad ClientHello, bad record, alert).
+    handshake_peer_errors,
+    /// Connections whose records the kernel encrypts and decrypts.
+    plane_kernel,
+    /// Connections on the user-space record layer.
+    plane_user,
+    /// Why a connection stayed in user space: policy said so.
+    fallback_policy,
+    /// ... the kernel has no TLS ULP.
+    fallback_no_ulp,
+    /// ... the kernel cannot take the negotiated suite.
+    fallback_suite,
+    /// ... attaching the ULP to this socket failed.
+    fallback_ulp_attach,
+    /// ... records were already buffered past the handshake (never expected: reads are exact).
+    fallback_buffered,
+    /// Key hand-off to the kernel failed after the point of no return; connection closed.
+    kernel_setup_failures,
+    /// Connections refused because `--data-plane kernel` was required but not possible.
+    kernel_required_refused,
+    /// Alerts we sent (fatal or close_notify) on the kernel plane.
+    kernel_alerts_sent,
+    /// Peer alerts received on the kernel plane (close_notify excluded).
+    kernel_alerts_received,
+    /// close_notify received from the peer (either plane).
+    close_notify_received,
+    /// Records that failed to decrypt on the kernel plane (EBADMSG).
+    kernel_decrypt_errors,
+    /// KeyUpdate messages handled by re-keying the kernel.
+    key_updates,
+    /// KeyUpdate received on a kernel without TLS 1.3 rekey: connection ended cleanly.
+    key_update_unsupported,
+    /// Connections re-keyed (TLS 1.3) because the AEAD confidentiality limit came near.
+    aead_limit_rekeys,
+    /// Connections closed because the AEAD limit came near and re-keying was impossible.
+    aead_limit_closes,
+    /// Unexpected post-handshake messages from the peer on the kernel plane.
+    kernel_unexpected_messages,
+}
+
+/// The process-wide counters.
+pub fn global() -> &'static Stats {
+    static STATS: std::sync::OnceLock<Stats> = std::sync::OnceLock::new();
+    STATS.get_or_init(Stats::default)
+}
+
+pub(crate) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Relaxed);
+}
+
+/// Renders counters as one JSON object (names are identifiers, values integers: no escaping).
+pub fn to_json(pairs: &[(&'static str, u64)]) -> String {
+    let body: Vec<String> = pairs.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+    format!("{{{}}}", body.join(","))
+}

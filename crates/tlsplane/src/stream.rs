@@ -1,0 +1,210 @@
+//! `TlsStream`: one type for the application whichever plane carries the records.
+
+use std::fs::File;
+use std::io;
+use std::time::Instant;
+
+use rustls::server::UnbufferedServerConnection;
+use rustls::{HandshakeKind, ProtocolVersion};
+use tokio::net::TcpStream;
+
+use crate::config::{Acceptor, DataPlanePolicy};
+use crate::handshake::{self, Incoming};
+use crate::plane::kernel::KernelPlane;
+use crate::plane::user::UserPlane;
+use crate::plane::{confidentiality_limit, kernel_suite, FallbackReason, PlaneKind};
+use crate::stats::{bump, global};
+use crate::Error;
+
+/// What was negotiated, and which plane the connection got.
+#[derive(Clone, Debug)]
+pub struct ConnectionInfo {
+    pub version: ProtocolVersion,
+    pub suite: rustls::CipherSuite,
+    pub resumed: bool,
+    pub alpn: Option<Vec<u8>>,
+    pub plane: PlaneKind,
+    /// Set when the connection is on the user plane for a reason other than being asked to.
+    pub fallback: Option<FallbackReason>,
+    pub handshake_time: std::time::Duration,
+}
+
+enum Plane {
+    Kernel(Box<KernelPlane>),
+    User(Box<UserPlane>),
+}
+
+/// A server-side TLS connection after its handshake.
+pub struct TlsStream {
+    sock: TcpStream,
+    plane: Plane,
+    info: ConnectionInfo,
+    /// For reads into caller buffers too small to hold a control record (kernel plane).
+    small: Vec<u8>,
+    small_pos: usize,
+}
+
+impl Acceptor {
+    /// Runs the TLS handshake on an accepted TCP connection and sets up its data plane.
+    ///
+    /// Time limits are the caller's (wrap in `tokio::time::timeout`); on a peer error an alert
+    /// has been sent where TLS allows it.
+    pub async fn accept(&self, sock: TcpStream) -> Result<TlsStream, Error> {
+        let started = Instant::now();
+        let mut conn = UnbufferedServerConnection::new(self.config.clone())?;
+        let mut incoming = Incoming::new();
+        if let Err(e) = handshake::drive(&mut conn, &sock, &mut incoming).await {
+            bump(&global().handshake_failures);
+            if e.is_peer_fault() {
+                bump(&global().handshake_peer_errors);
+            }
+            return Err(e);
+        }
+        bump(&global().handshakes);
+        let resumed = conn.handshake_kind() == Some(HandshakeKind::Resumed);
+        if resumed {
+            bump(&global().handshakes_resumed);
+        }
+        let version = conn.protocol_version().unwrap_or(ProtocolVersion::Unknown(0));
+        let suite = conn.negotiated_cipher_suite().ok_or(Error::Protocol(rustls::Error::HandshakeNotComplete))?;
+        let mut info = ConnectionInfo {
+            version,
+            suite: suite.suite(),
+            resumed,
+            alpn: conn.alpn_protocol().map(|p| p.to_vec()),
+            plane: PlaneKind::User,
+            fallback: None,
+            handshake_time: std::time::Duration::ZERO,
+        };
+
+        let kernel = kernel_suite(version, suite);
+        let fallback = if self.policy == DataPlanePolicy::User {
+            Some(FallbackReason::Policy)
+        } else if !self.kernel.ulp {
+            Some(FallbackReason::NoUlp)
+        } else if !kernel.is_some_and(|(v, c)| self.kernel.supports(v, c)) {
+            Some(FallbackReason::Suite)
+        } else if incoming.used > 0 {
+            Some(FallbackReason::Buffered)
+        } else if let Err(e) = tlsplane_sys::attach_tls_ulp(std::os::fd::AsFd::as_fd(&sock)) {
+            tracing::debug!(error = %e, "TCP_ULP tls failed on this socket");
+            Some(FallbackReason::UlpAttach)
+        } else {
+            None
+        };
+
+        let plane = match (fallback, kernel) {
+            (None, Some((v, _))) => {
+                let limit = self.aead_record_limit.unwrap_or_else(|| confidentiality_limit(suite));
+                match KernelPlane::install(conn, &sock, v, limit, self.kernel.tls13_rekey) {
+                    Ok(k) => {
+                        bump(&global().plane_kernel);
+                        info.plane = PlaneKind::Kernel;
+                        Plane::Kernel(Box::new(k))
+                    }
+                    Err(e) => {
+                        bump(&global().kernel_setup_failures);
+                        tracing::warn!(error = %e, "handing keys to the kernel failed; connection closed");
+                        return Err(e);
+                    }
+                }
+            }
+            (reason, _) => {
+                let reason = reason.unwrap_or(FallbackReason::Suite);
+                if self.policy == DataPlanePolicy::Kernel {
+                    bump(&global().kernel_required_refused);
+                    let mut user = UserPlane::new(conn, incoming);
+                    let _ = user.shutdown(&sock).await;
+                    return Err(Error::KernelRequired(reason.as_str()));
+                }
+                match reason {
+                    FallbackReason::Policy => bump(&global().fallback_policy),
+                    FallbackReason::NoUlp => bump(&global().fallback_no_ulp),
+                    FallbackReason::Suite => bump(&global().fallback_suite),
+                    FallbackReason::UlpAttach => bump(&global().fallback_ulp_attach),
+                    FallbackReason::Buffered => bump(&global().fallback_buffered),
+                }
+                bump(&global().plane_user);
+                if reason != FallbackReason::Policy {
+                    info.fallback = Some(reason);
+                }
+                Plane::User(Box::new(UserPlane::new(conn, incoming)))
+            }
+        };
+        info.handshake_time = started.elapsed();
+        tracing::debug!(plane = ?info.plane, fallback = ?info.fallback, version = ?info.version, suite = ?info.suite, resumed, "handshake complete");
+        Ok(TlsStream { sock, plane, info, small: Vec::new(), small_pos: 0 })
+    }
+}
+
+impl TlsStream {
+    pub fn info(&self) -> &ConnectionInfo {
+        &self.info
+    }
+
+    pub fn plane(&self) -> PlaneKind {
+        self.info.plane
+    }
+
+    /// The underlying TCP socket (for addresses and socket options; never read or write it).
+    pub fn tcp(&self) -> &TcpStream {
+        &self.sock
+    }
+
+    /// Reads decrypted application data. `Ok(0)` is the end of the stream: close_notify or, from
+    /// an impolite peer, a bare TCP FIN.
+    pub async fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match &mut self.plane {
+            Plane::User(u) => u.read(&self.sock, buf).await,
+            Plane::Kernel(k) => {
+                if buf.len() >= 64 && self.small_pos >= self.small.len() {
+                    return k.read(&self.sock, buf).await;
+                }
+                if self.small_pos >= self.small.len() {
+                    self.small.resize(16384, 0);
+                    let n = k.read(&self.sock, &mut self.small).await?;
+                    self.small.truncate(n);
+                    self.small_pos = 0;
+                    if n == 0 {
+                        return Ok(0);
+                    }
+                }
+                let n = buf.len().min(self.small.len() - self.small_pos);
+                buf[..n].copy_from_slice(&self.small[self.small_pos..self.small_pos + n]);
+                self.small_pos += n;
+                Ok(n)
+            }
+        }
+    }
+
+    pub async fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
+        match &mut self.plane {
+            Plane::User(u) => u.write_all(&self.sock, data).await,
+            Plane::Kernel(k) => k.write_all(&self.sock, data, false).await,
+        }
+    }
+
+    /// Sends `prefix` (e.g. response headers) and then `len` bytes of `file` from `offset`.
+    /// Kernel plane: `sendfile(2)`, the bytes never enter this process; user plane: encrypted
+    /// through one reused buffer.
+    pub async fn write_file(&mut self, prefix: &[u8], file: &File, offset: u64, len: u64) -> io::Result<()> {
+        match &mut self.plane {
+            Plane::User(u) => u.write_file(&self.sock, prefix, file, offset, len).await,
+            Plane::Kernel(k) => {
+                if !prefix.is_empty() {
+                    // MSG_MORE keeps the record open so the headers share it with the body.
+                    k.write_all(&self.sock, prefix, len > 0).await?;
+                }
+                k.send_file(&self.sock, file, offset, len).await
+            }
+        }
+    }
+
+    /// Sends close_notify and shuts down the write side of TCP.
+    pub async fn shutdown(&mut self) -> io::Result<()> {
+        match &mut self.plane {
+            Plane::User(u) => u.shutdown(&self.sock).await,
+            Plane::Kernel(k) => k.shutdown(&self.sock).await,
+        }
+    }
+}
