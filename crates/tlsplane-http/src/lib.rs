@@ -1,1 +1,51 @@
+//! HTTP/1.1 request parsing and static-file response planning for `tlsplane serve`.
+//!
+//! The crate does no network I/O: the caller owns sockets and buffers, feeds
+//! received bytes to [`parse_request`], asks [`respond`] what to send, writes
+//! [`Response::head`] and then the [`Body`] (a [`Body::File`] is meant for
+//! `sendfile`). Only filesystem look-ups (canonicalize, stat, open) happen here.
+//!
+//! # Behaviour worth knowing
+//!
+//! * Only `GET` and `HEAD` are served; anything else gets `405` with
+//!   `Allow: GET, HEAD`.
+//! * Requests carrying a body are refused while parsing: `Transfer-Encoding`
+//!   gives `501`, `Content-Length` greater than zero gives `413`. The caller
+//!   should close the connection after either, because the unread body would
+//!   otherwise be taken for the next request.
+//! * `HTTP/1.1` requests must carry exactly one `Host` header (`400` otherwise),
+//!   as RFC 9112 §3.2 demands of servers.
+//! * Versions other than `HTTP/1.0` and `HTTP/1.1` that are still well-formed
+//!   (`HTTP/2.0`, `HTTP/3`, `HTTP/1.2`) get `505`; garbage gets `400`.
+//! * There are no directory listings: a directory without `index.html` is `403`.
+//! * A request-target may be origin-form or absolute-form (`https://host/p`,
+//!   of which only the path is used). `..` segments are resolved lexically and
+//!   give `403` when they would climb above the root; a percent-decoded `/`,
+//!   `\` or NUL inside a segment gives `400`.
+//! * Unless the [`DocRoot`] allows symlinks leading outside, the file finally
+//!   opened is checked to lie inside the canonical root, both before opening
+//!   (canonical path) and after (`/proc/self/fd`, when `/proc` is mounted), so
+//!   a symlink swapped in between cannot leak an outside file.
+//! * Ranges: one `bytes=` range is honoured for `GET`; several ranges, other
+//!   units or malformed specs are ignored and the whole file is sent (RFC 9110
+//!   §14.2 allows this). `HEAD` ignores `Range`, as RFC 9110 §14.2 requires
+//!   for methods other than `GET`. A zero-length file ignores `Range` too and
+//!   is sent as `200` with an empty body, since there is no byte a range could
+//!   describe and clients fare better with an empty success than with `416`.
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod date;
+mod error;
+mod mime;
+mod parse;
+mod resolve;
+mod response;
+
+pub use date::{http_date, parse_http_date};
+pub use error::HttpError;
+pub use mime::content_type;
+pub use parse::{parse_request, Limits, Method, Parsed, Request};
+pub use resolve::DocRoot;
+pub use response::{error_response, error_response_at, reason_phrase, respond, Body, Response};

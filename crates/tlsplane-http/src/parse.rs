@@ -1,0 +1,315 @@
+use crate::HttpError;
+
+/// Bounds on what a client may send before its request is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Longest request line, without its line ending (414 beyond). Default 8192.
+    pub max_request_line: usize,
+    /// Largest whole head, request line and final empty line included
+    /// (431 beyond). Default 16384.
+    pub max_head_bytes: usize,
+    /// Most header fields (431 beyond). Default 64.
+    pub max_headers: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_request_line: 8192,
+            max_head_bytes: 16384,
+            max_headers: 64,
+        }
+    }
+}
+
+/// The request method. Methods are case-sensitive, so `get` is `Other`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Method {
+    /// `GET`
+    Get,
+    /// `HEAD`
+    Head,
+    /// Any other method; answered with 405.
+    Other(String),
+}
+
+impl Method {
+    /// The method as sent on the wire.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Method::Get => "GET",
+            Method::Head => "HEAD",
+            Method::Other(m) => m,
+        }
+    }
+}
+
+/// A parsed request head: just what a static-file server needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// The request method.
+    pub method: Method,
+    /// The raw request-target, still percent-encoded.
+    pub target: String,
+    /// 0 for HTTP/1.0, 1 for HTTP/1.1.
+    pub minor_version: u8,
+    /// Whether the connection may carry another request after this one:
+    /// HTTP/1.1 unless `Connection: close`, HTTP/1.0 only with
+    /// `Connection: keep-alive`.
+    pub keep_alive: bool,
+    /// `If-None-Match`; several fields are joined with `, `.
+    pub if_none_match: Option<String>,
+    /// `If-Modified-Since`.
+    pub if_modified_since: Option<String>,
+    /// `Range`; several fields are joined with `, ` (and then ignored as a
+    /// multi-range request).
+    pub range: Option<String>,
+    /// `If-Range`.
+    pub if_range: Option<String>,
+}
+
+/// Outcome of [`parse_request`] on the bytes received so far.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Parsed {
+    /// No complete head yet; read more and call again with the whole buffer.
+    Incomplete,
+    /// A complete head of `head_len` bytes; a pipelined next request starts
+    /// at `buf[head_len..]`.
+    Complete {
+        /// Length of the head, final empty line included.
+        head_len: usize,
+        /// The request.
+        request: Request,
+    },
+}
+
+// Enough slots for the default limit without touching the heap.
+const STACK_HEADERS: usize = 64;
+
+/// Parses one request head from the start of `buf`.
+///
+/// Limits are enforced on incomplete input too, so a client cannot make the
+/// caller buffer without bound: a first line longer than
+/// `max_request_line` is 414 as soon as that is evident, and more than
+/// `max_head_bytes` without a complete head is 431.
+///
+/// Requests announcing a body are refused (`Transfer-Encoding`: 501,
+/// `Content-Length` > 0: 413), because this server never reads bodies and
+/// could not otherwise find where the next request starts.
+pub fn parse_request(buf: &[u8], limits: &Limits) -> Result<Parsed, HttpError> {
+    // Nothing past max_head_bytes can belong to an acceptable head, so the
+    // parser never looks further; this bounds the work per call.
+    let view = &buf[..buf.len().min(limits.max_head_bytes)];
+    check_request_line(view, limits.max_request_line)?;
+
+    // A header field needs at least 3 bytes ("a:\n"), so more slots than
+    // that could never fill; this keeps a huge configured limit from turning
+    // into a huge allocation.
+    let slots = limits.max_headers.min(view.len() / 3 + 1);
+    let mut stack = [httparse::EMPTY_HEADER; STACK_HEADERS];
+    let mut heap = Vec::new();
+    let headers: &mut [httparse::Header<'_>] = if slots <= STACK_HEADERS {
+        &mut stack[..slots]
+    } else {
+        heap.resize(slots, httparse::EMPTY_HEADER);
+        &mut heap
+    };
+    let mut req = httparse::Request::new(headers);
+    match req.parse(view) {
+        Ok(httparse::Status::Partial) => {
+            if buf.len() > limits.max_head_bytes {
+                Err(HttpError::HeadTooLarge)
+            } else {
+                Ok(Parsed::Incomplete)
+            }
+        }
+        Ok(httparse::Status::Complete(head_len)) => {
+            let request = build_request(&req)?;
+            Ok(Parsed::Complete { head_len, request })
+        }
+        Err(httparse::Error::TooManyHeaders) => Err(HttpError::TooManyHeaders),
+        Err(httparse::Error::Version) => Err(classify_version(view)),
+        Err(_) => Err(HttpError::BadRequest("malformed request head")),
+    }
+}
+
+/// Skips the empty lines RFC 9112 §2.2 lets a client send before a request.
+fn skip_leading_newlines(buf: &[u8]) -> &[u8] {
+    let start = buf
+        .iter()
+        .position(|&b| b != b'\r' && b != b'\n')
+        .unwrap_or(buf.len());
+    &buf[start..]
+}
+
+fn check_request_line(buf: &[u8], max: usize) -> Result<(), HttpError> {
+    let line = skip_leading_newlines(buf);
+    // One byte of CR and one of LF may follow a line of exactly `max` bytes.
+    let window = &line[..line.len().min(max.saturating_add(2))];
+    let len = match window.iter().position(|&b| b == b'\n') {
+        Some(lf) => lf,
+        None => window.len(),
+    };
+    let len = if len > 0 && window.get(len - 1) == Some(&b'\r') {
+        len - 1
+    } else {
+        len
+    };
+    if len > max {
+        Err(HttpError::RequestLineTooLong)
+    } else {
+        Ok(())
+    }
+}
+
+/// httparse only knows HTTP/1.0 and 1.1; tell a well-formed other version
+/// (505) from garbage (400).
+fn classify_version(buf: &[u8]) -> HttpError {
+    let rest = skip_leading_newlines(buf);
+    let line_end = rest
+        .iter()
+        .position(|&b| b == b'\r' || b == b'\n')
+        .unwrap_or(rest.len());
+    let line = &rest[..line_end];
+    let version = match line.iter().rposition(|&b| b == b' ') {
+        Some(sp) => &line[sp + 1..],
+        None => line,
+    };
+    let well_formed = match version.strip_prefix(b"HTTP/") {
+        Some([major]) => major.is_ascii_digit(),
+        Some([major, b'.', minor]) => major.is_ascii_digit() && minor.is_ascii_digit(),
+        _ => false,
+    };
+    if well_formed {
+        HttpError::VersionNotSupported
+    } else {
+        HttpError::BadRequest("malformed HTTP version")
+    }
+}
+
+fn build_request(req: &httparse::Request<'_, '_>) -> Result<Request, HttpError> {
+    let method = match req.method {
+        Some("GET") => Method::Get,
+        Some("HEAD") => Method::Head,
+        Some(other) => Method::Other(other.to_owned()),
+        None => return Err(HttpError::BadRequest("missing method")),
+    };
+    let target = req
+        .path
+        .ok_or(HttpError::BadRequest("missing request-target"))?
+        .to_owned();
+    let minor_version = req
+        .version
+        .ok_or(HttpError::BadRequest("missing HTTP version"))?;
+
+    let mut close = false;
+    let mut keep = false;
+    let mut hosts = 0usize;
+    let mut transfer_encoding = false;
+    let mut content_length: Option<u64> = None;
+    let mut request = Request {
+        method,
+        target,
+        minor_version,
+        keep_alive: false,
+        if_none_match: None,
+        if_modified_since: None,
+        range: None,
+        if_range: None,
+    };
+
+    for h in req.headers.iter() {
+        let name = h.name.as_bytes();
+        let value = trim_ows(h.value);
+        if name.eq_ignore_ascii_case(b"connection") {
+            for token in value.split(|&b| b == b',') {
+                let token = trim_ows(token);
+                close |= token.eq_ignore_ascii_case(b"close");
+                keep |= token.eq_ignore_ascii_case(b"keep-alive");
+            }
+        } else if name.eq_ignore_ascii_case(b"host") {
+            hosts += 1;
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            transfer_encoding = true;
+        } else if name.eq_ignore_ascii_case(b"content-length") {
+            let len = parse_content_length(value)?;
+            // Disagreeing lengths are the classic request-smuggling vector.
+            if content_length.is_some_and(|prev| prev != len) {
+                return Err(HttpError::BadRequest("conflicting Content-Length"));
+            }
+            content_length = Some(len);
+        } else if name.eq_ignore_ascii_case(b"if-none-match") {
+            append_field(&mut request.if_none_match, value);
+        } else if name.eq_ignore_ascii_case(b"if-modified-since") {
+            append_field(&mut request.if_modified_since, value);
+        } else if name.eq_ignore_ascii_case(b"range") {
+            append_field(&mut request.range, value);
+        } else if name.eq_ignore_ascii_case(b"if-range") {
+            append_field(&mut request.if_range, value);
+        }
+    }
+
+    // Checked before Content-Length: when both are present Transfer-Encoding
+    // governs the framing (RFC 9112 §6.3), and we implement none.
+    if transfer_encoding {
+        return Err(HttpError::TransferEncodingNotSupported);
+    }
+    if content_length.is_some_and(|len| len > 0) {
+        return Err(HttpError::BodyNotAccepted);
+    }
+    if minor_version >= 1 && hosts != 1 {
+        return Err(HttpError::BadRequest("HTTP/1.1 needs exactly one Host"));
+    }
+    if minor_version == 0 && hosts > 1 {
+        return Err(HttpError::BadRequest("more than one Host"));
+    }
+    request.keep_alive = if minor_version >= 1 {
+        !close
+    } else {
+        keep && !close
+    };
+    Ok(request)
+}
+
+fn trim_ows(v: &[u8]) -> &[u8] {
+    let is_ows = |b: &u8| *b == b' ' || *b == b'\t';
+    let start = v.iter().position(|b| !is_ows(b)).unwrap_or(v.len());
+    let end = v.iter().rposition(|b| !is_ows(b)).map_or(start, |i| i + 1);
+    &v[start..end.max(start)]
+}
+
+/// `Content-Length` may repeat one value as a list ("5, 5"); anything else
+/// that is not plain digits is malformed.
+fn parse_content_length(value: &[u8]) -> Result<u64, HttpError> {
+    let bad = HttpError::BadRequest("invalid Content-Length");
+    let mut result: Option<u64> = None;
+    for item in value.split(|&b| b == b',') {
+        let item = trim_ows(item);
+        if item.is_empty() || !item.iter().all(u8::is_ascii_digit) {
+            return Err(bad);
+        }
+        let n = item.iter().try_fold(0u64, |acc, &d| {
+            acc.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+        });
+        // Too large to represent is certainly more body than we accept.
+        let n = n.unwrap_or(u64::MAX);
+        if result.is_some_and(|prev| prev != n) {
+            return Err(bad);
+        }
+        result = Some(n);
+    }
+    result.ok_or(bad)
+}
+
+/// Repeated list-valued fields are equivalent to one field joined by commas
+/// (RFC 9110 §5.3).
+fn append_field(slot: &mut Option<String>, value: &[u8]) {
+    let value = String::from_utf8_lossy(value);
+    match slot {
+        Some(existing) => {
+            existing.push_str(", ");
+            existing.push_str(&value);
+        }
+        None => *slot = Some(value.into_owned()),
+    }
+}

@@ -1,0 +1,463 @@
+//! Mapping a request-target onto a file under the document root, without
+//! ever handing out a file that lies outside it.
+
+use std::ffi::OsStr;
+use std::fs::{self, File, Metadata};
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use crate::HttpError;
+
+const INDEX: &str = "index.html";
+
+/// The directory files are served from.
+#[derive(Debug, Clone)]
+pub struct DocRoot {
+    root: PathBuf,
+    allow_symlinks_outside: bool,
+}
+
+impl DocRoot {
+    /// Canonicalizes `dir`, which must be a directory.
+    ///
+    /// With `allow_symlinks_outside`, symlinks inside the root may lead
+    /// anywhere; `..` in a request still never climbs above the root.
+    pub fn new(dir: &Path, allow_symlinks_outside: bool) -> io::Result<DocRoot> {
+        let root = fs::canonicalize(dir)?;
+        if !fs::metadata(&root)?.is_dir() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotADirectory,
+                "document root is not a directory",
+            ));
+        }
+        Ok(DocRoot {
+            root,
+            allow_symlinks_outside,
+        })
+    }
+
+    /// The canonical root directory.
+    pub fn path(&self) -> &Path {
+        &self.root
+    }
+
+    /// Whether symlinks may lead outside the root.
+    pub fn allows_symlinks_outside(&self) -> bool {
+        self.allow_symlinks_outside
+    }
+
+    fn check_inside(&self, canonical: &Path) -> Result<(), HttpError> {
+        if self.allow_symlinks_outside || canonical.starts_with(&self.root) {
+            Ok(())
+        } else {
+            Err(HttpError::Forbidden("outside the document root"))
+        }
+    }
+}
+
+/// A request-target split into decoded path segments.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Target<'a> {
+    /// Decoded segments after dot-segment removal; none is empty, `.`, `..`,
+    /// or contains `/`, `\` or NUL.
+    pub segments: Vec<Vec<u8>>,
+    /// The path ended in `/` (or in a dot segment, which means the same).
+    pub trailing_slash: bool,
+    /// The query, without `?`, as received.
+    pub query: Option<&'a str>,
+}
+
+pub(crate) fn parse_target(raw: &str) -> Result<Target<'_>, HttpError> {
+    let after_authority = strip_absolute_form(raw);
+    let path_end = after_authority
+        .find(['?', '#'])
+        .unwrap_or(after_authority.len());
+    let (path, rest) = after_authority.split_at(path_end);
+    let query = rest
+        .strip_prefix('?')
+        .map(|q| q.split_once('#').map_or(q, |(q, _)| q));
+
+    // Absolute-form with an empty path means the root.
+    let path = if path.is_empty() && after_authority.len() != raw.len() {
+        "/"
+    } else {
+        path
+    };
+    let Some(path) = path.strip_prefix('/') else {
+        return Err(HttpError::BadRequest("request-target must start with '/'"));
+    };
+
+    let mut segments: Vec<Vec<u8>> = Vec::new();
+    let mut trailing_slash = false;
+    for raw_segment in path.split('/') {
+        let segment = percent_decode(raw_segment)?;
+        if segment.iter().any(|&b| b == 0 || b == b'/' || b == b'\\') {
+            return Err(HttpError::BadRequest("forbidden byte in path segment"));
+        }
+        trailing_slash = true;
+        match segment.as_slice() {
+            b"" | b"." => {}
+            b".." => {
+                if segments.pop().is_none() {
+                    return Err(HttpError::Forbidden("path climbs above the root"));
+                }
+            }
+            _ => {
+                trailing_slash = false;
+                segments.push(segment);
+            }
+        }
+    }
+    Ok(Target {
+        segments,
+        trailing_slash,
+        query,
+    })
+}
+
+/// For `http://host/p` and `https://host/p` returns `/p`; other targets are
+/// returned unchanged.
+fn strip_absolute_form(raw: &str) -> &str {
+    for scheme in ["http://", "https://"] {
+        if let Some(prefix) = raw.get(..scheme.len()) {
+            if prefix.eq_ignore_ascii_case(scheme) {
+                let after = &raw[scheme.len()..];
+                let authority_end = after.find(['/', '?', '#']).unwrap_or(after.len());
+                return &after[authority_end..];
+            }
+        }
+    }
+    raw
+}
+
+fn percent_decode(s: &str) -> Result<Vec<u8>, HttpError> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hi = bytes.get(i + 1).and_then(|&b| hex_value(b));
+            let lo = bytes.get(i + 2).and_then(|&b| hex_value(b));
+            match (hi, lo) {
+                (Some(hi), Some(lo)) => out.push(hi << 4 | lo),
+                _ => return Err(HttpError::BadRequest("invalid percent-escape")),
+            }
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    Ok(out)
+}
+
+fn hex_value(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// What a target resolved to.
+pub(crate) enum Resolved {
+    /// An opened regular file, its metadata (from the open descriptor) and
+    /// the name that decides its content type.
+    File {
+        file: File,
+        meta: Metadata,
+        type_name: PathBuf,
+    },
+    /// A directory asked for without the trailing slash; the value is the
+    /// `Location` to redirect to.
+    Redirect(Vec<u8>),
+}
+
+pub(crate) fn resolve(root: &DocRoot, target: &Target<'_>) -> Result<Resolved, HttpError> {
+    let mut path = root.root.clone();
+    for segment in &target.segments {
+        path.push(OsStr::from_bytes(segment));
+    }
+    let canonical = fs::canonicalize(&path).map_err(from_io)?;
+    root.check_inside(&canonical)?;
+    let meta = fs::metadata(&canonical).map_err(from_io)?;
+
+    if meta.is_dir() {
+        if !target.trailing_slash {
+            return Ok(Resolved::Redirect(location(target)));
+        }
+        let index = match fs::canonicalize(canonical.join(INDEX)) {
+            Ok(p) => p,
+            Err(e) if is_missing(&e) => {
+                return Err(HttpError::Forbidden("directory listing is disabled"))
+            }
+            Err(e) => return Err(from_io(e)),
+        };
+        root.check_inside(&index)?;
+        let index_meta = fs::metadata(&index).map_err(from_io)?;
+        if !index_meta.is_file() {
+            return Err(HttpError::Forbidden("index is not a regular file"));
+        }
+        let (file, meta) = open_regular(root, &index)?;
+        return Ok(Resolved::File {
+            file,
+            meta,
+            type_name: PathBuf::from(INDEX),
+        });
+    }
+    if !meta.is_file() {
+        return Err(HttpError::Forbidden("not a regular file"));
+    }
+    if target.trailing_slash {
+        // "/file.txt/" names a directory that does not exist.
+        return Err(HttpError::NotFound);
+    }
+    let (file, meta) = open_regular(root, &canonical)?;
+    let type_name = target
+        .segments
+        .last()
+        .map(|s| PathBuf::from(OsStr::from_bytes(s)))
+        .unwrap_or_default();
+    Ok(Resolved::File {
+        file,
+        meta,
+        type_name,
+    })
+}
+
+/// Opens a path that was already checked to be a regular file, re-checking
+/// on the descriptor because the file may have been swapped since.
+fn open_regular(root: &DocRoot, canonical: &Path) -> Result<(File, Metadata), HttpError> {
+    // O_NONBLOCK: a fifo swapped in after the check must not hang the open.
+    // O_NOFOLLOW: the canonical path has no symlink, so one now is a swap.
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(canonical)
+        .map_err(from_io)?;
+    let meta = file.metadata().map_err(from_io)?;
+    if !meta.is_file() {
+        return Err(HttpError::Forbidden("not a regular file"));
+    }
+    if !root.allow_symlinks_outside {
+        // Canonicalize-then-open leaves a window in which a directory on the
+        // path could be replaced by a symlink; asking the kernel where the
+        // descriptor really points closes it.
+        let link = format!("/proc/self/fd/{}", file.as_raw_fd());
+        if let Ok(actual) = fs::read_link(link) {
+            root.check_inside(&actual)?;
+        }
+    }
+    Ok((file, meta))
+}
+
+fn is_missing(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::NotFound | io::ErrorKind::NotADirectory
+    )
+}
+
+fn from_io(e: io::Error) -> HttpError {
+    if is_missing(&e) {
+        return HttpError::NotFound;
+    }
+    match (e.kind(), e.raw_os_error()) {
+        (io::ErrorKind::PermissionDenied, _) => HttpError::Forbidden("permission denied"),
+        (_, Some(libc::ELOOP)) => HttpError::Forbidden("symlink loop or unexpected symlink"),
+        (_, Some(libc::ENAMETOOLONG)) => HttpError::NotFound,
+        (kind, _) => HttpError::Io(kind),
+    }
+}
+
+/// The target with a trailing slash, rebuilt from the normalized segments so
+/// that the redirect can never point elsewhere (`//host/` would be taken for
+/// another host).
+fn location(target: &Target<'_>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    for segment in &target.segments {
+        out.push(b'/');
+        for &b in segment {
+            if is_pchar_unencoded(b) {
+                out.push(b);
+            } else {
+                push_pct(&mut out, b);
+            }
+        }
+    }
+    out.push(b'/');
+    if let Some(query) = target.query {
+        out.push(b'?');
+        for &b in query.as_bytes() {
+            // The query is kept as received, but nothing that could break the
+            // header line may pass.
+            if b.is_ascii_graphic() {
+                out.push(b);
+            } else {
+                push_pct(&mut out, b);
+            }
+        }
+    }
+    out
+}
+
+fn is_pchar_unencoded(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@".contains(&b)
+}
+
+fn push_pct(out: &mut Vec<u8>, b: u8) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    out.push(b'%');
+    out.push(HEX[usize::from(b >> 4)]);
+    out.push(HEX[usize::from(b & 15)]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segs(t: &Target<'_>) -> Vec<String> {
+        t.segments
+            .iter()
+            .map(|s| String::from_utf8_lossy(s).into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn normalizes_segments() {
+        let t = parse_target("/a/./b//c/../d").unwrap();
+        assert_eq!(segs(&t), ["a", "b", "d"]);
+        assert!(!t.trailing_slash);
+        let t = parse_target("/a/b/..").unwrap();
+        assert_eq!(segs(&t), ["a"]);
+        assert!(t.trailing_slash);
+        let t = parse_target("/").unwrap();
+        assert!(t.segments.is_empty() && t.trailing_slash);
+    }
+
+    #[test]
+    fn splits_query_and_fragment() {
+        let t = parse_target("/a%20b?x=1#frag").unwrap();
+        assert_eq!(segs(&t), ["a b"]);
+        assert_eq!(t.query, Some("x=1"));
+        let t = parse_target("/a#frag?not-query").unwrap();
+        assert_eq!(t.query, None);
+        assert_eq!(segs(&t), ["a"]);
+    }
+
+    #[test]
+    fn absolute_form_keeps_only_the_path() {
+        let t = parse_target("HTTPS://example.com:8443/x/y?q").unwrap();
+        assert_eq!(segs(&t), ["x", "y"]);
+        assert_eq!(t.query, Some("q"));
+        let t = parse_target("http://example.com").unwrap();
+        assert!(t.segments.is_empty() && t.trailing_slash);
+        let t = parse_target("http://example.com?q").unwrap();
+        assert!(t.segments.is_empty() && t.query == Some("q"));
+    }
+
+    #[test]
+    fn rejects_bad_targets() {
+        for (raw, status) in [
+            ("*", 400),
+            ("x/y", 400),
+            ("", 400),
+            ("/%", 400),
+            ("/%4", 400),
+            ("/%zz", 400),
+            ("/%00", 400),
+            ("/a%2fb", 400),
+            ("/a%5cb", 400),
+            ("/a\\b", 400),
+            ("/..", 403),
+            ("/%2e%2E/x", 403),
+            ("/.%2e/x", 403),
+            ("/a/../../x", 403),
+            ("/a/%2e%2e/%2e%2e/x", 403),
+        ] {
+            assert_eq!(
+                parse_target(raw).map(|_| ()).map_err(|e| e.status()),
+                Err(status),
+                "{raw:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn location_is_rebuilt_safely() {
+        let t = parse_target("//evil.example/a%20b/?q=1").unwrap();
+        assert_eq!(location(&t), b"/evil.example/a%20b/?q=1");
+        let t = Target {
+            segments: vec![b"x\r\ny".to_vec()],
+            trailing_slash: false,
+            query: Some("a b\r\n"),
+        };
+        assert_eq!(location(&t), b"/x%0D%0Ay/?a%20b%0D%0A");
+    }
+}
+
+#[cfg(test)]
+mod open_tests {
+    use super::*;
+
+    fn temp(tag: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("tlsplane-http-unit-{tag}-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        fs::canonicalize(dir).unwrap()
+    }
+
+    /// Simulates a path swapped after canonicalization: the descriptor check
+    /// must catch a file that turns out to live elsewhere.
+    #[test]
+    fn descriptor_outside_root_is_refused() {
+        let (inside, outside) = (temp("in"), temp("out"));
+        let secret = outside.join("secret");
+        fs::write(&secret, b"x").unwrap();
+        let strict = DocRoot::new(&inside, false).unwrap();
+        let result = open_regular(&strict, &secret).map(|_| ());
+        if Path::new("/proc/self/fd").exists() {
+            assert_eq!(
+                result,
+                Err(HttpError::Forbidden("outside the document root"))
+            );
+        }
+        let lax = DocRoot::new(&inside, true).unwrap();
+        assert!(open_regular(&lax, &secret).is_ok());
+        // O_NOFOLLOW: a symlink in the last component is a swap, not a file.
+        let link = inside.join("link");
+        let _ = fs::remove_file(&link);
+        std::os::unix::fs::symlink(&secret, &link).unwrap();
+        assert_eq!(
+            open_regular(&lax, &link).map(|_| ()),
+            Err(HttpError::Forbidden("symlink loop or unexpected symlink"))
+        );
+        let _ = fs::remove_dir_all(inside);
+        let _ = fs::remove_dir_all(outside);
+    }
+}
+
+#[cfg(test)]
+mod io_mapping_tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_map_to_statuses() {
+        let status = |e: io::Error| from_io(e).status();
+        assert_eq!(status(io::ErrorKind::NotFound.into()), 404);
+        assert_eq!(status(io::ErrorKind::NotADirectory.into()), 404);
+        // Matters when not running as root, where the integration test can't see it.
+        assert_eq!(status(io::ErrorKind::PermissionDenied.into()), 403);
+        assert_eq!(status(io::Error::from_raw_os_error(libc::EACCES)), 403);
+        assert_eq!(status(io::Error::from_raw_os_error(libc::ELOOP)), 403);
+        assert_eq!(
+            status(io::Error::from_raw_os_error(libc::ENAMETOOLONG)),
+            404
+        );
+        assert_eq!(status(io::Error::from_raw_os_error(libc::EIO)), 500);
+    }
+}
