@@ -70,6 +70,11 @@ impl ServerOptions {
 /// The crypto provider: aws-lc-rs, restricted to the suites and groups tlsplane supports.
 /// Every suite here is one Linux kTLS can also take (AES-GCM and ChaCha20-Poly1305), so the
 /// kernel plane is never ruled out by negotiation alone.
+///
+/// The order is the server's preference (see `ignore_client_order` below): AES-128-GCM first.
+/// Its SHA-256 transcript and key schedule run on SHA-NI, while the SHA-384 of the AES-256
+/// suites has no hardware path on CPUs without SHA-512 instructions (AMD Zen 3 here), where it
+/// measured at ~15% of a full TLS 1.3 handshake; AES-128-GCM is also what browsers prefer.
 pub fn crypto_provider() -> CryptoProvider {
     CryptoProvider {
         cipher_suites: vec![
@@ -137,6 +142,7 @@ impl Acceptor {
             .with_cert_resolver(Arc::new(CertStore { default: opts.cert }));
         config.alpn_protocols = opts.alpn;
         config.enable_secret_extraction = true;
+        config.ignore_client_order = true;
         config.send_tls13_tickets = opts.tls13_tickets;
         config.ticketer = provider::Ticketer::new().map_err(|e| Error::Config(e.to_string()))?;
         Ok(Self { config: Arc::new(config), policy: opts.policy, kernel: Arc::new(kernel), aead_record_limit: opts.aead_record_limit })

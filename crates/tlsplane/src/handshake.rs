@@ -13,6 +13,7 @@ use rustls::server::UnbufferedServerConnection;
 use rustls::unbuffered::{ConnectionState, EncodeError, UnbufferedStatus};
 use tokio::net::TcpStream;
 
+use crate::buf::OutBuf;
 use crate::Error;
 
 /// TLS record header length.
@@ -113,20 +114,16 @@ pub(crate) async fn write_all(sock: &TcpStream, mut buf: &[u8]) -> io::Result<()
 }
 
 /// Appends an encoded TLS message from rustls to `out`, growing it as rustls asks.
-pub(crate) fn encode_into(state: &mut rustls::unbuffered::EncodeTlsData<'_, rustls::server::ServerConnectionData>, out: &mut Vec<u8>) -> Result<(), Error> {
-    let start = out.len();
-    out.resize(start + 1024, 0);
+pub(crate) fn encode_into(state: &mut rustls::unbuffered::EncodeTlsData<'_, rustls::server::ServerConnectionData>, out: &mut OutBuf) -> Result<(), Error> {
+    let mut want = 1024;
     loop {
-        match state.encode(&mut out[start..]) {
+        match state.encode(out.spare(want)) {
             Ok(n) => {
-                out.truncate(start + n);
+                out.commit(n);
                 return Ok(());
             }
-            Err(EncodeError::InsufficientSize(s)) => out.resize(start + s.required_size, 0),
-            Err(e) => {
-                out.truncate(start);
-                return Err(Error::Io(io::Error::other(e.to_string())));
-            }
+            Err(EncodeError::InsufficientSize(s)) => want = s.required_size,
+            Err(e) => return Err(Error::Io(io::Error::other(e.to_string()))),
         }
     }
 }
@@ -134,7 +131,7 @@ pub(crate) fn encode_into(state: &mut rustls::unbuffered::EncodeTlsData<'_, rust
 /// Sends whatever rustls queued after a failure (normally the alert telling the peer why), best
 /// effort: the connection is ending anyway.
 pub(crate) async fn flush_alert(conn: &mut UnbufferedServerConnection, sock: &TcpStream) {
-    let mut out = Vec::new();
+    let mut out = OutBuf::new();
     for _ in 0..4 {
         let UnbufferedStatus { state, .. } = conn.process_tls_records(&mut []);
         match state {
@@ -148,14 +145,18 @@ pub(crate) async fn flush_alert(conn: &mut UnbufferedServerConnection, sock: &Tc
         }
     }
     if !out.is_empty() {
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), write_all(sock, &out)).await;
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), write_all(sock, out.filled())).await;
     }
 }
 
-/// Runs the handshake to completion. On return rustls has consumed every byte read, and its
-/// final flight (including TLS 1.3 tickets) has been written.
-pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStream, incoming: &mut Incoming) -> Result<(), Error> {
-    let mut out: Vec<u8> = Vec::with_capacity(4096);
+/// Runs the handshake to completion. On return rustls has consumed every byte read.
+///
+/// What rustls produced after the handshake completed (TLS 1.3 session tickets) is returned
+/// unsent: the client does not wait for it, so the user plane sends it with the first response
+/// (or the close_notify) in one write instead of a write of its own; the kernel plane must
+/// write it before it installs the keys.
+pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStream, incoming: &mut Incoming) -> Result<OutBuf, Error> {
+    let mut out = OutBuf::new();
     loop {
         let UnbufferedStatus { discard, state } = conn.process_tls_records(&mut incoming.buf[..incoming.used]);
         enum Next {
@@ -177,7 +178,11 @@ pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStrea
             Ok(ConnectionState::TransmitTlsData(t)) => {
                 // We own the bytes in `out` from here on and write them before reading again.
                 t.done();
-                Next::Flush
+                if conn.is_handshaking() {
+                    Next::Flush
+                } else {
+                    Next::Continue
+                }
             }
             Ok(ConnectionState::BlockedHandshake) => Next::Read,
             Ok(ConnectionState::WriteTraffic(_)) => {
@@ -203,24 +208,19 @@ pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStrea
         match next {
             Next::Continue => {}
             Next::Flush => {
-                write_all(sock, &out).await?;
+                write_all(sock, out.filled()).await?;
                 out.clear();
             }
             Next::Read => {
                 if !out.is_empty() {
-                    write_all(sock, &out).await?;
+                    write_all(sock, out.filled()).await?;
                     out.clear();
                 }
                 if !incoming.read_to_record_boundary(sock).await? {
                     return Err(Error::PeerClosedInHandshake);
                 }
             }
-            Next::Done => {
-                if !out.is_empty() {
-                    write_all(sock, &out).await?;
-                }
-                return Ok(());
-            }
+            Next::Done => return Ok(out),
         }
     }
 }

@@ -10,6 +10,7 @@
 //! Every system call that needs `unsafe` lives in `tlsplane-sys`; this crate forbids it.
 #![forbid(unsafe_code)]
 
+mod buf;
 pub mod cert;
 pub mod config;
 pub mod error;

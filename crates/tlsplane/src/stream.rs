@@ -53,13 +53,16 @@ impl Acceptor {
         let started = Instant::now();
         let mut conn = UnbufferedServerConnection::new(self.config.clone())?;
         let mut incoming = Incoming::new();
-        if let Err(e) = handshake::drive(&mut conn, &sock, &mut incoming).await {
-            bump(&global().handshake_failures);
-            if e.is_peer_fault() {
-                bump(&global().handshake_peer_errors);
+        let deferred = match handshake::drive(&mut conn, &sock, &mut incoming).await {
+            Ok(d) => d,
+            Err(e) => {
+                bump(&global().handshake_failures);
+                if e.is_peer_fault() {
+                    bump(&global().handshake_peer_errors);
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
         bump(&global().handshakes);
         let resumed = conn.handshake_kind() == Some(HandshakeKind::Resumed);
         if resumed {
@@ -96,6 +99,10 @@ impl Acceptor {
         let plane = match (fallback, kernel) {
             (None, Some((v, _))) => {
                 let limit = self.aead_record_limit.unwrap_or_else(|| confidentiality_limit(suite));
+                if !deferred.is_empty() {
+                    // Records rustls encrypted itself must precede anything the kernel sends.
+                    handshake::write_all(&sock, deferred.filled()).await?;
+                }
                 match KernelPlane::install(conn, &sock, v, limit, self.kernel.tls13_rekey) {
                     Ok(k) => {
                         bump(&global().plane_kernel);
@@ -113,7 +120,7 @@ impl Acceptor {
                 let reason = reason.unwrap_or(FallbackReason::Suite);
                 if self.policy == DataPlanePolicy::Kernel {
                     bump(&global().kernel_required_refused);
-                    let mut user = UserPlane::new(conn, incoming);
+                    let mut user = UserPlane::new(conn, incoming, deferred);
                     let _ = user.shutdown(&sock).await;
                     return Err(Error::KernelRequired(reason.as_str()));
                 }
@@ -128,7 +135,7 @@ impl Acceptor {
                 if reason != FallbackReason::Policy {
                     info.fallback = Some(reason);
                 }
-                Plane::User(Box::new(UserPlane::new(conn, incoming)))
+                Plane::User(Box::new(UserPlane::new(conn, incoming, deferred)))
             }
         };
         info.handshake_time = started.elapsed();

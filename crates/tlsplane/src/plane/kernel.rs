@@ -288,6 +288,10 @@ impl KernelPlane {
         if !self.write_closed {
             self.send_alert(sock, ALERT_CLOSE_NOTIFY).await?;
         }
+        if self.read_closed {
+            // As on the user plane: the close on drop sends the FIN.
+            return Ok(());
+        }
         socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write)
     }
 }

@@ -11,12 +11,14 @@ use rustls::server::UnbufferedServerConnection;
 use rustls::unbuffered::{ConnectionState, EncryptError, UnbufferedStatus};
 use tokio::net::TcpStream;
 
+use crate::buf::OutBuf;
 use crate::handshake::{encode_into, flush_alert, write_all, Incoming};
 use crate::stats::{bump, global};
 use crate::Error;
 
-/// Plaintext encrypted per socket write: four full records.
-const CHUNK: usize = 4 * 16384;
+/// Plaintext encrypted per socket write: sixteen full records (fewer, larger writes measured
+/// cheaper per byte than 64 KiB ones on loopback).
+const CHUNK: usize = 16 * 16384;
 /// Worst-case per-record expansion (TLS 1.2 GCM: 5 header + 8 explicit nonce + 16 tag; TLS 1.3
 /// adds a content-type byte instead of the nonce).
 const RECORD_OVERHEAD: usize = 5 + 8 + 16 + 1;
@@ -34,7 +36,10 @@ pub(crate) struct UserPlane {
     conn: UnbufferedServerConnection,
     incoming: Incoming,
     /// TLS bytes waiting to be written, in order.
-    out: Vec<u8>,
+    out: OutBuf,
+    /// `out` holds only what the peer does not wait for (session tickets): it may ride along
+    /// with the next write instead of costing a write (and a loopback/wire packet) of its own.
+    out_deferrable: bool,
     /// Decrypted bytes not yet delivered to the application.
     plain: Vec<u8>,
     plain_pos: usize,
@@ -44,8 +49,9 @@ pub(crate) struct UserPlane {
 }
 
 impl UserPlane {
-    pub(crate) fn new(conn: UnbufferedServerConnection, incoming: Incoming) -> Self {
-        Self { conn, incoming, out: Vec::new(), plain: Vec::new(), plain_pos: 0, file_buf: Vec::new(), peer_closed: false }
+    /// `pending` is TLS output from the handshake that has not been written yet.
+    pub(crate) fn new(conn: UnbufferedServerConnection, incoming: Incoming, pending: OutBuf) -> Self {
+        Self { conn, incoming, out_deferrable: !pending.is_empty(), out: pending, plain: Vec::new(), plain_pos: 0, file_buf: Vec::new(), peer_closed: false }
     }
 
     /// One step of rustls over what we have buffered. Decrypted data goes to `plain`, TLS
@@ -68,6 +74,7 @@ impl UserPlane {
                 }
                 Ok(ConnectionState::EncodeTlsData(mut e)) => {
                     encode_into(&mut e, &mut self.out).map_err(|e| rustls::Error::General(e.to_string()))?;
+                    self.out_deferrable = false;
                     None
                 }
                 Ok(ConnectionState::TransmitTlsData(t)) => {
@@ -77,28 +84,18 @@ impl UserPlane {
                 }
                 Ok(ConnectionState::WriteTraffic(mut w)) => {
                     if close_notify {
-                        let start = self.out.len();
-                        self.out.resize(start + 64, 0);
-                        let n = w.queue_close_notify(&mut self.out[start..]).map_err(|e| rustls::Error::General(e.to_string()))?;
-                        self.out.truncate(start + n);
+                        let n = w.queue_close_notify(self.out.spare(64)).map_err(|e| rustls::Error::General(e.to_string()))?;
+                        self.out.commit(n);
                         Some(Pumped::Wrote(0))
                     } else if let Some(data) = send {
                         let data = &data[..data.len().min(CHUNK)];
-                        let start = self.out.len();
                         let records = data.len().div_ceil(16384).max(1);
-                        self.out.resize(start + data.len() + records * RECORD_OVERHEAD, 0);
-                        match w.encrypt(data, &mut self.out[start..]) {
-                            Ok(n) => self.out.truncate(start + n),
-                            Err(EncryptError::InsufficientSize(s)) => {
-                                self.out.resize(start + s.required_size, 0);
-                                let n = w.encrypt(data, &mut self.out[start..]).map_err(|e| rustls::Error::General(e.to_string()))?;
-                                self.out.truncate(start + n);
-                            }
-                            Err(e) => {
-                                self.out.truncate(start);
-                                return Err(rustls::Error::General(e.to_string()));
-                            }
-                        }
+                        let n = match w.encrypt(data, self.out.spare(data.len() + records * RECORD_OVERHEAD)) {
+                            Ok(n) => n,
+                            Err(EncryptError::InsufficientSize(s)) => w.encrypt(data, self.out.spare(s.required_size)).map_err(|e| rustls::Error::General(e.to_string()))?,
+                            Err(e) => return Err(rustls::Error::General(e.to_string())),
+                        };
+                        self.out.commit(n);
                         Some(Pumped::Wrote(data.len()))
                     } else {
                         Some(Pumped::NeedInput)
@@ -128,10 +125,19 @@ impl UserPlane {
 
     async fn flush(&mut self, sock: &TcpStream) -> io::Result<()> {
         if !self.out.is_empty() {
-            write_all(sock, &self.out).await?;
+            write_all(sock, self.out.filled()).await?;
             self.out.clear();
         }
+        self.out_deferrable = false;
         Ok(())
+    }
+
+    /// Before waiting for the peer: send what it may be waiting for (a KeyUpdate answer).
+    async fn flush_unless_deferrable(&mut self, sock: &TcpStream) -> io::Result<()> {
+        if self.out_deferrable {
+            return Ok(());
+        }
+        self.flush(sock).await
     }
 
     async fn fail(&mut self, sock: &TcpStream, e: rustls::Error) -> io::Error {
@@ -158,7 +164,7 @@ impl UserPlane {
             match self.pump(None, false) {
                 Err(e) => return Err(self.fail(sock, e).await),
                 Ok(Pumped::PeerClosed) => {
-                    self.flush(sock).await?;
+                    self.flush_unless_deferrable(sock).await?;
                     if self.plain.is_empty() {
                         return Ok(0);
                     }
@@ -166,7 +172,7 @@ impl UserPlane {
                 Ok(Pumped::Wrote(_)) => {}
                 Ok(Pumped::NeedInput) => {
                     // A key-update response may be waiting to go out before the peer sends more.
-                    self.flush(sock).await?;
+                    self.flush_unless_deferrable(sock).await?;
                     if !self.plain.is_empty() {
                         continue;
                     }
@@ -230,6 +236,11 @@ impl UserPlane {
             Err(e) => return Err(self.fail(sock, e).await),
         }
         self.flush(sock).await?;
+        if self.peer_closed {
+            // The peer has finished sending, so closing the socket (when the stream is
+            // dropped) sends a plain FIN; a separate shutdown(2) would only cost a syscall.
+            return Ok(());
+        }
         socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write)
     }
 }
