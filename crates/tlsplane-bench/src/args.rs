@@ -108,6 +108,10 @@ pub struct LoadArgs {
     /// Seconds of unmeasured load before measuring starts.
     #[arg(long, value_name = "SECS", default_value = "0", value_parser = parse_non_negative_secs)]
     pub warmup: f64,
+    /// Time limit per handshake cycle / per request, in seconds; exceeding
+    /// it counts as a "timeout" failure.
+    #[arg(long, value_name = "SECS", default_value = "10", value_parser = parse_positive_secs)]
+    pub timeout: f64,
     /// Print one JSON object on stdout instead of the human-readable report.
     #[arg(long)]
     pub json: bool,
@@ -236,6 +240,7 @@ pub(crate) struct Plan {
     pub engine: Engine,
     pub stop: Stop,
     pub warmup: Duration,
+    pub timeout: Duration,
     /// Base client config; each loop clones it with its own session store.
     pub config: Arc<ClientConfig>,
     /// Whether each loop gets a client session cache (resumption on).
@@ -435,6 +440,7 @@ fn common_plan(
         engine,
         stop,
         warmup: Duration::from_secs_f64(load.warmup),
+        timeout: Duration::from_secs_f64(load.timeout),
         config: Arc::new(config),
         session_cache,
         version,
@@ -554,10 +560,12 @@ mod tests {
         assert_eq!(a.load.connections, 1);
         assert_eq!(a.load.threads, 1);
         assert_eq!(a.load.warmup, 0.0);
+        assert_eq!(a.load.timeout, 10.0);
         assert_eq!(a.resume, ResumeMode::None);
         assert_eq!(a.alpn, "http/1.1");
         let (p, req) = a.plan().unwrap();
         assert_eq!(p.stop, Stop::After(Duration::from_secs(10)));
+        assert_eq!(p.timeout, Duration::from_secs(10));
         assert_eq!(p.engine, Engine::Blocking);
         assert_eq!(p.server_name.to_str(), "localhost");
         assert_eq!(p.addr, "127.0.0.1:8443".parse().unwrap());

@@ -2,17 +2,23 @@
 //! runtimes, shows progress, and collects the merged [`Stats`].
 //!
 //! Why blocking is the default whenever each loop has its own thread
-//! (`--connections` <= `--threads`, including the default 1/1): measured
-//! against nginx 1.26 on this 2-core box (client pinned with `taskset -c 1`,
-//! nginx with `taskset -c 0`, `--count 2000 --insecure-no-verify`, TLS 1.3,
-//! X25519MLKEM768, ECDSA P-256 cert), the client's CPU per handshake was
-//!   blocking std::net + rustls: see CLIENT_COST.md (~5-10 % less)
-//!   tokio current-thread + tokio-rustls: higher
-//! The difference is the reactor: per connection tokio adds epoll_ctl
-//! add/del, an extra EAGAIN read per flight and epoll_wait wake-ups, while the
-//! blocking loop is connect, write, read, write, read, shutdown, close.
-//! Tokio remains for `--connections` > `--threads`, where one thread must
-//! multiplex several loops.
+//! (`--connections` <= `--threads`, including the default 1/1): against
+//! nginx on this 2-core box (client on core 1, nginx on core 0, `--count
+//! 2000 --insecure-no-verify`, 7 interleaved runs, perf task-clock medians)
+//! the client's CPU per handshake was
+//!
+//! | mode            | blocking | tokio-rustls (current-thread) |
+//! |-----------------|----------|-------------------------------|
+//! | TLS 1.3 full    | 365 µs   | 400 µs                        |
+//! | TLS 1.2 full    | 295 µs   | 337 µs                        |
+//! | TLS 1.2 tickets | 155 µs   | 189 µs                        |
+//! | TLS 1.3 psk     | 267 µs   | 295 µs                        |
+//!
+//! The blocking cycle is 12 syscalls (socket, 3 setsockopt, connect, 3
+//! writev, 2 recvfrom, shutdown, close); tokio adds epoll_ctl add/del, 3
+//! epoll_wait and getsockopt, plus reactor and task bookkeeping. Tokio is
+//! used only for `--connections` > `--threads`, where one thread must
+//! multiplex several loops. Details: CLIENT_COST.md.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -164,6 +170,14 @@ pub(crate) fn execute(plan: &Plan, work: Work) -> Result<Outcome> {
     use std::io::IsTerminal;
     let show_progress = std::io::stderr().is_terminal();
     let throughput = matches!(work, Work::Throughput(_));
+    // aws-lc seeds its process-wide RNG on first use, which burns ~40 ms of
+    // CPU: do it before measuring so it pollutes neither the first
+    // handshake's latency nor the CPU per handshake.
+    plan.config
+        .crypto_provider()
+        .secure_random
+        .fill(&mut [0u8; 32])
+        .map_err(|e| anyhow!("seeding the RNG: {e:?}"))?;
     let started = Instant::now();
     let measure_from = started + plan.warmup;
     let ctl = Arc::new(Control::new(measure_from, plan.stop));

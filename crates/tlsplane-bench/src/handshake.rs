@@ -13,9 +13,6 @@ use crate::engine::Control;
 use crate::http::parse_head;
 use crate::stats::{Failure, Negotiated, Stats};
 
-/// Per-handshake time limit (connect start to close).
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Largest response head accepted.
 const MAX_HEAD: usize = 16 * 1024;
 
@@ -54,9 +51,8 @@ impl Cycle {
             st.response(total, body);
             bytes = body;
         }
-        match &self.failure {
-            Some(f) => st.failure(f),
-            None => {}
+        if let Some(f) = &self.failure {
+            st.failure(f);
         }
         ctl.note(self.failure.is_none(), bytes);
     }
@@ -79,19 +75,10 @@ pub(crate) fn blocking_loop(p: &HsParams, ctl: &Control, cfg: Arc<ClientConfig>)
 
 fn blocking_cycle(p: &HsParams, cfg: &Arc<ClientConfig>, buf: &mut [u8]) -> Cycle {
     let t0 = Instant::now();
-    let mut sock = match TcpStream::connect_timeout(&p.addr, p.timeout) {
+    let mut sock = match crate::net::connect(&p.addr, p.timeout) {
         Ok(s) => s,
         Err(e) => return Cycle::failed(Failure::from_connect(e)),
     };
-    // Socket timeouts bound every blocking call; a timed-out call surfaces
-    // as WouldBlock and is counted as "timeout".
-    let setup = sock
-        .set_nodelay(true)
-        .and_then(|()| sock.set_read_timeout(Some(p.timeout)))
-        .and_then(|()| sock.set_write_timeout(Some(p.timeout)));
-    if let Err(e) = setup {
-        return Cycle::failed(Failure::Io(e.kind()));
-    }
     let mut conn = match ClientConnection::new(cfg.clone(), p.server_name.clone()) {
         Ok(c) => c,
         Err(e) => return Cycle::failed(Failure::Handshake(e)),

@@ -25,6 +25,7 @@ mod cpu;
 mod engine;
 mod handshake;
 mod http;
+mod net;
 mod stats;
 mod throughput;
 mod tls;
@@ -36,7 +37,6 @@ use anyhow::Result;
 pub use args::{
     EngineChoice, Group, HandshakeArgs, LoadArgs, ResumeMode, ThroughputArgs, TlsArgs, TlsVersion,
 };
-pub use handshake::HANDSHAKE_TIMEOUT;
 pub use stats::{Latency, Report};
 
 use engine::{execute, Work};
@@ -73,7 +73,7 @@ pub fn run_handshake(a: &HandshakeArgs) -> Result<Report> {
         addr: plan.addr,
         server_name: plan.server_name.clone(),
         request,
-        timeout: HANDSHAKE_TIMEOUT,
+        timeout: plan.timeout,
     });
     let out = execute(&plan, Work::Handshake(params))?;
     Ok(Report::build(
@@ -98,7 +98,7 @@ pub fn run_throughput(a: &ThroughputArgs) -> Result<Report> {
         server_name: plan.server_name.clone(),
         request,
         sha256: a.verify_sha256,
-        timeout: HANDSHAKE_TIMEOUT,
+        timeout: plan.timeout,
     });
     let out = execute(&plan, Work::Throughput(params))?;
     Ok(Report::build(

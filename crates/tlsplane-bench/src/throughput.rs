@@ -4,7 +4,10 @@
 //! response is read into one reused 64 KiB buffer per connection loop and
 //! discarded (or hashed for `--verify-sha256`). The socket is wrapped in a
 //! 64 KiB read buffer because rustls asks for 4 KiB per `read_tls`, which
-//! would otherwise cost ~4 read syscalls per 16 KiB record.
+//! would otherwise cost ~4 read syscalls per 16 KiB record (against nginx,
+//! 1 MiB body, one connection: 0.92-0.95 client CPU s/GB with the buffer,
+//! 0.97-1.15 without). Most of the remaining cost is AES-GCM and rustls'
+//! own plaintext copies.
 
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -119,11 +122,7 @@ fn blocking_connect(
     p: &TpParams,
     cfg: &Arc<ClientConfig>,
 ) -> Result<(ClientConnection, BufSock), Failure> {
-    let sock = TcpStream::connect_timeout(&p.addr, p.timeout).map_err(Failure::from_connect)?;
-    sock.set_nodelay(true)
-        .and_then(|()| sock.set_read_timeout(Some(p.timeout)))
-        .and_then(|()| sock.set_write_timeout(Some(p.timeout)))
-        .map_err(|e| Failure::Io(e.kind()))?;
+    let sock = crate::net::connect(&p.addr, p.timeout).map_err(Failure::from_connect)?;
     let mut sock = BufSock(BufReader::with_capacity(BUF_SIZE, sock));
     let mut conn =
         ClientConnection::new(cfg.clone(), p.server_name.clone()).map_err(Failure::Handshake)?;
@@ -223,7 +222,11 @@ pub(crate) fn blocking_loop(p: &TpParams, ctl: &Control, cfg: Arc<ClientConfig>)
                     st.failure(&f);
                     ctl.note(false, 0);
                 }
-                open = None;
+                // After a digest mismatch the whole body was read: the
+                // connection is still usable. Anything else: reconnect.
+                if !matches!(f, Failure::Sha256Mismatch) {
+                    open = None;
+                }
             }
         }
     }
@@ -348,7 +351,11 @@ pub(crate) async fn tokio_loop(
                     st.failure(&f);
                     ctl.note(false, 0);
                 }
-                open = None;
+                // After a digest mismatch the whole body was read: the
+                // connection is still usable. Anything else: reconnect.
+                if !matches!(f, Failure::Sha256Mismatch) {
+                    open = None;
+                }
             }
         }
     }

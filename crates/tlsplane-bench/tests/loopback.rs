@@ -369,3 +369,35 @@ fn throughput_reads_and_verifies_bodies() {
     );
     assert_eq!(r.versions.keys().collect::<Vec<_>>(), vec!["TLSv1.2"]);
 }
+
+#[test]
+fn silent_server_times_out() {
+    // Accepts connections (kernel backlog) but never answers the ClientHello.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let target = silent.local_addr().unwrap().to_string();
+    for engine in ["blocking", "tokio"] {
+        let t0 = std::time::Instant::now();
+        let r = bench(&[
+            "bench",
+            "handshake",
+            &target,
+            "--insecure-no-verify",
+            "--count",
+            "2",
+            "--timeout",
+            "0.3",
+            "--engine",
+            engine,
+        ]);
+        assert_eq!(
+            r.failures.get("timeout"),
+            Some(&2),
+            "{engine}: {:?}",
+            r.failures
+        );
+        assert_eq!(r.handshakes, 0);
+        let took = t0.elapsed().as_secs_f64();
+        assert!((0.55..3.0).contains(&took), "{engine}: {took}");
+    }
+    drop(silent);
+}

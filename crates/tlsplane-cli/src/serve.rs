@@ -98,10 +98,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             let dir = tlsplane::cert::default_state_dir();
             let g = tlsplane::cert::ensure_localhost_cert(&dir)?;
             eprintln!(
-                "certificate: {} ({} self-signed for localhost, 127.0.0.1, ::1; e.g. curl --cacert {} https://localhost:PORT/)",
+                "certificate: {} ({} for localhost, 127.0.0.1, ::1, issued by a local CA; trust it with e.g. curl --cacert {} https://localhost:PORT/)",
                 g.cert.display(),
                 if g.created { "generated" } else { "reusing" },
-                g.cert.display()
+                g.ca.display()
             );
             tlsplane::cert::load_pem(&g.cert, &g.key)?
         }

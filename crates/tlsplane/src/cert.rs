@@ -47,30 +47,48 @@ pub fn default_state_dir() -> PathBuf {
     home.join(".local/state/tlsplane")
 }
 
-/// Paths of a generated certificate and key.
+/// Paths of a generated certificate, its key and the CA that signed it.
 #[derive(Debug, Clone)]
 pub struct GeneratedPaths {
+    /// Trust anchor for clients (`curl --cacert`).
+    pub ca: PathBuf,
     pub cert: PathBuf,
     pub key: PathBuf,
-    /// False when an existing pair was reused.
+    /// False when an existing set was reused.
     pub created: bool,
 }
 
-/// Returns a self-signed ECDSA P-256 certificate for localhost, 127.0.0.1 and ::1 in `dir`,
-/// generating it the first time and reusing it afterwards (so `curl --cacert` keeps working
-/// across restarts). The key file is created with mode 0600.
+/// Returns an ECDSA P-256 certificate for localhost, 127.0.0.1 and ::1 in `dir`, issued by a
+/// local CA made for the purpose, generating both the first time and reusing them afterwards
+/// (so `curl --cacert` keeps working across restarts). Two levels rather than one self-signed
+/// certificate because verifiers disagree about the latter: webpki refuses a CA certificate as
+/// a server certificate, and OpenSSL refuses a self-signed leaf that is not a CA. The CA's key
+/// is not kept, so it cannot issue anything else. Key files are created with mode 0600.
 pub fn ensure_localhost_cert(dir: &Path) -> Result<GeneratedPaths, Error> {
+    let ca = dir.join("localhost-ca.pem");
     let cert = dir.join("localhost-cert.pem");
     let key = dir.join("localhost-key.pem");
-    if cert.exists() && key.exists() {
-        return Ok(GeneratedPaths { cert, key, created: false });
+    if ca.exists() && cert.exists() && key.exists() {
+        return Ok(GeneratedPaths { ca, cert, key, created: false });
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::Config(format!("cannot create {}: {e}", dir.display())))?;
+    let gen_err = |e: rcgen::Error| Error::Config(format!("certificate generation failed: {e}"));
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(gen_err)?;
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
+    ca_params.distinguished_name.push(rcgen::DnType::CommonName, "tlsplane local CA");
+    ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
+    let ca_key = rcgen::KeyPair::generate().map_err(gen_err)?;
+    let ca_cert = ca_params.self_signed(&ca_key).map_err(gen_err)?;
     let names = vec!["localhost".to_string(), "127.0.0.1".to_string(), "::1".to_string()];
-    let ck = rcgen::generate_simple_self_signed(names).map_err(|e| Error::Config(format!("certificate generation failed: {e}")))?;
-    write_private(&key, ck.key_pair.serialize_pem().as_bytes())?;
-    std::fs::write(&cert, ck.cert.pem()).map_err(|e| Error::Config(format!("cannot write {}: {e}", cert.display())))?;
-    Ok(GeneratedPaths { cert, key, created: true })
+    let mut leaf_params = rcgen::CertificateParams::new(names).map_err(gen_err)?;
+    leaf_params.distinguished_name.push(rcgen::DnType::CommonName, "localhost");
+    leaf_params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    let leaf_key = rcgen::KeyPair::generate().map_err(gen_err)?;
+    let leaf_cert = leaf_params.signed_by(&leaf_key, &ca_cert, &ca_key).map_err(gen_err)?;
+    write_private(&key, leaf_key.serialize_pem().as_bytes())?;
+    std::fs::write(&cert, leaf_cert.pem()).map_err(|e| Error::Config(format!("cannot write {}: {e}", cert.display())))?;
+    std::fs::write(&ca, ca_cert.pem()).map_err(|e| Error::Config(format!("cannot write {}: {e}", ca.display())))?;
+    Ok(GeneratedPaths { ca, cert, key, created: true })
 }
 
 fn write_private(path: &Path, bytes: &[u8]) -> Result<(), Error> {
@@ -89,6 +107,7 @@ fn write_private(path: &Path, bytes: &[u8]) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rustls::client::danger::ServerCertVerifier as _;
 
     #[test]
     fn generated_cert_is_reused_and_loads() {
@@ -100,6 +119,16 @@ mod tests {
         assert!(!again.created);
         assert_eq!(std::fs::read(&first.cert).unwrap(), std::fs::read(&again.cert).unwrap());
         load_pem(&first.cert, &first.key).unwrap();
+        // The leaf verifies against the CA file with webpki (what rustls clients use).
+        let ca = CertificateDer::from_pem_file(&first.ca).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ca).unwrap();
+        let leaf = CertificateDer::from_pem_file(&first.cert).unwrap();
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(std::sync::Arc::new(roots), std::sync::Arc::new(crate::config::crypto_provider())).build().unwrap();
+        let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+        verifier.verify_server_cert(&leaf, &[], &name, &[], rustls_pki_types::UnixTime::now()).unwrap();
+        let ip = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+        verifier.verify_server_cert(&leaf, &[], &ip, &[], rustls_pki_types::UnixTime::now()).unwrap();
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(std::fs::metadata(&first.key).unwrap().permissions().mode() & 0o777, 0o600);
         std::fs::remove_dir_all(&dir).unwrap();

@@ -1,11 +1,13 @@
 //! Drives rustls' unbuffered server connection through the handshake.
 //!
-//! Reads are *exact*: we never read past the end of the TLS record rustls is waiting for. When
-//! the handshake completes, every byte the client sent after its Finished (typically the first
-//! HTTP request, in the same TCP segment) is therefore still in the socket, where the kernel
-//! plane will decrypt it with the sequence number rustls hands over. This costs a few more
-//! `read` calls per handshake but makes the hand-off byte-exact by construction rather than by
-//! replaying buffered plaintext.
+//! Reads are greedy (one `read` per flight). A client usually sends its first request in the
+//! same segment as its Finished, so when the handshake completes our buffer may already hold
+//! records that follow it, the last one possibly cut short. Before the kernel takes the
+//! connection, [`settle`] reads exactly the rest of that last record (never beyond), lets
+//! rustls decrypt everything buffered, and keeps the plaintext for the application: the socket
+//! then sits on a record boundary and the sequence number rustls hands over counts every record
+//! it decrypted. (An earlier version read record by record during the handshake; that was
+//! byte-exact too, but cost four extra `read` calls per handshake.)
 
 use std::io;
 
@@ -40,10 +42,9 @@ impl Incoming {
         }
     }
 
-    /// How far the buffer must be filled for rustls to make progress: to the end of the first
-    /// incomplete record, or to the end of the next header when every buffered record is whole
-    /// (rustls keeps a handshake message split over records in our buffer until it is whole).
-    /// Also returns where that record's header starts.
+    /// Where the first incomplete record starts and how far the buffer must be filled to
+    /// complete it (its header first, if even that is cut). When every buffered record is
+    /// whole, the start is the end of the buffer.
     fn next_boundary(&self) -> (usize, usize) {
         let mut pos = 0;
         while pos + HEADER_LEN <= self.used {
@@ -56,11 +57,12 @@ impl Incoming {
         (pos, pos + HEADER_LEN)
     }
 
-    /// Reads until the next record boundary, never beyond it. Returns false on EOF.
-    async fn read_to_record_boundary(&mut self, sock: &TcpStream) -> io::Result<bool> {
+    /// If the last buffered record is incomplete, reads exactly its missing bytes (header
+    /// first), never beyond it. Returns false on EOF.
+    async fn complete_last_record(&mut self, sock: &TcpStream) -> io::Result<bool> {
         loop {
             let (start, need) = self.next_boundary();
-            if self.used >= need {
+            if start == self.used || self.used >= need {
                 return Ok(true);
             }
             if self.buf.len() < need {
@@ -71,11 +73,6 @@ impl Incoming {
                 return Ok(false);
             }
             self.used += n;
-            // Let rustls judge a header as soon as it is complete: garbage in place of a
-            // ClientHello is rejected after 5 bytes instead of waiting for a bogus length.
-            if self.used == start + HEADER_LEN || self.used == need {
-                return Ok(true);
-            }
         }
     }
 
@@ -151,7 +148,7 @@ pub(crate) async fn flush_alert(conn: &mut UnbufferedServerConnection, sock: &Tc
 
 /// Runs the handshake to completion. On return rustls has consumed every byte read.
 ///
-/// What rustls produced after the handshake completed (TLS 1.3 session tickets) is returned
+/// What rustls produced after a TLS 1.3 handshake completed (session tickets) is returned
 /// unsent: the client does not wait for it, so the user plane sends it with the first response
 /// (or the close_notify) in one write instead of a write of its own; the kernel plane must
 /// write it before it installs the keys.
@@ -178,7 +175,10 @@ pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStrea
             Ok(ConnectionState::TransmitTlsData(t)) => {
                 // We own the bytes in `out` from here on and write them before reading again.
                 t.done();
-                if conn.is_handshaking() {
+                // Once a TLS 1.3 handshake is complete, rustls only emits session tickets,
+                // which the client does not wait for. A TLS 1.2 server's last flight carries
+                // its Finished, which the client does wait for: always send that now.
+                if conn.is_handshaking() || conn.protocol_version() != Some(rustls::ProtocolVersion::TLSv1_3) {
                     Next::Flush
                 } else {
                     Next::Continue
@@ -216,11 +216,82 @@ pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStrea
                     write_all(sock, out.filled()).await?;
                     out.clear();
                 }
-                if !incoming.read_to_record_boundary(sock).await? {
+                if incoming.read_more(sock).await? == 0 {
                     return Err(Error::PeerClosedInHandshake);
                 }
             }
             Next::Done => return Ok(out),
+        }
+    }
+}
+
+/// What [`settle`] found after the handshake.
+pub(crate) struct Settled {
+    /// Application data the client sent with or after its Finished, decrypted by rustls.
+    pub(crate) plain: Vec<u8>,
+    /// The client already sent close_notify.
+    pub(crate) peer_closed: bool,
+}
+
+/// Brings the connection to a record boundary before the kernel takes it: completes a record
+/// cut short in our buffer (exact read), then lets rustls decrypt every buffered record.
+/// Anything rustls wants to send in reply is appended to `out`. On return `incoming` is empty
+/// unless rustls could not consume it (the caller then keeps the connection in user space).
+pub(crate) async fn settle(conn: &mut UnbufferedServerConnection, sock: &TcpStream, incoming: &mut Incoming, out: &mut OutBuf) -> Result<Settled, Error> {
+    let mut settled = Settled { plain: Vec::new(), peer_closed: false };
+    if incoming.used == 0 {
+        return Ok(settled);
+    }
+    if !incoming.complete_last_record(sock).await? {
+        return Err(Error::Io(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed in the middle of a record")));
+    }
+    loop {
+        let UnbufferedStatus { mut discard, state } = conn.process_tls_records(&mut incoming.buf[..incoming.used]);
+        let mut failed = None;
+        let stop = match state {
+            Err(e) => {
+                failed = Some(e);
+                true
+            }
+            Ok(ConnectionState::ReadTraffic(mut r)) => {
+                while let Some(rec) = r.next_record() {
+                    match rec {
+                        Ok(rec) => {
+                            discard += rec.discard;
+                            settled.plain.extend_from_slice(rec.payload);
+                        }
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                }
+                failed.is_some()
+            }
+            Ok(ConnectionState::EncodeTlsData(mut e)) => {
+                encode_into(&mut e, out)?;
+                false
+            }
+            Ok(ConnectionState::TransmitTlsData(t)) => {
+                t.done();
+                false
+            }
+            Ok(ConnectionState::PeerClosed) => {
+                settled.peer_closed = true;
+                false
+            }
+            Ok(_) => true,
+        };
+        incoming.discard(discard);
+        if let Some(e) = failed {
+            if !out.is_empty() {
+                let _ = write_all(sock, out.filled()).await;
+            }
+            flush_alert(conn, sock).await;
+            return Err(Error::Protocol(e));
+        }
+        if stop {
+            return Ok(settled);
         }
     }
 }

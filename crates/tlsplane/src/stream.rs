@@ -81,20 +81,26 @@ impl Acceptor {
         };
 
         let kernel = kernel_suite(version, suite);
-        let fallback = if self.policy == DataPlanePolicy::User {
+        let mut deferred = deferred;
+        let mut fallback = if self.policy == DataPlanePolicy::User {
             Some(FallbackReason::Policy)
         } else if !self.kernel.ulp {
             Some(FallbackReason::NoUlp)
         } else if !kernel.is_some_and(|(v, c)| self.kernel.supports(v, c)) {
             Some(FallbackReason::Suite)
-        } else if incoming.used > 0 {
-            Some(FallbackReason::Buffered)
-        } else if let Err(e) = tlsplane_sys::attach_tls_ulp(std::os::fd::AsFd::as_fd(&sock)) {
-            tracing::debug!(error = %e, "TCP_ULP tls failed on this socket");
-            Some(FallbackReason::UlpAttach)
         } else {
             None
         };
+        let mut settled = handshake::Settled { plain: Vec::new(), peer_closed: false };
+        if fallback.is_none() {
+            settled = handshake::settle(&mut conn, &sock, &mut incoming, &mut deferred).await?;
+            if incoming.used > 0 {
+                fallback = Some(FallbackReason::Buffered);
+            } else if let Err(e) = tlsplane_sys::attach_tls_ulp(std::os::fd::AsFd::as_fd(&sock)) {
+                tracing::debug!(error = %e, "TCP_ULP tls failed on this socket");
+                fallback = Some(FallbackReason::UlpAttach);
+            }
+        }
 
         let plane = match (fallback, kernel) {
             (None, Some((v, _))) => {
@@ -103,7 +109,7 @@ impl Acceptor {
                     // Records rustls encrypted itself must precede anything the kernel sends.
                     handshake::write_all(&sock, deferred.filled()).await?;
                 }
-                match KernelPlane::install(conn, &sock, v, limit, self.kernel.tls13_rekey) {
+                match KernelPlane::install(conn, &sock, v, limit, self.kernel.tls13_rekey, settled) {
                     Ok(k) => {
                         bump(&global().plane_kernel);
                         info.plane = PlaneKind::Kernel;
@@ -120,7 +126,7 @@ impl Acceptor {
                 let reason = reason.unwrap_or(FallbackReason::Suite);
                 if self.policy == DataPlanePolicy::Kernel {
                     bump(&global().kernel_required_refused);
-                    let mut user = UserPlane::new(conn, incoming, deferred);
+                    let mut user = UserPlane::new(conn, incoming, deferred, settled.plain);
                     let _ = user.shutdown(&sock).await;
                     return Err(Error::KernelRequired(reason.as_str()));
                 }
@@ -135,7 +141,7 @@ impl Acceptor {
                 if reason != FallbackReason::Policy {
                     info.fallback = Some(reason);
                 }
-                Plane::User(Box::new(UserPlane::new(conn, incoming, deferred)))
+                Plane::User(Box::new(UserPlane::new(conn, incoming, deferred, settled.plain)))
             }
         };
         info.handshake_time = started.elapsed();

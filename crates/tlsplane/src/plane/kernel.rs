@@ -73,6 +73,9 @@ pub(crate) struct KernelPlane {
     rekey: bool,
     read_closed: bool,
     write_closed: bool,
+    /// Application data rustls decrypted before the hand-off; delivered before the kernel's.
+    early: Vec<u8>,
+    early_pos: usize,
 }
 
 impl KernelPlane {
@@ -85,6 +88,7 @@ impl KernelPlane {
         version: TlsVersion,
         tx_limit: u64,
         rekey: bool,
+        settled: crate::handshake::Settled,
     ) -> Result<Self, Error> {
         let (secrets, kconn) = conn.dangerous_into_kernel_connection()?;
         let tx = crypto_info(version, &secrets.tx.1, secrets.tx.0, Direction::Tx)?;
@@ -92,7 +96,17 @@ impl KernelPlane {
         drop(secrets);
         sys::set_crypto_info(sock.as_fd(), Direction::Tx, &tx)?;
         sys::set_crypto_info(sock.as_fd(), Direction::Rx, &rx)?;
-        Ok(Self { kconn, version, tx_records: 0, tx_limit, rekey, read_closed: false, write_closed: false })
+        Ok(Self {
+            kconn,
+            version,
+            tx_records: 0,
+            tx_limit,
+            rekey,
+            read_closed: settled.peer_closed,
+            write_closed: false,
+            early: settled.plain,
+            early_pos: 0,
+        })
     }
 
     /// Reads application data. Control records are handled here: close_notify is EOF, a fatal
@@ -102,6 +116,16 @@ impl KernelPlane {
         // Control records are a few bytes; a tiny caller buffer would split them. Callers of
         // this crate read into buffers of at least this size (TlsStream guarantees it).
         debug_assert!(buf.len() >= 64);
+        if self.early_pos < self.early.len() {
+            let n = buf.len().min(self.early.len() - self.early_pos);
+            buf[..n].copy_from_slice(&self.early[self.early_pos..self.early_pos + n]);
+            self.early_pos += n;
+            if self.early_pos == self.early.len() {
+                self.early = Vec::new();
+                self.early_pos = 0;
+            }
+            return Ok(n);
+        }
         loop {
             if self.read_closed || buf.is_empty() {
                 return Ok(0);

@@ -49,9 +49,10 @@ pub(crate) struct UserPlane {
 }
 
 impl UserPlane {
-    /// `pending` is TLS output from the handshake that has not been written yet.
-    pub(crate) fn new(conn: UnbufferedServerConnection, incoming: Incoming, pending: OutBuf) -> Self {
-        Self { conn, incoming, out_deferrable: !pending.is_empty(), out: pending, plain: Vec::new(), plain_pos: 0, file_buf: Vec::new(), peer_closed: false }
+    /// `pending` is TLS output from the handshake that has not been written yet, `plain`
+    /// application data already decrypted.
+    pub(crate) fn new(conn: UnbufferedServerConnection, incoming: Incoming, pending: OutBuf, plain: Vec<u8>) -> Self {
+        Self { conn, incoming, out_deferrable: !pending.is_empty(), out: pending, plain, plain_pos: 0, file_buf: Vec::new(), peer_closed: false }
     }
 
     /// One step of rustls over what we have buffered. Decrypted data goes to `plain`, TLS
