@@ -146,14 +146,23 @@ pub(crate) async fn flush_alert(conn: &mut UnbufferedServerConnection, sock: &Tc
     }
 }
 
+/// What [`drive`] leaves for the data plane.
+pub(crate) struct Driven {
+    /// TLS output not written yet (see [`drive`]).
+    pub(crate) unsent: OutBuf,
+    /// The client sent close_notify right after the handshake.
+    pub(crate) peer_closed: bool,
+}
+
 /// Runs the handshake to completion. On return rustls has consumed every byte read.
 ///
 /// What rustls produced after a TLS 1.3 handshake completed (session tickets) is returned
 /// unsent: the client does not wait for it, so the user plane sends it with the first response
 /// (or the close_notify) in one write instead of a write of its own; the kernel plane must
 /// write it before it installs the keys.
-pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStream, incoming: &mut Incoming) -> Result<OutBuf, Error> {
+pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStream, incoming: &mut Incoming) -> Result<Driven, Error> {
     let mut out = OutBuf::new();
+    let mut peer_closed = false;
     loop {
         let UnbufferedStatus { discard, state } = conn.process_tls_records(&mut incoming.buf[..incoming.used]);
         enum Next {
@@ -196,8 +205,14 @@ pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStrea
             }
             Ok(ConnectionState::ReadTraffic(_)) => Next::Done,
             Ok(ConnectionState::PeerClosed) | Ok(ConnectionState::Closed) => {
-                incoming.discard(discard);
-                return Err(Error::PeerClosedInHandshake);
+                if conn.is_handshaking() {
+                    incoming.discard(discard);
+                    return Err(Error::PeerClosedInHandshake);
+                }
+                // A client that only wanted the handshake sends close_notify right after its
+                // Finished, often in the same segment.
+                peer_closed = true;
+                Next::Done
             }
             Ok(_) => {
                 incoming.discard(discard);
@@ -220,7 +235,7 @@ pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStrea
                     return Err(Error::PeerClosedInHandshake);
                 }
             }
-            Next::Done => return Ok(out),
+            Next::Done => return Ok(Driven { unsent: out, peer_closed }),
         }
     }
 }

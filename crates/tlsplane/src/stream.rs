@@ -53,7 +53,7 @@ impl Acceptor {
         let started = Instant::now();
         let mut conn = UnbufferedServerConnection::new(self.config.clone())?;
         let mut incoming = Incoming::new();
-        let deferred = match handshake::drive(&mut conn, &sock, &mut incoming).await {
+        let driven = match handshake::drive(&mut conn, &sock, &mut incoming).await {
             Ok(d) => d,
             Err(e) => {
                 bump(&global().handshake_failures);
@@ -81,7 +81,10 @@ impl Acceptor {
         };
 
         let kernel = kernel_suite(version, suite);
-        let mut deferred = deferred;
+        let mut deferred = driven.unsent;
+        if driven.peer_closed {
+            bump(&global().close_notify_received);
+        }
         let mut fallback = if self.policy == DataPlanePolicy::User {
             Some(FallbackReason::Policy)
         } else if !self.kernel.ulp {
@@ -91,8 +94,8 @@ impl Acceptor {
         } else {
             None
         };
-        let mut settled = handshake::Settled { plain: Vec::new(), peer_closed: false };
-        if fallback.is_none() {
+        let mut settled = handshake::Settled { plain: Vec::new(), peer_closed: driven.peer_closed };
+        if fallback.is_none() && !driven.peer_closed {
             settled = handshake::settle(&mut conn, &sock, &mut incoming, &mut deferred).await?;
             if incoming.used > 0 {
                 fallback = Some(FallbackReason::Buffered);
@@ -126,7 +129,7 @@ impl Acceptor {
                 let reason = reason.unwrap_or(FallbackReason::Suite);
                 if self.policy == DataPlanePolicy::Kernel {
                     bump(&global().kernel_required_refused);
-                    let mut user = UserPlane::new(conn, incoming, deferred, settled.plain);
+                    let mut user = UserPlane::new(conn, incoming, deferred, settled);
                     let _ = user.shutdown(&sock).await;
                     return Err(Error::KernelRequired(reason.as_str()));
                 }
@@ -141,7 +144,7 @@ impl Acceptor {
                 if reason != FallbackReason::Policy {
                     info.fallback = Some(reason);
                 }
-                Plane::User(Box::new(UserPlane::new(conn, incoming, deferred, settled.plain)))
+                Plane::User(Box::new(UserPlane::new(conn, incoming, deferred, settled)))
             }
         };
         info.handshake_time = started.elapsed();

@@ -51,8 +51,8 @@ pub(crate) struct UserPlane {
 impl UserPlane {
     /// `pending` is TLS output from the handshake that has not been written yet, `plain`
     /// application data already decrypted.
-    pub(crate) fn new(conn: UnbufferedServerConnection, incoming: Incoming, pending: OutBuf, plain: Vec<u8>) -> Self {
-        Self { conn, incoming, out_deferrable: !pending.is_empty(), out: pending, plain, plain_pos: 0, file_buf: Vec::new(), peer_closed: false }
+    pub(crate) fn new(conn: UnbufferedServerConnection, incoming: Incoming, pending: OutBuf, settled: crate::handshake::Settled) -> Self {
+        Self { conn, incoming, out_deferrable: !pending.is_empty(), out: pending, plain: settled.plain, plain_pos: 0, file_buf: Vec::new(), peer_closed: settled.peer_closed }
     }
 
     /// One step of rustls over what we have buffered. Decrypted data goes to `plain`, TLS
@@ -159,7 +159,8 @@ impl UserPlane {
                 }
                 return Ok(n);
             }
-            if buf.is_empty() {
+            if buf.is_empty() || self.peer_closed {
+                // After close_notify nothing more can come; don't wait for the peer's FIN.
                 return Ok(0);
             }
             match self.pump(None, false) {
