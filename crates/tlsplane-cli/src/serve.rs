@@ -186,6 +186,9 @@ fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
         s.set_only_v6(true)?;
     }
     s.set_nonblocking(true)?;
+    // Accepted sockets inherit TCP_NODELAY from the listener: one setsockopt per listener
+    // instead of one per connection.
+    s.set_nodelay(true)?;
     s.bind(&addr.into())?;
     s.listen(1024)?;
     Ok(s.into())
@@ -254,7 +257,6 @@ async fn connection(tcp: tokio::net::TcpStream, peer: SocketAddr, shared: Arc<Sh
     shared.in_flight.fetch_add(1, Relaxed);
     let _guard = InFlight(&shared.in_flight);
     shared.stats.connections.fetch_add(1, Relaxed);
-    let _ = tcp.set_nodelay(true);
     let args = &shared.args;
     let tls = match tokio::time::timeout(Duration::from_secs(args.handshake_timeout), shared.acceptor.accept(tcp)).await {
         Ok(Ok(t)) => t,
@@ -318,7 +320,7 @@ async fn http_loop(mut tls: TlsStream, peer: SocketAddr, shared: &Shared, stop: 
                 match read {
                     Ok(Ok(0)) => {
                         // Peer finished (close_notify or FIN); answer its close_notify.
-                        let _ = tls.shutdown().await;
+                        let _ = tls.close().await;
                         return Ok(());
                     }
                     Ok(Ok(n)) => used += n,

@@ -216,6 +216,16 @@ impl TlsStream {
         }
     }
 
+    /// Ends the connection: close_notify, then the socket is closed. Prefer this over
+    /// [`TlsStream::shutdown`] + drop when nothing more will be read: it saves a packet.
+    pub async fn close(mut self) -> io::Result<()> {
+        match &mut self.plane {
+            Plane::User(u) => u.close(&self.sock).await,
+            // kTLS keeps a MSG_MORE record open and may drop it at close; no shortcut here.
+            Plane::Kernel(k) => k.shutdown(&self.sock).await,
+        }
+    }
+
     /// Sends close_notify and shuts down the write side of TCP.
     pub async fn shutdown(&mut self) -> io::Result<()> {
         match &mut self.plane {

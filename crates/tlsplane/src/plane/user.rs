@@ -232,6 +232,29 @@ impl UserPlane {
         res
     }
 
+    /// close_notify for a connection about to be closed. When the peer has finished sending,
+    /// the alert goes out with MSG_MORE so that the FIN of the close(2) that follows rides in
+    /// the same segment (one loopback/wire packet less per connection).
+    pub(crate) async fn close(&mut self, sock: &TcpStream) -> io::Result<()> {
+        if !self.peer_closed {
+            return self.shutdown(sock).await;
+        }
+        if let Err(e) = self.pump(None, true) {
+            return Err(self.fail(sock, e).await);
+        }
+        let mut data = self.out.filled();
+        while !data.is_empty() {
+            sock.writable().await?;
+            match sock.try_io(tokio::io::Interest::WRITABLE, || tlsplane_sys::send_more(std::os::fd::AsFd::as_fd(sock), data)) {
+                Ok(n) => data = &data[n..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        self.out.clear();
+        Ok(())
+    }
+
     pub(crate) async fn shutdown(&mut self, sock: &TcpStream) -> io::Result<()> {
         match self.pump(None, true) {
             Ok(_) => {}
