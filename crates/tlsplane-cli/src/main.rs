@@ -25,8 +25,13 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_env("TLSPLANE_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TLSPLANE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
     let result = match cli.command {
         Command::Serve(args) => serve::run(args),
         Command::Bench(cmd) => tlsplane_bench::run(cmd),

@@ -91,7 +91,8 @@ struct Shared {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let root = DocRoot::new(&args.dir, args.allow_symlinks_outside).with_context(|| format!("cannot serve {}", args.dir.display()))?;
+    let root = DocRoot::new(&args.dir, args.allow_symlinks_outside)
+        .with_context(|| format!("cannot serve {}", args.dir.display()))?;
     let cert = match (&args.cert, &args.key) {
         (Some(c), Some(k)) => tlsplane::cert::load_pem(c, k)?,
         _ => {
@@ -111,15 +112,27 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     opts.tls13_tickets = args.tls13_tickets;
     opts.aead_record_limit = args.aead_record_limit;
     let acceptor = Acceptor::new(opts)?;
-    eprintln!("data plane: {} ({})", args.data_plane, acceptor.kernel_support().reason);
+    eprintln!(
+        "data plane: {} ({})",
+        args.data_plane,
+        acceptor.kernel_support().reason
+    );
 
-    let workers = args.workers.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).max(1);
+    let workers = args
+        .workers
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        })
+        .max(1);
     if args.listen.is_empty() {
         bail!("no --listen address");
     }
     // Bind everything before starting workers so that address errors stop start-up, and so
     // that port 0 resolves once and every worker shares the port.
-    let mut per_worker: Vec<Vec<std::net::TcpListener>> = (0..workers).map(|_| Vec::new()).collect();
+    let mut per_worker: Vec<Vec<std::net::TcpListener>> =
+        (0..workers).map(|_| Vec::new()).collect();
     for addr in &args.listen {
         let mut actual = *addr;
         for (i, slot) in per_worker.iter_mut().enumerate() {
@@ -132,16 +145,29 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
 
-    let shared = Arc::new(Shared { acceptor, root, limits: Limits::default(), stats: HttpStats::default(), in_flight: AtomicUsize::new(0), args: args.clone() });
+    let shared = Arc::new(Shared {
+        acceptor,
+        root,
+        limits: Limits::default(),
+        stats: HttpStats::default(),
+        in_flight: AtomicUsize::new(0),
+        args: args.clone(),
+    });
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut threads = Vec::new();
     for (i, listeners) in per_worker.into_iter().enumerate() {
         let shared = shared.clone();
         let stop = stop_rx.clone();
-        threads.push(std::thread::Builder::new().name(format!("worker-{i}")).spawn(move || worker(listeners, shared, stop))?);
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("worker-{i}"))
+                .spawn(move || worker(listeners, shared, stop))?,
+        );
     }
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate())?;
@@ -152,7 +178,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         anyhow::Ok(())
     })?;
-    eprintln!("shutting down: no new connections; in-flight responses get {} s", args.shutdown_grace);
+    eprintln!(
+        "shutting down: no new connections; in-flight responses get {} s",
+        args.shutdown_grace
+    );
     let _ = stop_tx.send(true);
     for t in threads {
         let _ = t.join();
@@ -195,7 +224,10 @@ fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 }
 
 fn worker(listeners: Vec<std::net::TcpListener>, shared: Arc<Shared>, stop: watch::Receiver<bool>) {
-    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             tracing::error!(error = %e, "worker runtime failed to start");
@@ -253,12 +285,22 @@ impl Drop for InFlight<'_> {
     }
 }
 
-async fn connection(tcp: tokio::net::TcpStream, peer: SocketAddr, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+async fn connection(
+    tcp: tokio::net::TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
     shared.in_flight.fetch_add(1, Relaxed);
     let _guard = InFlight(&shared.in_flight);
     shared.stats.connections.fetch_add(1, Relaxed);
     let args = &shared.args;
-    let tls = match tokio::time::timeout(Duration::from_secs(args.handshake_timeout), shared.acceptor.accept(tcp)).await {
+    let tls = match tokio::time::timeout(
+        Duration::from_secs(args.handshake_timeout),
+        shared.acceptor.accept(tcp),
+    )
+    .await
+    {
         Ok(Ok(t)) => t,
         Ok(Err(e)) => {
             shared.stats.handshake_errors.fetch_add(1, Relaxed);
@@ -277,7 +319,12 @@ async fn connection(tcp: tokio::net::TcpStream, peer: SocketAddr, shared: Arc<Sh
     }
 }
 
-async fn http_loop(mut tls: TlsStream, peer: SocketAddr, shared: &Shared, stop: &mut watch::Receiver<bool>) -> std::io::Result<()> {
+async fn http_loop(
+    mut tls: TlsStream,
+    peer: SocketAddr,
+    shared: &Shared,
+    stop: &mut watch::Receiver<bool>,
+) -> std::io::Result<()> {
     let args = &shared.args;
     let mut buf = vec![0u8; shared.limits.max_head_bytes + 1024];
     let mut used = 0usize;
@@ -309,7 +356,11 @@ async fn http_loop(mut tls: TlsStream, peer: SocketAddr, shared: &Shared, stop: 
                     send_response(&mut tls, &resp).await?;
                     return tls.shutdown().await;
                 }
-                let wait = if used == 0 { args.idle_timeout } else { args.header_timeout };
+                let wait = if used == 0 {
+                    args.idle_timeout
+                } else {
+                    args.header_timeout
+                };
                 let read = tokio::select! {
                     r = tokio::time::timeout(Duration::from_secs(wait), tls.read(&mut buf[used..])) => r,
                     _ = stop.changed(), if used == 0 && !*stop.borrow() => {
@@ -351,7 +402,11 @@ async fn http_loop(mut tls: TlsStream, peer: SocketAddr, shared: &Shared, stop: 
     }
 }
 
-fn with_close(_resp: tlsplane_http::Response, request: &tlsplane_http::Request, root: &DocRoot) -> tlsplane_http::Response {
+fn with_close(
+    _resp: tlsplane_http::Response,
+    request: &tlsplane_http::Request,
+    root: &DocRoot,
+) -> tlsplane_http::Response {
     let mut req = request.clone();
     req.keep_alive = false;
     respond(&req, root, SystemTime::now())

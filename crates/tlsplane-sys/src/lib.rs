@@ -221,7 +221,8 @@ fn as_bytes<T: Copy>(value: &T) -> &[u8] {
 fn wipe<T: Copy>(value: &mut T) {
     // SAFETY: as in `as_bytes`: T is a padding-free POD struct, so writing zero bytes over it
     // yields a valid T; the pointer is derived from a live exclusive reference.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(value as *mut T as *mut u8, size_of::<T>()) };
+    let bytes =
+        unsafe { std::slice::from_raw_parts_mut(value as *mut T as *mut u8, size_of::<T>()) };
     bytes.zeroize();
 }
 
@@ -263,7 +264,11 @@ pub fn attach_tls_ulp(sock: BorrowedFd<'_>) -> io::Result<()> {
 }
 
 /// Installs a key for one direction (`TLS_TX` or `TLS_RX`).
-pub fn set_crypto_info(sock: BorrowedFd<'_>, direction: Direction, info: &CryptoInfo) -> io::Result<()> {
+pub fn set_crypto_info(
+    sock: BorrowedFd<'_>,
+    direction: Direction,
+    info: &CryptoInfo,
+) -> io::Result<()> {
     let optname = match direction {
         Direction::Tx => uapi::TLS_TX,
         Direction::Rx => uapi::TLS_RX,
@@ -349,18 +354,28 @@ pub fn send_record(sock: BorrowedFd<'_>, record_type: u8, data: &[u8]) -> io::Re
         (*hdr).cmsg_type = uapi::TLS_SET_RECORD_TYPE;
         (*hdr).cmsg_len = libc::CMSG_LEN(1) as _;
         *libc::CMSG_DATA(hdr) = record_type;
-        cvt_size(libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL))
+        cvt_size(libc::sendmsg(
+            sock.as_raw_fd(),
+            &msg,
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        ))
     }
 }
 
 /// `sendfile(2)` from `file` at `*offset` to `sock`, advancing `*offset` by what was sent.
 /// The socket must be non-blocking for this not to block.
-pub fn sendfile(sock: BorrowedFd<'_>, file: BorrowedFd<'_>, offset: &mut u64, count: usize) -> io::Result<usize> {
+pub fn sendfile(
+    sock: BorrowedFd<'_>,
+    file: BorrowedFd<'_>,
+    offset: &mut u64,
+    count: usize,
+) -> io::Result<usize> {
     let mut off: libc::off_t = i64::try_from(*offset)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file offset too large"))?;
     // SAFETY: both descriptors are live for their borrows; `off` is a valid, exclusively
     // borrowed off_t the kernel updates in place.
-    let n = cvt_size(unsafe { libc::sendfile(sock.as_raw_fd(), file.as_raw_fd(), &mut off, count) })?;
+    let n =
+        cvt_size(unsafe { libc::sendfile(sock.as_raw_fd(), file.as_raw_fd(), &mut off, count) })?;
     *offset = off as u64;
     Ok(n)
 }
@@ -395,7 +410,15 @@ mod tests {
     #[test]
     fn crypto_info_encodes_fields_in_order() {
         let key = [0x11u8; 16];
-        let info = CryptoInfo::new(TlsVersion::Tls13, KernelCipher::Aes128Gcm, &key, &[1, 2, 3, 4], &[5; 8], 7).unwrap();
+        let info = CryptoInfo::new(
+            TlsVersion::Tls13,
+            KernelCipher::Aes128Gcm,
+            &key,
+            &[1, 2, 3, 4],
+            &[5; 8],
+            7,
+        )
+        .unwrap();
         let b = &info.bytes;
         assert_eq!(&b[0..2], &0x0304u16.to_ne_bytes());
         assert_eq!(&b[2..4], &51u16.to_ne_bytes());
@@ -407,9 +430,33 @@ mod tests {
 
     #[test]
     fn crypto_info_rejects_wrong_lengths() {
-        assert!(CryptoInfo::new(TlsVersion::Tls13, KernelCipher::Aes256Gcm, &[0; 16], &[0; 4], &[0; 8], 0).is_err());
-        assert!(CryptoInfo::new(TlsVersion::Tls12, KernelCipher::Chacha20Poly1305, &[0; 32], &[0; 4], &[0; 8], 0).is_err());
-        assert!(CryptoInfo::new(TlsVersion::Tls12, KernelCipher::Chacha20Poly1305, &[0; 32], &[], &[0; 12], 0).is_ok());
+        assert!(CryptoInfo::new(
+            TlsVersion::Tls13,
+            KernelCipher::Aes256Gcm,
+            &[0; 16],
+            &[0; 4],
+            &[0; 8],
+            0
+        )
+        .is_err());
+        assert!(CryptoInfo::new(
+            TlsVersion::Tls12,
+            KernelCipher::Chacha20Poly1305,
+            &[0; 32],
+            &[0; 4],
+            &[0; 8],
+            0
+        )
+        .is_err());
+        assert!(CryptoInfo::new(
+            TlsVersion::Tls12,
+            KernelCipher::Chacha20Poly1305,
+            &[0; 32],
+            &[],
+            &[0; 12],
+            0
+        )
+        .is_ok());
     }
 
     #[test]

@@ -9,7 +9,10 @@ pub(crate) struct OutBuf {
 
 impl OutBuf {
     pub(crate) fn new() -> Self {
-        Self { buf: Vec::new(), len: 0 }
+        Self {
+            buf: Vec::new(),
+            len: 0,
+        }
     }
 
     /// Writable space after the filled part, at least `min` bytes long.

@@ -18,16 +18,27 @@ pub fn load_pem(cert_path: &Path, key_path: &Path) -> Result<Arc<CertifiedKey>, 
         .collect::<Result<_, _>>()
         .map_err(|e| Error::Config(format!("{}: {e}", cert_path.display())))?;
     if chain.is_empty() {
-        return Err(Error::Config(format!("{}: no CERTIFICATE in PEM file", cert_path.display())));
+        return Err(Error::Config(format!(
+            "{}: no CERTIFICATE in PEM file",
+            cert_path.display()
+        )));
     }
-    let key = PrivateKeyDer::from_pem_file(key_path)
-        .map_err(|e| Error::Config(format!("{}: no usable private key: {e}", key_path.display())))?;
+    let key = PrivateKeyDer::from_pem_file(key_path).map_err(|e| {
+        Error::Config(format!(
+            "{}: no usable private key: {e}",
+            key_path.display()
+        ))
+    })?;
     certified_key(chain, key)
 }
 
 /// Builds a [`CertifiedKey`] from DER parts, refusing a key that does not match the leaf.
-pub fn certified_key(chain: Vec<CertificateDer<'static>>, key: PrivateKeyDer<'static>) -> Result<Arc<CertifiedKey>, Error> {
-    let signing_key = any_supported_type(&key).map_err(|e| Error::Config(format!("unsupported private key: {e}")))?;
+pub fn certified_key(
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<Arc<CertifiedKey>, Error> {
+    let signing_key = any_supported_type(&key)
+        .map_err(|e| Error::Config(format!("unsupported private key: {e}")))?;
     let ck = CertifiedKey::new(chain, signing_key);
     ck.keys_match()
         .map_err(|e| Error::Config(format!("certificate and private key do not match: {e}")))?;
@@ -43,7 +54,9 @@ pub fn default_state_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_STATE_HOME") {
         return PathBuf::from(d).join("tlsplane");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
     home.join(".local/state/tlsplane")
 }
 
@@ -69,26 +82,52 @@ pub fn ensure_localhost_cert(dir: &Path) -> Result<GeneratedPaths, Error> {
     let cert = dir.join("localhost-cert.pem");
     let key = dir.join("localhost-key.pem");
     if ca.exists() && cert.exists() && key.exists() {
-        return Ok(GeneratedPaths { ca, cert, key, created: false });
+        return Ok(GeneratedPaths {
+            ca,
+            cert,
+            key,
+            created: false,
+        });
     }
-    std::fs::create_dir_all(dir).map_err(|e| Error::Config(format!("cannot create {}: {e}", dir.display())))?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::Config(format!("cannot create {}: {e}", dir.display())))?;
     let gen_err = |e: rcgen::Error| Error::Config(format!("certificate generation failed: {e}"));
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(gen_err)?;
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
-    ca_params.distinguished_name.push(rcgen::DnType::CommonName, "tlsplane local CA");
-    ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "tlsplane local CA");
+    ca_params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+    ];
     let ca_key = rcgen::KeyPair::generate().map_err(gen_err)?;
     let ca_cert = ca_params.self_signed(&ca_key).map_err(gen_err)?;
-    let names = vec!["localhost".to_string(), "127.0.0.1".to_string(), "::1".to_string()];
+    let names = vec![
+        "localhost".to_string(),
+        "127.0.0.1".to_string(),
+        "::1".to_string(),
+    ];
     let mut leaf_params = rcgen::CertificateParams::new(names).map_err(gen_err)?;
-    leaf_params.distinguished_name.push(rcgen::DnType::CommonName, "localhost");
+    leaf_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "localhost");
     leaf_params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
     let leaf_key = rcgen::KeyPair::generate().map_err(gen_err)?;
-    let leaf_cert = leaf_params.signed_by(&leaf_key, &ca_cert, &ca_key).map_err(gen_err)?;
+    let leaf_cert = leaf_params
+        .signed_by(&leaf_key, &ca_cert, &ca_key)
+        .map_err(gen_err)?;
     write_private(&key, leaf_key.serialize_pem().as_bytes())?;
-    std::fs::write(&cert, leaf_cert.pem()).map_err(|e| Error::Config(format!("cannot write {}: {e}", cert.display())))?;
-    std::fs::write(&ca, ca_cert.pem()).map_err(|e| Error::Config(format!("cannot write {}: {e}", ca.display())))?;
-    Ok(GeneratedPaths { ca, cert, key, created: true })
+    std::fs::write(&cert, leaf_cert.pem())
+        .map_err(|e| Error::Config(format!("cannot write {}: {e}", cert.display())))?;
+    std::fs::write(&ca, ca_cert.pem())
+        .map_err(|e| Error::Config(format!("cannot write {}: {e}", ca.display())))?;
+    Ok(GeneratedPaths {
+        ca,
+        cert,
+        key,
+        created: true,
+    })
 }
 
 fn write_private(path: &Path, bytes: &[u8]) -> Result<(), Error> {
@@ -101,7 +140,8 @@ fn write_private(path: &Path, bytes: &[u8]) -> Result<(), Error> {
         .mode(0o600)
         .open(path)
         .map_err(|e| Error::Config(format!("cannot write {}: {e}", path.display())))?;
-    f.write_all(bytes).map_err(|e| Error::Config(format!("cannot write {}: {e}", path.display())))
+    f.write_all(bytes)
+        .map_err(|e| Error::Config(format!("cannot write {}: {e}", path.display())))
 }
 
 #[cfg(test)]
@@ -117,20 +157,35 @@ mod tests {
         assert!(first.created);
         let again = ensure_localhost_cert(&dir).unwrap();
         assert!(!again.created);
-        assert_eq!(std::fs::read(&first.cert).unwrap(), std::fs::read(&again.cert).unwrap());
+        assert_eq!(
+            std::fs::read(&first.cert).unwrap(),
+            std::fs::read(&again.cert).unwrap()
+        );
         load_pem(&first.cert, &first.key).unwrap();
         // The leaf verifies against the CA file with webpki (what rustls clients use).
         let ca = CertificateDer::from_pem_file(&first.ca).unwrap();
         let mut roots = rustls::RootCertStore::empty();
         roots.add(ca).unwrap();
         let leaf = CertificateDer::from_pem_file(&first.cert).unwrap();
-        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(std::sync::Arc::new(roots), std::sync::Arc::new(crate::config::crypto_provider())).build().unwrap();
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            std::sync::Arc::new(roots),
+            std::sync::Arc::new(crate::config::crypto_provider()),
+        )
+        .build()
+        .unwrap();
         let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
-        verifier.verify_server_cert(&leaf, &[], &name, &[], rustls_pki_types::UnixTime::now()).unwrap();
+        verifier
+            .verify_server_cert(&leaf, &[], &name, &[], rustls_pki_types::UnixTime::now())
+            .unwrap();
         let ip = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
-        verifier.verify_server_cert(&leaf, &[], &ip, &[], rustls_pki_types::UnixTime::now()).unwrap();
+        verifier
+            .verify_server_cert(&leaf, &[], &ip, &[], rustls_pki_types::UnixTime::now())
+            .unwrap();
         use std::os::unix::fs::PermissionsExt;
-        assert_eq!(std::fs::metadata(&first.key).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::metadata(&first.key).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -139,7 +194,9 @@ mod tests {
         let a = rcgen::generate_simple_self_signed(vec!["a".into()]).unwrap();
         let b = rcgen::generate_simple_self_signed(vec!["b".into()]).unwrap();
         let key = PrivateKeyDer::try_from(b.key_pair.serialize_der()).unwrap();
-        let err = certified_key(vec![a.cert.der().clone()], key).err().unwrap();
+        let err = certified_key(vec![a.cert.der().clone()], key)
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("do not match"), "{err}");
     }
 }

@@ -32,7 +32,9 @@ impl FromStr for DataPlanePolicy {
             "auto" => Ok(Self::Auto),
             "kernel" => Ok(Self::Kernel),
             "user" => Ok(Self::User),
-            other => Err(format!("unknown data plane {other:?} (expected auto, kernel or user)")),
+            other => Err(format!(
+                "unknown data plane {other:?} (expected auto, kernel or user)"
+            )),
         }
     }
 }
@@ -63,7 +65,13 @@ pub struct ServerOptions {
 
 impl ServerOptions {
     pub fn new(cert: Arc<CertifiedKey>) -> Self {
-        Self { cert, policy: DataPlanePolicy::Auto, alpn: vec![b"http/1.1".to_vec()], tls13_tickets: 1, aead_record_limit: None }
+        Self {
+            cert,
+            policy: DataPlanePolicy::Auto,
+            alpn: vec![b"http/1.1".to_vec()],
+            tls13_tickets: 1,
+            aead_record_limit: None,
+        }
     }
 }
 
@@ -88,7 +96,12 @@ pub fn crypto_provider() -> CryptoProvider {
             cs::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
             cs::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
         ],
-        kx_groups: vec![kx_group::X25519MLKEM768, kx_group::X25519, kx_group::SECP256R1, kx_group::SECP384R1],
+        kx_groups: vec![
+            kx_group::X25519MLKEM768,
+            kx_group::X25519,
+            kx_group::SECP256R1,
+            kx_group::SECP384R1,
+        ],
         ..provider::default_provider()
     }
 }
@@ -145,7 +158,12 @@ impl Acceptor {
         config.ignore_client_order = true;
         config.send_tls13_tickets = opts.tls13_tickets;
         config.ticketer = provider::Ticketer::new().map_err(|e| Error::Config(e.to_string()))?;
-        Ok(Self { config: Arc::new(config), policy: opts.policy, kernel: Arc::new(kernel), aead_record_limit: opts.aead_record_limit })
+        Ok(Self {
+            config: Arc::new(config),
+            policy: opts.policy,
+            kernel: Arc::new(kernel),
+            aead_record_limit: opts.aead_record_limit,
+        })
     }
 
     pub fn policy(&self) -> DataPlanePolicy {

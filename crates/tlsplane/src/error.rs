@@ -26,8 +26,10 @@ pub enum Error {
 impl Error {
     /// True when the peer, not this process, is at fault.
     pub fn is_peer_fault(&self) -> bool {
-        matches!(self, Error::Protocol(_) | Error::PeerAlert(_) | Error::PeerClosedInHandshake)
-            || matches!(self, Error::Io(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::UnexpectedEof | io::ErrorKind::TimedOut))
+        matches!(
+            self,
+            Error::Protocol(_) | Error::PeerAlert(_) | Error::PeerClosedInHandshake
+        ) || matches!(self, Error::Io(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::UnexpectedEof | io::ErrorKind::TimedOut))
     }
 }
 
@@ -36,9 +38,13 @@ impl fmt::Display for Error {
         match self {
             Error::Protocol(e) => write!(f, "TLS protocol error: {e}"),
             Error::PeerAlert(d) => write!(f, "peer sent fatal alert {d}"),
-            Error::PeerClosedInHandshake => f.write_str("peer closed the connection during the handshake"),
+            Error::PeerClosedInHandshake => {
+                f.write_str("peer closed the connection during the handshake")
+            }
             Error::Io(e) => write!(f, "I/O error: {e}"),
-            Error::KernelRequired(why) => write!(f, "kernel data plane required but unavailable: {why}"),
+            Error::KernelRequired(why) => {
+                write!(f, "kernel data plane required but unavailable: {why}")
+            }
             Error::Config(s) => write!(f, "configuration error: {s}"),
         }
     }
@@ -70,7 +76,9 @@ impl From<Error> for io::Error {
     fn from(e: Error) -> Self {
         match e {
             Error::Io(e) => e,
-            Error::PeerClosedInHandshake => io::Error::new(io::ErrorKind::UnexpectedEof, e.to_string()),
+            Error::PeerClosedInHandshake => {
+                io::Error::new(io::ErrorKind::UnexpectedEof, e.to_string())
+            }
             other => io::Error::new(io::ErrorKind::InvalidData, other.to_string()),
         }
     }

@@ -32,7 +32,10 @@ pub(crate) struct Incoming {
 
 impl Incoming {
     pub(crate) fn new() -> Self {
-        Self { buf: vec![0; 4096], used: 0 }
+        Self {
+            buf: vec![0; 4096],
+            used: 0,
+        }
     }
 
     pub(crate) fn discard(&mut self, n: usize) {
@@ -48,7 +51,8 @@ impl Incoming {
     fn next_boundary(&self) -> (usize, usize) {
         let mut pos = 0;
         while pos + HEADER_LEN <= self.used {
-            let len = HEADER_LEN + u16::from_be_bytes([self.buf[pos + 3], self.buf[pos + 4]]) as usize;
+            let len =
+                HEADER_LEN + u16::from_be_bytes([self.buf[pos + 3], self.buf[pos + 4]]) as usize;
             if pos + len > self.used {
                 return (pos, pos + len.min(MAX_RECORD_LEN));
             }
@@ -84,7 +88,9 @@ impl Incoming {
             let grow = (self.buf.len() * 2).min(4 * MAX_RECORD_LEN);
             self.buf.resize(grow.max(self.used + 1024), 0);
         }
-        read_some(sock, &mut self.buf[self.used..]).await.inspect(|&n| self.used += n)
+        read_some(sock, &mut self.buf[self.used..])
+            .await
+            .inspect(|&n| self.used += n)
     }
 }
 
@@ -113,7 +119,10 @@ pub(crate) async fn write_all(sock: &TcpStream, mut buf: &[u8]) -> io::Result<()
 }
 
 /// Appends an encoded TLS message from rustls to `out`, growing it as rustls asks.
-pub(crate) fn encode_into(state: &mut rustls::unbuffered::EncodeTlsData<'_, rustls::server::ServerConnectionData>, out: &mut OutBuf) -> Result<(), Error> {
+pub(crate) fn encode_into(
+    state: &mut rustls::unbuffered::EncodeTlsData<'_, rustls::server::ServerConnectionData>,
+    out: &mut OutBuf,
+) -> Result<(), Error> {
     let mut want = 1024;
     loop {
         match state.encode(out.spare(want)) {
@@ -144,7 +153,11 @@ pub(crate) async fn flush_alert(conn: &mut UnbufferedServerConnection, sock: &Tc
         }
     }
     if !out.is_empty() {
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), write_all(sock, out.filled())).await;
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_secs(1),
+            write_all(sock, out.filled()),
+        )
+        .await;
     }
 }
 
@@ -162,11 +175,16 @@ pub(crate) struct Driven {
 /// unsent: the client does not wait for it, so the user plane sends it with the first response
 /// (or the close_notify) in one write instead of a write of its own; the kernel plane must
 /// write it before it installs the keys.
-pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStream, incoming: &mut Incoming) -> Result<Driven, Error> {
+pub(crate) async fn drive(
+    conn: &mut UnbufferedServerConnection,
+    sock: &TcpStream,
+    incoming: &mut Incoming,
+) -> Result<Driven, Error> {
     let mut out = OutBuf::new();
     let mut peer_closed = false;
     loop {
-        let UnbufferedStatus { discard, state } = conn.process_tls_records(&mut incoming.buf[..incoming.used]);
+        let UnbufferedStatus { discard, state } =
+            conn.process_tls_records(&mut incoming.buf[..incoming.used]);
         enum Next {
             Read,
             Flush,
@@ -189,7 +207,9 @@ pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStrea
                 // Once a TLS 1.3 handshake is complete, rustls only emits session tickets,
                 // which the client does not wait for. A TLS 1.2 server's last flight carries
                 // its Finished, which the client does wait for: always send that now.
-                if conn.is_handshaking() || conn.protocol_version() != Some(rustls::ProtocolVersion::TLSv1_3) {
+                if conn.is_handshaking()
+                    || conn.protocol_version() != Some(rustls::ProtocolVersion::TLSv1_3)
+                {
                     Next::Flush
                 } else {
                     Next::Continue
@@ -218,7 +238,9 @@ pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStrea
             }
             Ok(_) => {
                 incoming.discard(discard);
-                return Err(Error::Io(io::Error::other("unexpected TLS state during handshake")));
+                return Err(Error::Io(io::Error::other(
+                    "unexpected TLS state during handshake",
+                )));
             }
         };
         incoming.discard(discard);
@@ -237,7 +259,12 @@ pub(crate) async fn drive(conn: &mut UnbufferedServerConnection, sock: &TcpStrea
                     return Err(Error::PeerClosedInHandshake);
                 }
             }
-            Next::Done => return Ok(Driven { unsent: out, peer_closed }),
+            Next::Done => {
+                return Ok(Driven {
+                    unsent: out,
+                    peer_closed,
+                })
+            }
         }
     }
 }
@@ -254,16 +281,28 @@ pub(crate) struct Settled {
 /// cut short in our buffer (exact read), then lets rustls decrypt every buffered record.
 /// Anything rustls wants to send in reply is appended to `out`. On return `incoming` is empty
 /// unless rustls could not consume it (the caller then keeps the connection in user space).
-pub(crate) async fn settle(conn: &mut UnbufferedServerConnection, sock: &TcpStream, incoming: &mut Incoming, out: &mut OutBuf) -> Result<Settled, Error> {
-    let mut settled = Settled { plain: Vec::new(), peer_closed: false };
+pub(crate) async fn settle(
+    conn: &mut UnbufferedServerConnection,
+    sock: &TcpStream,
+    incoming: &mut Incoming,
+    out: &mut OutBuf,
+) -> Result<Settled, Error> {
+    let mut settled = Settled {
+        plain: Vec::new(),
+        peer_closed: false,
+    };
     if incoming.used == 0 {
         return Ok(settled);
     }
     if !incoming.complete_last_record(sock).await? {
-        return Err(Error::Io(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed in the middle of a record")));
+        return Err(Error::Io(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "peer closed in the middle of a record",
+        )));
     }
     loop {
-        let UnbufferedStatus { mut discard, state } = conn.process_tls_records(&mut incoming.buf[..incoming.used]);
+        let UnbufferedStatus { mut discard, state } =
+            conn.process_tls_records(&mut incoming.buf[..incoming.used]);
         let mut failed = None;
         let stop = match state {
             Err(e) => {

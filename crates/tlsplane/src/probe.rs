@@ -8,7 +8,9 @@ use std::io;
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsFd;
 
-use tlsplane_sys::{attach_tls_ulp, set_crypto_info, CryptoInfo, Direction, KernelCipher, TlsVersion};
+use tlsplane_sys::{
+    attach_tls_ulp, set_crypto_info, CryptoInfo, Direction, KernelCipher, TlsVersion,
+};
 
 /// The kernel's kTLS capabilities.
 #[derive(Debug, Clone)]
@@ -27,7 +29,12 @@ pub struct KernelSupport {
 impl KernelSupport {
     /// No offload at all, with the reason shown to operators.
     pub fn disabled(reason: &str) -> Self {
-        Self { ulp: false, reason: reason.to_string(), suites: HashSet::new(), tls13_rekey: false }
+        Self {
+            ulp: false,
+            reason: reason.to_string(),
+            suites: HashSet::new(),
+            tls13_rekey: false,
+        }
     }
 
     /// Tries the kernel. Never fails: anything that goes wrong means "not supported".
@@ -42,7 +49,10 @@ impl KernelSupport {
         let (a, _b) = loopback_pair()?;
         if let Err(e) = attach_tls_ulp(a.as_fd()) {
             let why = match e.raw_os_error() {
-                _ if e.kind() == io::ErrorKind::NotFound => "no TLS ULP in this kernel (CONFIG_TLS off or module `tls` not loaded)".to_string(),
+                _ if e.kind() == io::ErrorKind::NotFound => {
+                    "no TLS ULP in this kernel (CONFIG_TLS off or module `tls` not loaded)"
+                        .to_string()
+                }
                 _ => format!("TCP_ULP \"tls\" refused: {e}"),
             };
             return Ok(Self::disabled(&why));
@@ -56,8 +66,17 @@ impl KernelSupport {
             }
         }
         let tls13_rekey = try_rekey().unwrap_or(false);
-        let reason = format!("kTLS available: {} suite/version pairs, TLS 1.3 rekey {}", suites.len(), if tls13_rekey { "yes" } else { "no" });
-        Ok(Self { ulp: true, reason, suites, tls13_rekey })
+        let reason = format!(
+            "kTLS available: {} suite/version pairs, TLS 1.3 rekey {}",
+            suites.len(),
+            if tls13_rekey { "yes" } else { "no" }
+        );
+        Ok(Self {
+            ulp: true,
+            reason,
+            suites,
+            tls13_rekey,
+        })
     }
 
     /// Whether a connection of this version and cipher can go to the kernel.
@@ -82,15 +101,23 @@ fn dummy_info(version: TlsVersion, cipher: KernelCipher) -> CryptoInfo {
     let key = [0u8; 32];
     let salt = [0u8; 4];
     let iv = [0u8; 12];
-    CryptoInfo::new(version, cipher, &key[..cipher.key_len()], &salt[..cipher.salt_len()], &iv[..12 - cipher.salt_len()], 0)
-        .expect("dummy lengths follow the cipher")
+    CryptoInfo::new(
+        version,
+        cipher,
+        &key[..cipher.key_len()],
+        &salt[..cipher.salt_len()],
+        &iv[..12 - cipher.salt_len()],
+        0,
+    )
+    .expect("dummy lengths follow the cipher")
 }
 
 fn try_suite(version: TlsVersion, cipher: KernelCipher) -> io::Result<bool> {
     let (a, _b) = loopback_pair()?;
     attach_tls_ulp(a.as_fd())?;
     let info = dummy_info(version, cipher);
-    Ok(set_crypto_info(a.as_fd(), Direction::Tx, &info).is_ok() && set_crypto_info(a.as_fd(), Direction::Rx, &info).is_ok())
+    Ok(set_crypto_info(a.as_fd(), Direction::Tx, &info).is_ok()
+        && set_crypto_info(a.as_fd(), Direction::Rx, &info).is_ok())
 }
 
 fn try_rekey() -> io::Result<bool> {
@@ -118,8 +145,14 @@ mod tests {
 
     #[test]
     fn exclude_removes_support() {
-        let mut s = KernelSupport { ulp: true, reason: String::new(), suites: HashSet::new(), tls13_rekey: false };
-        s.suites.insert((TlsVersion::Tls12, KernelCipher::Chacha20Poly1305));
+        let mut s = KernelSupport {
+            ulp: true,
+            reason: String::new(),
+            suites: HashSet::new(),
+            tls13_rekey: false,
+        };
+        s.suites
+            .insert((TlsVersion::Tls12, KernelCipher::Chacha20Poly1305));
         assert!(s.supports(TlsVersion::Tls12, KernelCipher::Chacha20Poly1305));
         s.exclude(TlsVersion::Tls12, KernelCipher::Chacha20Poly1305);
         assert!(!s.supports(TlsVersion::Tls12, KernelCipher::Chacha20Poly1305));

@@ -68,8 +68,12 @@ impl Acceptor {
         if resumed {
             bump(&global().handshakes_resumed);
         }
-        let version = conn.protocol_version().unwrap_or(ProtocolVersion::Unknown(0));
-        let suite = conn.negotiated_cipher_suite().ok_or(Error::Protocol(rustls::Error::HandshakeNotComplete))?;
+        let version = conn
+            .protocol_version()
+            .unwrap_or(ProtocolVersion::Unknown(0));
+        let suite = conn
+            .negotiated_cipher_suite()
+            .ok_or(Error::Protocol(rustls::Error::HandshakeNotComplete))?;
         let mut info = ConnectionInfo {
             version,
             suite: suite.suite(),
@@ -94,7 +98,10 @@ impl Acceptor {
         } else {
             None
         };
-        let mut settled = handshake::Settled { plain: Vec::new(), peer_closed: driven.peer_closed };
+        let mut settled = handshake::Settled {
+            plain: Vec::new(),
+            peer_closed: driven.peer_closed,
+        };
         if fallback.is_none() && !driven.peer_closed {
             settled = handshake::settle(&mut conn, &sock, &mut incoming, &mut deferred).await?;
             if incoming.used > 0 {
@@ -107,12 +114,15 @@ impl Acceptor {
 
         let plane = match (fallback, kernel) {
             (None, Some((v, _))) => {
-                let limit = self.aead_record_limit.unwrap_or_else(|| confidentiality_limit(suite));
+                let limit = self
+                    .aead_record_limit
+                    .unwrap_or_else(|| confidentiality_limit(suite));
                 if !deferred.is_empty() {
                     // Records rustls encrypted itself must precede anything the kernel sends.
                     handshake::write_all(&sock, deferred.filled()).await?;
                 }
-                match KernelPlane::install(conn, &sock, v, limit, self.kernel.tls13_rekey, settled) {
+                match KernelPlane::install(conn, &sock, v, limit, self.kernel.tls13_rekey, settled)
+                {
                     Ok(k) => {
                         bump(&global().plane_kernel);
                         info.plane = PlaneKind::Kernel;
@@ -149,7 +159,13 @@ impl Acceptor {
         };
         info.handshake_time = started.elapsed();
         tracing::debug!(plane = ?info.plane, fallback = ?info.fallback, version = ?info.version, suite = ?info.suite, resumed, "handshake complete");
-        Ok(TlsStream { sock, plane, info, small: Vec::new(), small_pos: 0 })
+        Ok(TlsStream {
+            sock,
+            plane,
+            info,
+            small: Vec::new(),
+            small_pos: 0,
+        })
     }
 }
 
@@ -203,7 +219,13 @@ impl TlsStream {
     /// Sends `prefix` (e.g. response headers) and then `len` bytes of `file` from `offset`.
     /// Kernel plane: `sendfile(2)`, the bytes never enter this process; user plane: encrypted
     /// through one reused buffer.
-    pub async fn write_file(&mut self, prefix: &[u8], file: &File, offset: u64, len: u64) -> io::Result<()> {
+    pub async fn write_file(
+        &mut self,
+        prefix: &[u8],
+        file: &File,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<()> {
         match &mut self.plane {
             Plane::User(u) => u.write_file(&self.sock, prefix, file, offset, len).await,
             Plane::Kernel(k) => {

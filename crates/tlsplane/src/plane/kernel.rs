@@ -38,11 +38,22 @@ const MAX_FRAGMENT: u64 = 16384;
 /// key. Starting the kernel at `explicit_base` would reuse a nonce rustls used (its Finished),
 /// which breaks GCM. So the kernel starts just past the aligned block of values rustls can have
 /// used; it would take ~2^64 records to wrap back into it.
-pub(crate) fn crypto_info(version: TlsVersion, secrets: &ConnectionTrafficSecrets, seq: u64, direction: Direction) -> Result<CryptoInfo, Error> {
+pub(crate) fn crypto_info(
+    version: TlsVersion,
+    secrets: &ConnectionTrafficSecrets,
+    seq: u64,
+    direction: Direction,
+) -> Result<CryptoInfo, Error> {
     let (cipher, key, iv) = match secrets {
-        ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (KernelCipher::Aes128Gcm, key.as_ref(), iv.as_ref()),
-        ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (KernelCipher::Aes256Gcm, key.as_ref(), iv.as_ref()),
-        ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (KernelCipher::Chacha20Poly1305, key.as_ref(), iv.as_ref()),
+        ConnectionTrafficSecrets::Aes128Gcm { key, iv } => {
+            (KernelCipher::Aes128Gcm, key.as_ref(), iv.as_ref())
+        }
+        ConnectionTrafficSecrets::Aes256Gcm { key, iv } => {
+            (KernelCipher::Aes256Gcm, key.as_ref(), iv.as_ref())
+        }
+        ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => {
+            (KernelCipher::Chacha20Poly1305, key.as_ref(), iv.as_ref())
+        }
         _ => return Err(Error::KernelRequired("suite has no kernel implementation")),
     };
     let salt_len = cipher.salt_len();
@@ -54,7 +65,8 @@ pub(crate) fn crypto_info(version: TlsVersion, secrets: &ConnectionTrafficSecret
         let base = u64::from_be_bytes(explicit[..8].try_into().expect("8-byte explicit nonce"));
         explicit[..8].copy_from_slice(&tls12_gcm_kernel_nonce_start(base, seq).to_be_bytes());
     }
-    CryptoInfo::new(version, cipher, key, salt, &explicit[..rest_len], seq).map_err(|e| Error::Config(e.to_string()))
+    CryptoInfo::new(version, cipher, key, salt, &explicit[..rest_len], seq)
+        .map_err(|e| Error::Config(e.to_string()))
 }
 
 /// First explicit nonce for the kernel's TLS 1.2 GCM sender, given that rustls used
@@ -145,15 +157,29 @@ impl KernelPlane {
                 }
                 Ok((_, _)) => {
                     bump(&global().kernel_unexpected_messages);
-                    return Err(self.fail(sock, ALERT_UNEXPECTED_MESSAGE, "unexpected record type after handshake").await);
+                    return Err(self
+                        .fail(
+                            sock,
+                            ALERT_UNEXPECTED_MESSAGE,
+                            "unexpected record type after handshake",
+                        )
+                        .await);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) if e.raw_os_error() == Some(libc_errno::EBADMSG) => {
                     bump(&global().kernel_decrypt_errors);
-                    return Err(self.fail(sock, ALERT_BAD_RECORD_MAC, "record failed to decrypt (bad_record_mac)").await);
+                    return Err(self
+                        .fail(
+                            sock,
+                            ALERT_BAD_RECORD_MAC,
+                            "record failed to decrypt (bad_record_mac)",
+                        )
+                        .await);
                 }
                 Err(e) if e.raw_os_error() == Some(libc_errno::EMSGSIZE) => {
-                    return Err(self.fail(sock, ALERT_RECORD_OVERFLOW, "record too large").await);
+                    return Err(self
+                        .fail(sock, ALERT_RECORD_OVERFLOW, "record too large")
+                        .await);
                 }
                 Err(e) => return Err(e),
             }
@@ -171,32 +197,53 @@ impl KernelPlane {
         self.write_closed = true;
         let _ = sock;
         let desc = alert.get(1).copied().unwrap_or(0);
-        Err(io::Error::new(io::ErrorKind::ConnectionAborted, format!("peer sent alert {desc}")))
+        Err(io::Error::new(
+            io::ErrorKind::ConnectionAborted,
+            format!("peer sent alert {desc}"),
+        ))
     }
 
     async fn on_handshake(&mut self, sock: &TcpStream, mut msgs: &[u8]) -> io::Result<()> {
         while !msgs.is_empty() {
             if msgs.len() < 4 {
-                return Err(self.fail(sock, ALERT_DECODE_ERROR, "truncated handshake message").await);
+                return Err(self
+                    .fail(sock, ALERT_DECODE_ERROR, "truncated handshake message")
+                    .await);
             }
             let typ = msgs[0];
             let len = u32::from_be_bytes([0, msgs[1], msgs[2], msgs[3]]) as usize;
             if msgs.len() < 4 + len {
-                return Err(self.fail(sock, ALERT_DECODE_ERROR, "truncated handshake message").await);
+                return Err(self
+                    .fail(sock, ALERT_DECODE_ERROR, "truncated handshake message")
+                    .await);
             }
             let body = &msgs[4..4 + len];
             msgs = &msgs[4 + len..];
             match (typ, self.version) {
-                (HS_KEY_UPDATE, TlsVersion::Tls13) if len == 1 && body[0] <= 1 => self.on_key_update(sock, body[0] == 1).await?,
-                (HS_KEY_UPDATE, TlsVersion::Tls13) => return Err(self.fail(sock, ALERT_DECODE_ERROR, "malformed KeyUpdate").await),
+                (HS_KEY_UPDATE, TlsVersion::Tls13) if len == 1 && body[0] <= 1 => {
+                    self.on_key_update(sock, body[0] == 1).await?
+                }
+                (HS_KEY_UPDATE, TlsVersion::Tls13) => {
+                    return Err(self
+                        .fail(sock, ALERT_DECODE_ERROR, "malformed KeyUpdate")
+                        .await)
+                }
                 (1, TlsVersion::Tls12) => {
                     // A renegotiating ClientHello: refused, as rustls refuses it.
                     bump(&global().kernel_unexpected_messages);
-                    return Err(self.fail(sock, ALERT_NO_RENEGOTIATION, "renegotiation refused").await);
+                    return Err(self
+                        .fail(sock, ALERT_NO_RENEGOTIATION, "renegotiation refused")
+                        .await);
                 }
                 _ => {
                     bump(&global().kernel_unexpected_messages);
-                    return Err(self.fail(sock, ALERT_UNEXPECTED_MESSAGE, "unexpected handshake message after handshake").await);
+                    return Err(self
+                        .fail(
+                            sock,
+                            ALERT_UNEXPECTED_MESSAGE,
+                            "unexpected handshake message after handshake",
+                        )
+                        .await);
                 }
             }
         }
@@ -248,7 +295,11 @@ impl KernelPlane {
         }
         let level = if desc == ALERT_CLOSE_NOTIFY { 1 } else { 2 };
         bump(&global().kernel_alerts_sent);
-        let r = tokio::time::timeout(std::time::Duration::from_secs(1), send_all_record(sock, CT_ALERT, &[level, desc])).await;
+        let r = tokio::time::timeout(
+            std::time::Duration::from_secs(1),
+            send_all_record(sock, CT_ALERT, &[level, desc]),
+        )
+        .await;
         self.write_closed = true;
         r.map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
     }
@@ -256,7 +307,10 @@ impl KernelPlane {
     /// Accounts for records about to be written and re-keys or refuses at the AEAD limit.
     async fn before_write(&mut self, sock: &TcpStream, bytes: u64) -> io::Result<()> {
         if self.write_closed {
-            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "TLS connection closed for writing"));
+            return Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "TLS connection closed for writing",
+            ));
         }
         let records = bytes.div_ceil(MAX_FRAGMENT) + 1;
         if self.tx_records + records >= self.tx_limit {
@@ -272,12 +326,22 @@ impl KernelPlane {
         Ok(())
     }
 
-    pub(crate) async fn write_all(&mut self, sock: &TcpStream, mut data: &[u8], more: bool) -> io::Result<()> {
+    pub(crate) async fn write_all(
+        &mut self,
+        sock: &TcpStream,
+        mut data: &[u8],
+        more: bool,
+    ) -> io::Result<()> {
         while !data.is_empty() {
-            self.before_write(sock, data.len().min(1 << 20) as u64).await?;
+            self.before_write(sock, data.len().min(1 << 20) as u64)
+                .await?;
             sock.writable().await?;
             let chunk = &data[..data.len().min(1 << 20)];
-            let r = if more { sock.try_io(Interest::WRITABLE, || sys::send_more(sock.as_fd(), chunk)) } else { sock.try_write(chunk) };
+            let r = if more {
+                sock.try_io(Interest::WRITABLE, || sys::send_more(sock.as_fd(), chunk))
+            } else {
+                sock.try_write(chunk)
+            };
             match r {
                 Ok(n) => {
                     self.tx_records += (n as u64).div_ceil(MAX_FRAGMENT) + 1;
@@ -291,14 +355,27 @@ impl KernelPlane {
     }
 
     /// Zero-copy file body: the kernel reads the page cache, encrypts and sends.
-    pub(crate) async fn send_file(&mut self, sock: &TcpStream, file: &File, mut offset: u64, len: u64) -> io::Result<()> {
+    pub(crate) async fn send_file(
+        &mut self,
+        sock: &TcpStream,
+        file: &File,
+        mut offset: u64,
+        len: u64,
+    ) -> io::Result<()> {
         let end = offset + len;
         while offset < end {
             let want = (end - offset).min(1 << 22) as usize;
             self.before_write(sock, want as u64).await?;
             sock.writable().await?;
-            match sock.try_io(Interest::WRITABLE, || sys::sendfile(sock.as_fd(), file.as_fd(), &mut offset, want)) {
-                Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "file shrank while being sent")),
+            match sock.try_io(Interest::WRITABLE, || {
+                sys::sendfile(sock.as_fd(), file.as_fd(), &mut offset, want)
+            }) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "file shrank while being sent",
+                    ))
+                }
                 Ok(n) => self.tx_records += (n as u64).div_ceil(MAX_FRAGMENT) + 1,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e),
@@ -323,7 +400,9 @@ impl KernelPlane {
 async fn send_all_record(sock: &TcpStream, typ: u8, mut data: &[u8]) -> io::Result<()> {
     while !data.is_empty() {
         sock.writable().await?;
-        match sock.try_io(Interest::WRITABLE, || sys::send_record(sock.as_fd(), typ, data)) {
+        match sock.try_io(Interest::WRITABLE, || {
+            sys::send_record(sock.as_fd(), typ, data)
+        }) {
             Ok(n) => data = &data[n..],
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(e),
@@ -344,7 +423,16 @@ mod tests {
 
     #[test]
     fn tls12_kernel_nonces_never_meet_rustls_nonces() {
-        for base in [0u64, 1, 2, 3, 0x7fff_ffff_ffff_fffe, u64::MAX - 1, u64::MAX, 0x1234_5678_9abc_def1] {
+        for base in [
+            0u64,
+            1,
+            2,
+            3,
+            0x7fff_ffff_ffff_fffe,
+            u64::MAX - 1,
+            u64::MAX,
+            0x1234_5678_9abc_def1,
+        ] {
             for used in 0u64..9 {
                 let start = tls12_gcm_kernel_nonce_start(base, used);
                 // The kernel sends start, start+1, ...: check a long run against every nonce

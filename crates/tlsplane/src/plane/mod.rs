@@ -44,7 +44,10 @@ impl FallbackReason {
 }
 
 /// The kernel's name for a negotiated suite, if kTLS can carry it at all.
-pub(crate) fn kernel_suite(version: ProtocolVersion, suite: SupportedCipherSuite) -> Option<(TlsVersion, KernelCipher)> {
+pub(crate) fn kernel_suite(
+    version: ProtocolVersion,
+    suite: SupportedCipherSuite,
+) -> Option<(TlsVersion, KernelCipher)> {
     let v = match version {
         ProtocolVersion::TLSv1_3 => TlsVersion::Tls13,
         ProtocolVersion::TLSv1_2 => TlsVersion::Tls12,
@@ -59,7 +62,9 @@ pub(crate) fn kernel_suite(version: ProtocolVersion, suite: SupportedCipherSuite
         | CipherSuite::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384 => KernelCipher::Aes256Gcm,
         CipherSuite::TLS13_CHACHA20_POLY1305_SHA256
         | CipherSuite::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256
-        | CipherSuite::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256 => KernelCipher::Chacha20Poly1305,
+        | CipherSuite::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256 => {
+            KernelCipher::Chacha20Poly1305
+        }
         _ => return None,
     };
     Some((v, c))

@@ -51,15 +51,31 @@ pub(crate) struct UserPlane {
 impl UserPlane {
     /// `pending` is TLS output from the handshake that has not been written yet, `plain`
     /// application data already decrypted.
-    pub(crate) fn new(conn: UnbufferedServerConnection, incoming: Incoming, pending: OutBuf, settled: crate::handshake::Settled) -> Self {
-        Self { conn, incoming, out_deferrable: !pending.is_empty(), out: pending, plain: settled.plain, plain_pos: 0, file_buf: Vec::new(), peer_closed: settled.peer_closed }
+    pub(crate) fn new(
+        conn: UnbufferedServerConnection,
+        incoming: Incoming,
+        pending: OutBuf,
+        settled: crate::handshake::Settled,
+    ) -> Self {
+        Self {
+            conn,
+            incoming,
+            out_deferrable: !pending.is_empty(),
+            out: pending,
+            plain: settled.plain,
+            plain_pos: 0,
+            file_buf: Vec::new(),
+            peer_closed: settled.peer_closed,
+        }
     }
 
     /// One step of rustls over what we have buffered. Decrypted data goes to `plain`, TLS
     /// output to `out`; with `send`, up to CHUNK bytes of it are encrypted.
     fn pump(&mut self, send: Option<&[u8]>, close_notify: bool) -> Result<Pumped, rustls::Error> {
         loop {
-            let UnbufferedStatus { mut discard, state } = self.conn.process_tls_records(&mut self.incoming.buf[..self.incoming.used]);
+            let UnbufferedStatus { mut discard, state } = self
+                .conn
+                .process_tls_records(&mut self.incoming.buf[..self.incoming.used]);
             let done = match state {
                 Err(e) => {
                     self.incoming.discard(discard);
@@ -74,7 +90,8 @@ impl UserPlane {
                     None
                 }
                 Ok(ConnectionState::EncodeTlsData(mut e)) => {
-                    encode_into(&mut e, &mut self.out).map_err(|e| rustls::Error::General(e.to_string()))?;
+                    encode_into(&mut e, &mut self.out)
+                        .map_err(|e| rustls::Error::General(e.to_string()))?;
                     self.out_deferrable = false;
                     None
                 }
@@ -85,15 +102,21 @@ impl UserPlane {
                 }
                 Ok(ConnectionState::WriteTraffic(mut w)) => {
                     if close_notify {
-                        let n = w.queue_close_notify(self.out.spare(64)).map_err(|e| rustls::Error::General(e.to_string()))?;
+                        let n = w
+                            .queue_close_notify(self.out.spare(64))
+                            .map_err(|e| rustls::Error::General(e.to_string()))?;
                         self.out.commit(n);
                         Some(Pumped::Wrote(0))
                     } else if let Some(data) = send {
                         let data = &data[..data.len().min(CHUNK)];
                         let records = data.len().div_ceil(16384).max(1);
-                        let n = match w.encrypt(data, self.out.spare(data.len() + records * RECORD_OVERHEAD)) {
+                        let n = match w
+                            .encrypt(data, self.out.spare(data.len() + records * RECORD_OVERHEAD))
+                        {
                             Ok(n) => n,
-                            Err(EncryptError::InsufficientSize(s)) => w.encrypt(data, self.out.spare(s.required_size)).map_err(|e| rustls::Error::General(e.to_string()))?,
+                            Err(EncryptError::InsufficientSize(s)) => w
+                                .encrypt(data, self.out.spare(s.required_size))
+                                .map_err(|e| rustls::Error::General(e.to_string()))?,
                             Err(e) => return Err(rustls::Error::General(e.to_string())),
                         };
                         self.out.commit(n);
@@ -202,7 +225,14 @@ impl UserPlane {
 
     /// Sends `prefix` then `len` bytes of `file` from `offset`, encrypted in CHUNK-sized pieces
     /// through one reused buffer. The prefix (response headers) shares the first record.
-    pub(crate) async fn write_file(&mut self, sock: &TcpStream, prefix: &[u8], file: &File, mut offset: u64, len: u64) -> io::Result<()> {
+    pub(crate) async fn write_file(
+        &mut self,
+        sock: &TcpStream,
+        prefix: &[u8],
+        file: &File,
+        mut offset: u64,
+        len: u64,
+    ) -> io::Result<()> {
         let mut buf = std::mem::take(&mut self.file_buf);
         buf.resize(CHUNK, 0);
         let mut remaining = len;
@@ -217,7 +247,10 @@ impl UserPlane {
                 while got < want {
                     let n = file.read_at(&mut buf[head + got..head + want], offset + got as u64)?;
                     if n == 0 {
-                        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "file shrank while being sent"));
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "file shrank while being sent",
+                        ));
                     }
                     got += n;
                 }
@@ -245,7 +278,9 @@ impl UserPlane {
         let mut data = self.out.filled();
         while !data.is_empty() {
             sock.writable().await?;
-            match sock.try_io(tokio::io::Interest::WRITABLE, || tlsplane_sys::send_more(std::os::fd::AsFd::as_fd(sock), data)) {
+            match sock.try_io(tokio::io::Interest::WRITABLE, || {
+                tlsplane_sys::send_more(std::os::fd::AsFd::as_fd(sock), data)
+            }) {
                 Ok(n) => data = &data[n..],
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e),
