@@ -347,6 +347,11 @@ async fn http_loop(
                 if !resp.keep_alive {
                     return tls.shutdown().await;
                 }
+                if *stop.borrow() && used == 0 {
+                    // Draining after SIGTERM: the response in flight is done, nothing else
+                    // was asked for; end the connection with close_notify now.
+                    return tls.shutdown().await;
+                }
             }
             Ok(Parsed::Incomplete) => {
                 if used == buf.len() {
