@@ -291,9 +291,9 @@ pub(crate) async fn settle(
         plain: Vec::new(),
         peer_closed: false,
     };
-    if incoming.used == 0 {
-        return Ok(settled);
-    }
+    // Even with nothing left in our buffer, rustls may hold a record it already decrypted
+    // while finishing the handshake (the request that came with the Finished): run it until
+    // it has nothing more to say.
     if !incoming.complete_last_record(sock).await? {
         return Err(Error::Io(io::Error::new(
             io::ErrorKind::UnexpectedEof,

@@ -282,8 +282,19 @@ impl KernelPlane {
     }
 
     /// Sends a fatal alert (best effort) and returns the error to report.
+    ///
+    /// After a failed decryption kTLS leaves the socket error (EBADMSG) set, which would fail
+    /// the alert's sendmsg: it is read (and so cleared) first. The bad record stays unread, and
+    /// close(2) with unread data sends a RST that can destroy the alert before the peer reads
+    /// it; so after the alert and our FIN we linger (bounded) until the peer closes too.
     async fn fail(&mut self, sock: &TcpStream, alert: u8, why: &'static str) -> io::Error {
-        let _ = self.send_alert(sock, alert).await;
+        let sref = socket2::SockRef::from(sock);
+        let _ = sref.take_error();
+        if self.send_alert(sock, alert).await.is_ok()
+            && sref.shutdown(std::net::Shutdown::Write).is_ok()
+        {
+            linger_until_peer_closes(sock, std::time::Duration::from_secs(1)).await;
+        }
         self.read_closed = true;
         self.write_closed = true;
         io::Error::new(io::ErrorKind::InvalidData, why)
@@ -395,6 +406,27 @@ impl KernelPlane {
         }
         socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write)
     }
+}
+
+/// Waits (at most `limit`) for the peer's FIN without reading: the socket may hold a record
+/// the kernel refuses to return.
+async fn linger_until_peer_closes(sock: &TcpStream, limit: std::time::Duration) {
+    let _ = tokio::time::timeout(limit, async {
+        loop {
+            match sock.ready(Interest::READABLE).await {
+                Ok(r) if r.is_read_closed() => return,
+                Ok(_) => {
+                    // Readable because of the unread record: clear the readiness and wait
+                    // for the next event (the FIN).
+                    let _ = sock.try_io(Interest::READABLE, || {
+                        Err::<(), _>(io::ErrorKind::WouldBlock.into())
+                    });
+                }
+                Err(_) => return,
+            }
+        }
+    })
+    .await;
 }
 
 async fn send_all_record(sock: &TcpStream, typ: u8, mut data: &[u8]) -> io::Result<()> {
