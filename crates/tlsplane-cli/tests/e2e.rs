@@ -1,0 +1,32 @@
+//! End-to-end tests of `tlsplane serve`: the real binary, real clients (curl, openssl s_client,
+//! Python's ssl, rustls), real sockets.
+//!
+//! Run natively (user-space record layer; this is the default):
+//!     cargo test -p tlsplane-cli --test e2e
+//! Run under kTLS (inside the VM, with the compiled test binary and the server binary copied in;
+//! `vm/ktls-suite` does this):
+//!     TLSPLANE_TEST_DATA_PLANE=kernel TLSPLANE_BIN=/bin/tlsplane /bin/e2e --test-threads=1
+//! In kernel mode every server also checks /proc/net/tls_stat deltas against its own counters
+//! (servers are serialised for that), python3 tests skip when python3 is absent, and the
+//! kernel-only tests (KeyUpdate on the kernel plane, AEAD limit) run instead of skipping.
+
+mod support;
+
+#[path = "e2e/bad_input.rs"]
+mod bad_input;
+#[path = "e2e/coalesced.rs"]
+mod coalesced;
+#[path = "e2e/content.rs"]
+mod content;
+#[path = "e2e/control.rs"]
+mod control;
+#[path = "e2e/http.rs"]
+mod http;
+#[path = "e2e/kernel.rs"]
+mod kernel;
+#[path = "e2e/shutdown.rs"]
+mod shutdown;
+#[path = "e2e/suites.rs"]
+mod suites;
+#[path = "e2e/traversal.rs"]
+mod traversal;

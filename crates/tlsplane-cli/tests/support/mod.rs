@@ -1,0 +1,387 @@
+//! Test support: the server under test as a child process, its exit counters, and the
+//! kernel's kTLS counters around it.
+//!
+//! Environment:
+//! - `TLSPLANE_TEST_DATA_PLANE` = `user` (default) or `kernel` (inside the kTLS VM);
+//! - `TLSPLANE_BIN` overrides the server binary (the compiled-in path does not exist in a VM).
+#![allow(dead_code)]
+
+pub mod client;
+pub mod fixtures;
+pub mod tools;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+pub use fixtures::CertKind;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    User,
+    Kernel,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::User => "user",
+            Mode::Kernel => "kernel",
+        }
+    }
+}
+
+pub fn mode() -> Mode {
+    match std::env::var("TLSPLANE_TEST_DATA_PLANE").as_deref() {
+        Err(_) | Ok("") | Ok("user") => Mode::User,
+        Ok("kernel") => Mode::Kernel,
+        Ok(other) => panic!("TLSPLANE_TEST_DATA_PLANE={other:?}: expected `user` or `kernel`"),
+    }
+}
+
+/// The server binary: `TLSPLANE_BIN`, else the one cargo built, else `tlsplane` next to this
+/// test binary or in PATH (for copies of the test binary run elsewhere).
+pub fn server_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("TLSPLANE_BIN") {
+        return PathBuf::from(p);
+    }
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_tlsplane"));
+    if built.exists() {
+        return built;
+    }
+    if let Some(sibling) = std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join("tlsplane"))) {
+        if sibling.exists() {
+            return sibling;
+        }
+    }
+    tools::find_in_path("tlsplane").unwrap_or_else(|| panic!("no server binary: set TLSPLANE_BIN ({} does not exist)", built.display()))
+}
+
+/// Skips a kernel-only test outside the VM. Returns true when the test should run.
+pub fn kernel_only(what: &str) -> bool {
+    if mode() == Mode::Kernel {
+        return true;
+    }
+    eprintln!("SKIPPED: {what} needs the kernel data plane (run with TLSPLANE_TEST_DATA_PLANE=kernel under kTLS)");
+    false
+}
+
+/// The server's exit counters (`tlsplane-stats {json}`).
+#[derive(Debug, Clone)]
+pub struct Stats(pub BTreeMap<String, u64>);
+
+impl Stats {
+    pub fn get(&self, name: &str) -> u64 {
+        *self.0.get(name).unwrap_or_else(|| panic!("server stats have no counter {name:?}: {:?}", self.0))
+    }
+}
+
+impl std::ops::Index<&str> for Stats {
+    type Output = u64;
+    fn index(&self, name: &str) -> &u64 {
+        self.0.get(name).unwrap_or_else(|| panic!("server stats have no counter {name:?}: {:?}", self.0))
+    }
+}
+
+/// `/proc/net/tls_stat` as name -> value.
+pub fn tls_stat() -> BTreeMap<String, u64> {
+    let text = std::fs::read_to_string("/proc/net/tls_stat").unwrap_or_else(|e| panic!("kernel mode needs /proc/net/tls_stat (tls module loaded): {e}"));
+    text.lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            Some((it.next()?.to_string(), it.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// kTLS counters are global to the (guest) machine: in kernel mode servers run one at a time
+/// so that the deltas around a server are its own.
+fn kernel_serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub struct ServerBuilder {
+    cert: CertKind,
+    args: Vec<String>,
+    expect_user_fallbacks: bool,
+    expect_decrypt_errors: u64,
+    shutdown_grace: u64,
+}
+
+impl ServerBuilder {
+    pub fn cert(mut self, kind: CertKind) -> Self {
+        self.cert = kind;
+        self
+    }
+
+    /// Extra command-line arguments.
+    pub fn arg(mut self, a: impl Into<String>) -> Self {
+        self.args.push(a.into());
+        self
+    }
+
+    pub fn shutdown_grace(mut self, secs: u64) -> Self {
+        self.shutdown_grace = secs;
+        self
+    }
+
+    /// In kernel mode, do not require every handshake to land on the kernel plane.
+    pub fn expect_user_fallbacks(mut self) -> Self {
+        self.expect_user_fallbacks = true;
+        self
+    }
+
+    /// In kernel mode, the number of records the kernel will fail to decrypt (TlsDecryptError).
+    pub fn expect_decrypt_errors(mut self, n: u64) -> Self {
+        self.expect_decrypt_errors = n;
+        self
+    }
+
+    pub fn start(self) -> Server {
+        let fx = fixtures::get();
+        let leaf = fixtures::pki().leaf(self.cert);
+        let kernel_guard = (mode() == Mode::Kernel).then(kernel_serial);
+        let bin = server_bin();
+        let mut cmd = Command::new(&bin);
+        cmd.arg("serve")
+            .arg(&fx.www)
+            .args(["--listen", "127.0.0.1:0", "--workers", "1", "--data-plane", mode().as_str(), "--stats"])
+            .arg("--cert")
+            .arg(&leaf.cert_pem)
+            .arg("--key")
+            .arg(&leaf.key_pem)
+            .args(["--shutdown-grace", &self.shutdown_grace.to_string()])
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        let stderr = child.stderr.take().expect("piped stderr");
+        let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+        let (port_tx, port_rx) = mpsc::channel();
+        let reader = {
+            let lines = lines.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    eprintln!("[server] {line}");
+                    if let Some(rest) = line.split("listening on https://127.0.0.1:").nth(1) {
+                        if let Ok(p) = rest.trim().parse::<u16>() {
+                            let _ = port_tx.send(p);
+                        }
+                    }
+                    lines.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+                }
+            })
+        };
+        let port = match port_rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(p) => p,
+            Err(_) => {
+                let _ = child.kill();
+                let status = child.wait();
+                let _ = reader.join();
+                panic!("server did not print its port within 20 s (exit: {status:?}); stderr:\n{}", lines.lock().unwrap().join("\n"));
+            }
+        };
+        // After start-up: the server probes kTLS (a few sockets with TLS_TX/TLS_RX) before it
+        // listens, and those must not count against its connections.
+        let tls_before = (mode() == Mode::Kernel).then(tls_stat);
+        let data_plane = lines.lock().unwrap().iter().find(|l| l.starts_with("data plane:")).cloned();
+        assert!(
+            data_plane.as_deref().is_some_and(|l| l.starts_with(&format!("data plane: {}", mode().as_str()))),
+            "server did not report `data plane: {}` before listening: {data_plane:?}",
+            mode().as_str()
+        );
+        Server {
+            child: Some(child),
+            port,
+            cert: self.cert,
+            lines,
+            reader: Some(reader),
+            signaled: false,
+            expect_user_fallbacks: self.expect_user_fallbacks,
+            expect_decrypt_errors: self.expect_decrypt_errors,
+            shutdown_grace: self.shutdown_grace,
+            tls_before,
+            _kernel_guard: kernel_guard,
+        }
+    }
+}
+
+pub struct Server {
+    child: Option<Child>,
+    port: u16,
+    cert: CertKind,
+    lines: Arc<Mutex<Vec<String>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+    signaled: bool,
+    expect_user_fallbacks: bool,
+    expect_decrypt_errors: u64,
+    shutdown_grace: u64,
+    tls_before: Option<BTreeMap<String, u64>>,
+    _kernel_guard: Option<MutexGuard<'static, ()>>,
+}
+
+impl Server {
+    pub fn builder() -> ServerBuilder {
+        ServerBuilder { cert: CertKind::P256, args: Vec::new(), expect_user_fallbacks: false, expect_decrypt_errors: 0, shutdown_grace: 5 }
+    }
+
+    /// A server with the P-256 certificate and default options.
+    pub fn start() -> Server {
+        Self::builder().start()
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn cert(&self) -> CertKind {
+        self.cert
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("server running").id()
+    }
+
+    pub fn stderr_lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Panics unless the server process is still running.
+    pub fn assert_alive(&mut self) {
+        let child = self.child.as_mut().expect("server handle");
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            panic!("the server exited unexpectedly ({status}); stderr:\n{}", self.stderr_lines().join("\n"));
+        }
+    }
+
+    /// Sends SIGTERM (once).
+    pub fn terminate(&mut self) {
+        if self.signaled {
+            return;
+        }
+        let pid = self.pid().to_string();
+        let status = Command::new("kill").args(["-TERM", &pid]).status().expect("running kill");
+        assert!(status.success(), "kill -TERM {pid} failed: {status}");
+        self.signaled = true;
+    }
+
+    /// Waits up to `timeout` for the process to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let child = self.child.as_mut().expect("server handle");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = child.try_wait().expect("try_wait") {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGTERM, wait for a clean exit, parse the counters and check the data-plane invariants
+    /// of the mode (see the module documentation).
+    pub fn stop(mut self) -> Stats {
+        self.terminate();
+        let limit = Duration::from_secs(self.shutdown_grace + 15);
+        let status = match self.wait_exit(limit) {
+            Some(s) => s,
+            None => panic!("server still running {limit:?} after SIGTERM; stderr:\n{}", self.stderr_lines().join("\n")),
+        };
+        self.child = None;
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        let lines = self.stderr_lines();
+        assert!(status.success(), "server exited with {status} after SIGTERM; stderr:\n{}", lines.join("\n"));
+        let stats_lines: Vec<&String> = lines.iter().filter(|l| l.starts_with("tlsplane-stats ")).collect();
+        assert_eq!(stats_lines.len(), 1, "expected exactly one tlsplane-stats line; stderr:\n{}", lines.join("\n"));
+        let json: serde_json::Value = serde_json::from_str(&stats_lines[0]["tlsplane-stats ".len()..]).expect("stats line is not JSON");
+        let map = json
+            .as_object()
+            .expect("stats JSON is not an object")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_u64().unwrap_or_else(|| panic!("counter {k} is not an integer: {v}"))))
+            .collect();
+        let stats = Stats(map);
+        for name in [
+            "handshakes",
+            "handshakes_resumed",
+            "handshake_failures",
+            "handshake_peer_errors",
+            "plane_kernel",
+            "plane_user",
+            "fallback_policy",
+            "fallback_no_ulp",
+            "fallback_suite",
+            "kernel_setup_failures",
+            "kernel_alerts_sent",
+            "kernel_alerts_received",
+            "close_notify_received",
+            "kernel_decrypt_errors",
+            "key_updates",
+            "key_update_unsupported",
+            "aead_limit_rekeys",
+            "aead_limit_closes",
+            "http_connections",
+            "http_requests",
+            "http_responses_4xx",
+            "http_responses_5xx",
+            "http_timeouts",
+            "http_handshake_errors",
+            "http_io_errors",
+        ] {
+            let _ = stats.get(name);
+        }
+        eprintln!("server stats: {:?}", stats.0);
+        assert_eq!(stats["http_responses_5xx"], 0, "the server answered 5xx: {stats:?}");
+        assert_eq!(stats["kernel_setup_failures"], 0, "kTLS set-up failed: {stats:?}");
+        match mode() {
+            Mode::User => {
+                assert_eq!(stats["plane_kernel"], 0, "user mode, yet connections on the kernel plane: {stats:?}");
+                assert_eq!(stats["plane_user"], stats["handshakes"], "every handshake must give a user-plane connection: {stats:?}");
+                assert_eq!(stats["fallback_policy"], stats["handshakes"], "user-plane connections by policy: {stats:?}");
+            }
+            Mode::Kernel => {
+                if !self.expect_user_fallbacks {
+                    assert_eq!(stats["plane_user"], 0, "kernel mode, yet connections on the user plane: {stats:?}");
+                    assert_eq!(stats["plane_kernel"], stats["handshakes"], "every handshake must give a kernel-plane connection: {stats:?}");
+                }
+                let before = self.tls_before.take().expect("tls_stat at start");
+                let after = tls_stat();
+                let delta = |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
+                eprintln!("kTLS deltas: TlsTxSw +{} TlsRxSw +{} TlsDecryptError +{}", delta("TlsTxSw"), delta("TlsRxSw"), delta("TlsDecryptError"));
+                assert_eq!(delta("TlsTxSw"), stats["plane_kernel"], "TlsTxSw must grow by plane_kernel: {stats:?}");
+                assert_eq!(delta("TlsRxSw"), stats["plane_kernel"], "TlsRxSw must grow by plane_kernel: {stats:?}");
+                assert_eq!(delta("TlsDecryptError"), self.expect_decrypt_errors, "unexpected TlsDecryptError delta: {stats:?}");
+                assert_eq!(stats["kernel_decrypt_errors"], self.expect_decrypt_errors, "kernel_decrypt_errors: {stats:?}");
+            }
+        }
+        stats
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+/// A request for `path` with `Host: localhost` and optional extra header lines.
+pub fn get_request(path: &str, extra: &str) -> Vec<u8> {
+    format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n{extra}\r\n").into_bytes()
+}
