@@ -369,8 +369,10 @@ async fn http_loop(
                 let read = tokio::select! {
                     r = tokio::time::timeout(Duration::from_secs(wait), tls.read(&mut buf[used..])) => r,
                     _ = stop.changed(), if used == 0 && !*stop.borrow() => {
-                        // Idle keep-alive connection during shutdown: close it now.
-                        return tls.shutdown().await;
+                        // Idle keep-alive connection during shutdown: close it now. The peer
+                        // may be closing at the same moment (ENOTCONN): not an error of ours.
+                        let _ = tls.shutdown().await;
+                        return Ok(());
                     }
                 };
                 match read {

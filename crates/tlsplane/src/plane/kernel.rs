@@ -103,6 +103,8 @@ impl KernelPlane {
         settled: crate::handshake::Settled,
     ) -> Result<Self, Error> {
         let (secrets, kconn) = conn.dangerous_into_kernel_connection()?;
+        // Records rustls already sent under this key (Finished, tickets) count too.
+        let tx_records = secrets.tx.0;
         let tx = crypto_info(version, &secrets.tx.1, secrets.tx.0, Direction::Tx)?;
         let rx = crypto_info(version, &secrets.rx.1, secrets.rx.0, Direction::Rx)?;
         drop(secrets);
@@ -111,7 +113,7 @@ impl KernelPlane {
         Ok(Self {
             kconn,
             version,
-            tx_records: 0,
+            tx_records,
             tx_limit,
             rekey,
             read_closed: settled.peer_closed,
@@ -316,15 +318,23 @@ impl KernelPlane {
     }
 
     /// Accounts for records about to be written and re-keys or refuses at the AEAD limit.
-    async fn before_write(&mut self, sock: &TcpStream, bytes: u64) -> io::Result<()> {
+    /// How many of `want` bytes may be written now without passing the AEAD limit, re-keying
+    /// (TLS 1.3 on kernels that can) or closing when the limit is near. A write of n bytes
+    /// makes at most n/16384 + 1 records; one record is kept in reserve for the KeyUpdate
+    /// message, which goes out under the old key.
+    async fn before_write(&mut self, sock: &TcpStream, want: usize) -> io::Result<usize> {
         if self.write_closed {
             return Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
                 "TLS connection closed for writing",
             ));
         }
-        let records = bytes.div_ceil(MAX_FRAGMENT) + 1;
-        if self.tx_records + records >= self.tx_limit {
+        loop {
+            let remaining = self.tx_limit.saturating_sub(self.tx_records);
+            if remaining > 2 {
+                let budget = (remaining - 2).saturating_mul(MAX_FRAGMENT);
+                return Ok(want.min(usize::try_from(budget).unwrap_or(usize::MAX)));
+            }
             if self.version == TlsVersion::Tls13 && self.rekey {
                 self.update_tx(sock).await?;
                 bump(&global().aead_limit_rekeys);
@@ -334,7 +344,6 @@ impl KernelPlane {
                 return Err(io::Error::other("AEAD confidentiality limit reached and this connection cannot re-key; closed with close_notify"));
             }
         }
-        Ok(())
     }
 
     pub(crate) async fn write_all(
@@ -344,10 +353,9 @@ impl KernelPlane {
         more: bool,
     ) -> io::Result<()> {
         while !data.is_empty() {
-            self.before_write(sock, data.len().min(1 << 20) as u64)
-                .await?;
+            let allowed = self.before_write(sock, data.len().min(1 << 20)).await?;
             sock.writable().await?;
-            let chunk = &data[..data.len().min(1 << 20)];
+            let chunk = &data[..allowed];
             let r = if more {
                 sock.try_io(Interest::WRITABLE, || sys::send_more(sock.as_fd(), chunk))
             } else {
@@ -375,8 +383,9 @@ impl KernelPlane {
     ) -> io::Result<()> {
         let end = offset + len;
         while offset < end {
-            let want = (end - offset).min(1 << 22) as usize;
-            self.before_write(sock, want as u64).await?;
+            let want = self
+                .before_write(sock, (end - offset).min(1 << 22) as usize)
+                .await?;
             sock.writable().await?;
             match sock.try_io(Interest::WRITABLE, || {
                 sys::sendfile(sock.as_fd(), file.as_fd(), &mut offset, want)
