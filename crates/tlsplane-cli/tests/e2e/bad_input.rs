@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::time::{Duration, Instant};
 
-use crate::support::client::{assert_file_body, fetch, tcp_connect, End, TlsClient, Tls, BOTH};
+use crate::support::client::{assert_file_body, fetch, tcp_connect, End, Tls, TlsClient, BOTH};
 use crate::support::fixtures;
 use crate::support::{Server, Stats};
 
@@ -20,12 +20,18 @@ fn read_until_closed(sock: &mut std::net::TcpStream, limit: Duration) -> (Vec<u8
         match sock.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => got.extend_from_slice(&buf[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
                 panic!("the server kept the connection open for {limit:?} (received {got:?})")
             }
             Err(_) => break, // reset: closed as well
         }
-        assert!(start.elapsed() <= limit, "the server kept the connection open for {limit:?}");
+        assert!(
+            start.elapsed() <= limit,
+            "the server kept the connection open for {limit:?}"
+        );
     }
     (got, start.elapsed())
 }
@@ -33,22 +39,35 @@ fn read_until_closed(sock: &mut std::net::TcpStream, limit: Duration) -> (Vec<u8
 /// Whatever arrived must be TLS alert records (content type 21) and nothing else.
 fn assert_only_alerts(got: &[u8]) {
     let records = crate::support::client::RecordLog::parse(got);
-    assert!(records.iter().all(|(t, len)| *t == 21 && *len == 2), "expected nothing or plaintext alert records, got {records:?} ({got:?})");
+    assert!(
+        records.iter().all(|(t, len)| *t == 21 && *len == 2),
+        "expected nothing or plaintext alert records, got {records:?} ({got:?})"
+    );
 }
 
 fn still_serving(server: &mut Server) {
     server.assert_alive();
     let fx = fixtures::get();
     for v in BOTH {
-        assert_file_body(&fetch(server.port(), v, &fx.hello.url), &fx.hello, "normal request after the bad client");
+        assert_file_body(
+            &fetch(server.port(), v, &fx.hello.url),
+            &fx.hello,
+            "normal request after the bad client",
+        );
     }
     server.assert_alive();
 }
 
 fn handshake_failure_counted(stats: &Stats) {
-    assert_eq!(stats["handshakes"], 2, "only the two good clients completed handshakes");
+    assert_eq!(
+        stats["handshakes"], 2,
+        "only the two good clients completed handshakes"
+    );
     assert_eq!(stats["handshake_failures"], 1, "{stats:?}");
-    assert_eq!(stats["handshake_peer_errors"], 1, "the failure is the peer's fault: {stats:?}");
+    assert_eq!(
+        stats["handshake_peer_errors"], 1,
+        "the failure is the peer's fault: {stats:?}"
+    );
     assert_eq!(stats["http_handshake_errors"], 1, "{stats:?}");
     assert_eq!(stats["http_requests"], 2);
 }
@@ -57,10 +76,14 @@ fn handshake_failure_counted(stats: &Stats) {
 fn plaintext_http_instead_of_client_hello() {
     let mut server = Server::start();
     let mut sock = tcp_connect(server.port());
-    sock.write_all(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n").expect("write");
+    sock.write_all(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .expect("write");
     let (got, took) = read_until_closed(&mut sock, Duration::from_secs(2));
     assert_only_alerts(&got);
-    eprintln!("plaintext HTTP: {} bytes ({got:?}) then close after {took:?}", got.len());
+    eprintln!(
+        "plaintext HTTP: {} bytes ({got:?}) then close after {took:?}",
+        got.len()
+    );
     still_serving(&mut server);
     handshake_failure_counted(&server.stop());
 }
@@ -95,10 +118,19 @@ fn header_flood_gets_431_and_close() {
         // The server may stop reading (and reset) before all of it is written.
         let _ = c.write_all(&req);
         let (raw, end) = c.read_to_end();
-        assert!(!raw.is_empty(), "{v:?}: no response to a 100 KiB head ({end:?})");
+        assert!(
+            !raw.is_empty(),
+            "{v:?}: no response to a 100 KiB head ({end:?})"
+        );
         let status = super::http::status_of(&raw);
-        assert!(status == 431 || status == 400, "{v:?}: status {status} for a 100 KiB head");
-        assert!(!raw.ends_with(fixtures::HELLO), "{v:?}: the flood must not be served");
+        assert!(
+            status == 431 || status == 400,
+            "{v:?}: status {status} for a 100 KiB head"
+        );
+        assert!(
+            !raw.ends_with(fixtures::HELLO),
+            "{v:?}: the flood must not be served"
+        );
         eprintln!("{v:?} header flood: {status}, then {end:?}");
         still_serving(&mut server);
         let stats = server.stop();
@@ -114,7 +146,8 @@ fn client_drops_mid_body() {
     for v in BOTH {
         let mut server = Server::start();
         let mut c = TlsClient::connect_version(server.port(), v);
-        c.write_all(&crate::support::get_request(&big.url, "")).expect("request");
+        c.write_all(&crate::support::get_request(&big.url, ""))
+            .expect("request");
         let (status, _) = c.read_head().expect("head");
         assert_eq!(status, 200);
         let mut got = 0u64;
@@ -131,7 +164,10 @@ fn client_drops_mid_body() {
         std::thread::sleep(Duration::from_millis(300));
         still_serving(&mut server);
         let stats = server.stop();
-        assert_eq!(stats["http_io_errors"], 1, "{v:?}: the aborted response counts as an I/O error: {stats:?}");
+        assert_eq!(
+            stats["http_io_errors"], 1,
+            "{v:?}: the aborted response counts as an I/O error: {stats:?}"
+        );
         assert_eq!(stats["http_requests"], 3);
         assert_eq!(stats["handshakes"], 3);
     }
@@ -143,10 +179,15 @@ fn client_drops_mid_body() {
 fn slow_header_times_out() {
     let mut server = Server::builder().arg("--header-timeout").arg("1").start();
     let mut c = TlsClient::connect_version(server.port(), Tls::V13);
-    c.write_all(b"GET /hello.txt HTTP/1.1\r\nHost: loc").expect("partial head");
+    c.write_all(b"GET /hello.txt HTTP/1.1\r\nHost: loc")
+        .expect("partial head");
     let start = Instant::now();
     let (raw, end) = c.read_to_end();
-    assert!(start.elapsed() < Duration::from_secs(5), "header timeout of 1 s took {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "header timeout of 1 s took {:?}",
+        start.elapsed()
+    );
     if !raw.is_empty() {
         assert_eq!(super::http::status_of(&raw), 408);
     }

@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use crate::support::client::{assert_file_body, TlsClient, Tls};
+use crate::support::client::{assert_file_body, Tls, TlsClient};
 use crate::support::fixtures::{self, hex, sha256, DocFile};
 use crate::support::tools::{self, header, split_http};
 use crate::support::Server;
@@ -32,17 +32,40 @@ fn curl(v: Tls) {
     for f in &fx.files {
         let url = format!("https://localhost:{port}{}", f.url);
         let mut cmd = Command::new("curl");
-        cmd.args(["-sS", "-v", "--fail", "--http1.1", "--connect-timeout", "10", "--max-time", "60", "--cacert"])
-            .arg(&fixtures::pki().ca_pem)
-            .args(["--resolve", &format!("localhost:{port}:127.0.0.1")])
-            .args(v.curl_args())
-            .args(["-o", "-", &url]);
+        cmd.args([
+            "-sS",
+            "-v",
+            "--fail",
+            "--http1.1",
+            "--connect-timeout",
+            "10",
+            "--max-time",
+            "60",
+            "--cacert",
+        ])
+        .arg(&fixtures::pki().ca_pem)
+        .args(["--resolve", &format!("localhost:{port}:127.0.0.1")])
+        .args(v.curl_args())
+        .args(["-o", "-", &url]);
         let out = tools::run(cmd, b"", Duration::from_secs(90));
-        assert!(out.status.success(), "curl {url} failed:\n{}", out.describe());
+        assert!(
+            out.status.success(),
+            "curl {url} failed:\n{}",
+            out.describe()
+        );
         let err = out.stderr_text();
-        assert!(err.contains(&format!("SSL connection using {} /", v.name())), "curl did not negotiate {}:\n{err}", v.name());
+        assert!(
+            err.contains(&format!("SSL connection using {} /", v.name())),
+            "curl did not negotiate {}:\n{err}",
+            v.name()
+        );
         assert_eq!(out.stdout.len() as u64, f.size, "curl {url}: length");
-        assert!(sha256(&out.stdout) == f.sha256, "curl {url}: SHA-256 {} differs from the file's {}", hex(&sha256(&out.stdout)), hex(&f.sha256));
+        assert!(
+            sha256(&out.stdout) == f.sha256,
+            "curl {url}: SHA-256 {} differs from the file's {}",
+            hex(&sha256(&out.stdout)),
+            hex(&f.sha256)
+        );
     }
     check_counts(&server.stop(), fx.files.len(), false);
 }
@@ -60,10 +83,22 @@ fn content_curl_tls12() {
 /// `openssl s_client -brief -ign_eof` (-brief is -quiet plus a connection summary on stderr).
 pub fn s_client_get(port: u16, v: Tls, path: &str, extra: &[&str]) -> tools::Output {
     let mut cmd = Command::new("openssl");
-    cmd.args(["s_client", "-connect", &format!("127.0.0.1:{port}"), "-servername", "localhost", "-CAfile"])
-        .arg(&fixtures::pki().ca_pem)
-        .args(["-verify_return_error", v.openssl_flag(), "-brief", "-ign_eof"])
-        .args(extra);
+    cmd.args([
+        "s_client",
+        "-connect",
+        &format!("127.0.0.1:{port}"),
+        "-servername",
+        "localhost",
+        "-CAfile",
+    ])
+    .arg(&fixtures::pki().ca_pem)
+    .args([
+        "-verify_return_error",
+        v.openssl_flag(),
+        "-brief",
+        "-ign_eof",
+    ])
+    .args(extra);
     let req = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
     tools::run(cmd, req.as_bytes(), Duration::from_secs(20))
 }
@@ -77,14 +112,30 @@ fn openssl(v: Tls) {
     let files: Vec<&DocFile> = fx.small_files().collect();
     for f in &files {
         let out = s_client_get(server.port(), v, &f.url, &[]);
-        assert!(out.status.success(), "s_client {} failed:\n{}", f.url, out.describe());
+        assert!(
+            out.status.success(),
+            "s_client {} failed:\n{}",
+            f.url,
+            out.describe()
+        );
         let err = out.stderr_text();
-        assert_eq!(tools::line_value(&err, &["Protocol version:"]).as_deref(), Some(v.name()), "s_client summary:\n{err}");
+        assert_eq!(
+            tools::line_value(&err, &["Protocol version:"]).as_deref(),
+            Some(v.name()),
+            "s_client summary:\n{err}"
+        );
         let (status, headers, body) = split_http(&out.stdout);
         assert_eq!(status, 200, "s_client {}", f.url);
-        assert_eq!(header(&headers, "content-length"), Some(f.size.to_string().as_str()));
+        assert_eq!(
+            header(&headers, "content-length"),
+            Some(f.size.to_string().as_str())
+        );
         assert_eq!(body.len() as u64, f.size, "s_client {}: body length", f.url);
-        assert!(sha256(&body) == f.sha256, "s_client {}: content differs", f.url);
+        assert!(
+            sha256(&body) == f.sha256,
+            "s_client {}: content differs",
+            f.url
+        );
     }
     let stats = server.stop();
     check_counts(&stats, files.len(), false);
@@ -134,16 +185,39 @@ fn python(v: Tls) {
         })
         .args(files.iter().map(|f| f.url.as_str()));
     let out = tools::run(cmd, b"", Duration::from_secs(60));
-    assert!(out.status.success(), "python client failed:\n{}", out.describe());
-    let lines: Vec<serde_json::Value> = out.stdout_text().lines().map(|l| serde_json::from_str(l).expect("python output line")).collect();
-    assert_eq!(lines.len(), files.len(), "one line per file:\n{}", out.describe());
+    assert!(
+        out.status.success(),
+        "python client failed:\n{}",
+        out.describe()
+    );
+    let lines: Vec<serde_json::Value> = out
+        .stdout_text()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("python output line"))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        files.len(),
+        "one line per file:\n{}",
+        out.describe()
+    );
     for (f, l) in files.iter().zip(&lines) {
         assert_eq!(l["path"], f.url.as_str());
         assert_eq!(l["status"], 200, "python {}", f.url);
         assert_eq!(l["version"], v.name(), "python {}", f.url);
         assert_eq!(l["len"], f.size, "python {}: length", f.url);
-        assert_eq!(l["content_length"], f.size.to_string().as_str(), "python {}", f.url);
-        assert_eq!(l["sha256"], hex(&f.sha256).as_str(), "python {}: content differs", f.url);
+        assert_eq!(
+            l["content_length"],
+            f.size.to_string().as_str(),
+            "python {}",
+            f.url
+        );
+        assert_eq!(
+            l["sha256"],
+            hex(&f.sha256).as_str(),
+            "python {}: content differs",
+            f.url
+        );
     }
     check_counts(&server.stop(), files.len(), false);
 }

@@ -21,14 +21,30 @@ fn client_close_notify_is_answered() {
         let start = Instant::now();
         let (rest, end) = c.read_to_end();
         assert!(rest.is_empty(), "{v:?}: data after our close_notify");
-        assert!(matches!(end, End::CloseNotify), "{v:?}: the server must answer close_notify with close_notify, then EOF; got {end:?}");
-        assert!(start.elapsed() < Duration::from_secs(5), "{v:?}: took {:?}", start.elapsed());
+        assert!(
+            matches!(end, End::CloseNotify),
+            "{v:?}: the server must answer close_notify with close_notify, then EOF; got {end:?}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{v:?}: took {:?}",
+            start.elapsed()
+        );
         let stats = server.stop();
         assert_eq!(stats["close_notify_received"], 1, "{v:?}: {stats:?}");
-        assert_eq!(stats["http_io_errors"], 0, "{v:?}: a polite close is not an error");
+        assert_eq!(
+            stats["http_io_errors"], 0,
+            "{v:?}: a polite close is not an error"
+        );
         if mode() == Mode::Kernel {
-            assert_eq!(stats["kernel_alerts_sent"], 1, "{v:?}: our close_notify through kTLS: {stats:?}");
-            assert_eq!(stats["kernel_alerts_received"], 0, "close_notify is not counted as an alert");
+            assert_eq!(
+                stats["kernel_alerts_sent"], 1,
+                "{v:?}: our close_notify through kTLS: {stats:?}"
+            );
+            assert_eq!(
+                stats["kernel_alerts_received"], 0,
+                "close_notify is not counted as an alert"
+            );
         }
     }
 }
@@ -39,9 +55,16 @@ fn corrupted_record_gets_bad_record_mac() {
     for v in BOTH {
         let server = Server::builder().expect_decrypt_errors(1).start();
         let mut c = TlsClient::connect_version(server.port(), v);
-        assert_file_body(&c.get(&fx.hello.url), &fx.hello, "before the corrupt record");
+        assert_file_body(
+            &c.get(&fx.hello.url),
+            &fx.hello,
+            "before the corrupt record",
+        );
         // Encrypt the next request into a buffer, flip a bit of its authentication tag, send.
-        c.conn.writer().write_all(&get_request(&fx.hello.url, "")).expect("plaintext");
+        c.conn
+            .writer()
+            .write_all(&get_request(&fx.hello.url, ""))
+            .expect("plaintext");
         let mut wire = Vec::new();
         while c.conn.wants_write() {
             c.conn.write_tls(&mut wire).expect("encrypting");
@@ -50,24 +73,40 @@ fn corrupted_record_gets_bad_record_mac() {
         assert_eq!(records.len(), 1, "{records:?}");
         assert_eq!(records[0].0, 23);
         *wire.last_mut().expect("non-empty record") ^= 0x01;
-        c.io.sock.write_all(&wire).expect("sending the corrupt record");
+        c.io.sock
+            .write_all(&wire)
+            .expect("sending the corrupt record");
         let start = Instant::now();
         let (data, end) = c.read_to_end();
-        assert!(data.is_empty(), "{v:?}: the server answered a corrupt record with data: {:?}", String::from_utf8_lossy(&data));
+        assert!(
+            data.is_empty(),
+            "{v:?}: the server answered a corrupt record with data: {:?}",
+            String::from_utf8_lossy(&data)
+        );
         assert!(
             matches!(end, End::Alert(AlertDescription::BadRecordMac)),
             "{v:?}: a record that fails to decrypt must get a bad_record_mac alert; got {end:?} \
              (on the kernel plane kTLS leaves sk_err = EBADMSG set, which makes the alert's send fail \
              unless SO_ERROR is read first; the unread bad record then turns close() into a RST)"
         );
-        assert!(start.elapsed() < Duration::from_secs(5), "{v:?}: took {:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{v:?}: took {:?}",
+            start.elapsed()
+        );
         // Close our end first: on the kernel plane the server lingers after its alert until
         // our FIN, and a SIGTERM during that linger would end the connection as a shutdown.
         drop(c);
         std::thread::sleep(Duration::from_millis(300));
         let stats = server.stop();
-        assert_eq!(stats["http_requests"], 1, "{v:?}: only the good request: {stats:?}");
-        assert_eq!(stats["http_io_errors"], 1, "{v:?}: the connection ended in error: {stats:?}");
+        assert_eq!(
+            stats["http_requests"], 1,
+            "{v:?}: only the good request: {stats:?}"
+        );
+        assert_eq!(
+            stats["http_io_errors"], 1,
+            "{v:?}: the connection ended in error: {stats:?}"
+        );
         if mode() == Mode::Kernel {
             assert_eq!(stats["kernel_decrypt_errors"], 1, "{stats:?}");
             assert_eq!(stats["kernel_alerts_sent"], 1, "{stats:?}");
@@ -88,11 +127,24 @@ fn sigterm_sends_close_notify_to_idle_connections() {
         let start = Instant::now();
         server.terminate();
         let (rest, end) = c.read_to_end();
-        assert!(rest.is_empty(), "{v:?}: data after SIGTERM on an idle connection");
-        assert!(matches!(end, End::CloseNotify), "{v:?}: an idle keep-alive connection must get close_notify at shutdown; got {end:?}");
-        assert!(start.elapsed() < Duration::from_secs(3), "{v:?}: idle connection closed only after {:?}", start.elapsed());
+        assert!(
+            rest.is_empty(),
+            "{v:?}: data after SIGTERM on an idle connection"
+        );
+        assert!(
+            matches!(end, End::CloseNotify),
+            "{v:?}: an idle keep-alive connection must get close_notify at shutdown; got {end:?}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{v:?}: idle connection closed only after {:?}",
+            start.elapsed()
+        );
         let exited = server.wait_exit(Duration::from_secs(3));
-        assert!(exited.is_some_and(|s| s.success()), "{v:?}: server exit after SIGTERM with only idle connections: {exited:?}");
+        assert!(
+            exited.is_some_and(|s| s.success()),
+            "{v:?}: server exit after SIGTERM with only idle connections: {exited:?}"
+        );
         let stats = server.stop();
         assert_eq!(stats["http_io_errors"], 0);
         assert_eq!(stats["http_requests"], 1);

@@ -1,6 +1,6 @@
 //! Tests 2 and 4: keep-alive, pipelining, Range, conditional requests, HEAD, error statuses.
 
-use crate::support::client::{assert_file_body, End, TlsClient, Tls, BOTH};
+use crate::support::client::{assert_file_body, End, Tls, TlsClient, BOTH};
 use crate::support::fixtures::{self, DocFile};
 use crate::support::{get_request, Server};
 
@@ -23,7 +23,13 @@ fn keep_alive_100_requests() {
             let f = files[i % files.len()];
             let resp = c.get(&f.url);
             assert_file_body(&resp, f, &format!("{v:?} keep-alive request {i}"));
-            assert_ne!(resp.header("connection").map(str::to_ascii_lowercase).as_deref(), Some("close"), "request {i}");
+            assert_ne!(
+                resp.header("connection")
+                    .map(str::to_ascii_lowercase)
+                    .as_deref(),
+                Some("close"),
+                "request {i}"
+            );
         }
         assert!(c.leftover().is_empty());
         c.close();
@@ -50,14 +56,27 @@ fn pipelined_10_requests_in_one_write() {
         }
         let writes_before = c.io.writes.len();
         c.write_all(&all).expect("sending the pipelined requests");
-        assert_eq!(c.io.writes.len(), writes_before + 1, "{v:?}: the 10 requests must leave in one socket write");
+        assert_eq!(
+            c.io.writes.len(),
+            writes_before + 1,
+            "{v:?}: the 10 requests must leave in one socket write"
+        );
         for (i, f) in order.iter().enumerate() {
-            let resp = c.read_response(false).unwrap_or_else(|e| panic!("{v:?}: pipelined response {i}: {e}"));
+            let resp = c
+                .read_response(false)
+                .unwrap_or_else(|e| panic!("{v:?}: pipelined response {i}: {e}"));
             assert_file_body(&resp, f, &format!("{v:?} pipelined response {i}"));
         }
         let (rest, end) = c.read_to_end();
-        assert!(rest.is_empty(), "{v:?}: {} bytes after the 10th response", rest.len());
-        assert!(matches!(end, End::CloseNotify), "{v:?}: after `Connection: close` the server must send close_notify, got {end:?}");
+        assert!(
+            rest.is_empty(),
+            "{v:?}: {} bytes after the 10th response",
+            rest.len()
+        );
+        assert!(
+            matches!(end, End::CloseNotify),
+            "{v:?}: after `Connection: close` the server must send close_notify, got {end:?}"
+        );
         let stats = server.stop();
         assert_eq!(stats["handshakes"], 1);
         assert_eq!(stats["http_requests"], 10);
@@ -65,10 +84,16 @@ fn pipelined_10_requests_in_one_write() {
     }
 }
 
-fn request(c: &mut TlsClient, method: &str, path: &str, extra: &str) -> crate::support::client::Response {
+fn request(
+    c: &mut TlsClient,
+    method: &str,
+    path: &str,
+    extra: &str,
+) -> crate::support::client::Response {
     let req = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\n{extra}\r\n");
     c.write_all(req.as_bytes()).expect("sending a request");
-    c.read_response(method == "HEAD").unwrap_or_else(|e| panic!("{method} {path} [{extra:?}]: {e}"))
+    c.read_response(method == "HEAD")
+        .unwrap_or_else(|e| panic!("{method} {path} [{extra:?}]: {e}"))
 }
 
 #[test]
@@ -85,48 +110,101 @@ fn range_conditional_and_head() {
         assert_file_body(&full, f, "plain GET");
         assert_eq!(full.header("accept-ranges"), Some("bytes"));
         let etag = full.header("etag").expect("ETag").to_string();
-        let last_modified = full.header("last-modified").expect("Last-Modified").to_string();
+        let last_modified = full
+            .header("last-modified")
+            .expect("Last-Modified")
+            .to_string();
 
-        let cases: [(&str, usize, usize); 3] = [("bytes=0-99", 0, 99), ("bytes=100-", 100, size - 1), ("bytes=-10", size - 10, size - 1)];
+        let cases: [(&str, usize, usize); 3] = [
+            ("bytes=0-99", 0, 99),
+            ("bytes=100-", 100, size - 1),
+            ("bytes=-10", size - 10, size - 1),
+        ];
         for (range, first, last) in cases {
             let r = request(&mut c, "GET", &f.url, &format!("Range: {range}\r\n"));
             assert_eq!(r.status, 206, "{v:?} {range}");
-            assert_eq!(r.header("content-range").map(str::to_string), Some(format!("bytes {first}-{last}/{size}")), "{v:?} {range}");
-            assert_eq!(r.content_length(), Some((last - first + 1) as u64), "{v:?} {range}");
-            assert!(r.body == content[first..=last], "{v:?} {range}: wrong bytes");
+            assert_eq!(
+                r.header("content-range").map(str::to_string),
+                Some(format!("bytes {first}-{last}/{size}")),
+                "{v:?} {range}"
+            );
+            assert_eq!(
+                r.content_length(),
+                Some((last - first + 1) as u64),
+                "{v:?} {range}"
+            );
+            assert!(
+                r.body == content[first..=last],
+                "{v:?} {range}: wrong bytes"
+            );
         }
 
         let r = request(&mut c, "GET", &f.url, "Range: bytes=999999999-\r\n");
         assert_eq!(r.status, 416, "{v:?} unsatisfiable range");
-        assert_eq!(r.header("content-range").map(str::to_string), Some(format!("bytes */{size}")));
+        assert_eq!(
+            r.header("content-range").map(str::to_string),
+            Some(format!("bytes */{size}"))
+        );
 
         let r = request(&mut c, "GET", &f.url, &format!("If-None-Match: {etag}\r\n"));
         assert_eq!(r.status, 304, "{v:?} If-None-Match");
         assert!(r.body.is_empty());
         assert_eq!(r.header("etag"), Some(etag.as_str()));
 
-        let r = request(&mut c, "GET", &f.url, "If-None-Match: \"some-other-tag\"\r\n");
+        let r = request(
+            &mut c,
+            "GET",
+            &f.url,
+            "If-None-Match: \"some-other-tag\"\r\n",
+        );
         assert_file_body(&r, f, "If-None-Match with another tag");
 
-        let r = request(&mut c, "GET", &f.url, &format!("If-Modified-Since: {last_modified}\r\n"));
+        let r = request(
+            &mut c,
+            "GET",
+            &f.url,
+            &format!("If-Modified-Since: {last_modified}\r\n"),
+        );
         assert_eq!(r.status, 304, "{v:?} If-Modified-Since equal");
-        let r = request(&mut c, "GET", &f.url, "If-Modified-Since: Fri, 01 Jan 2100 00:00:00 GMT\r\n");
+        let r = request(
+            &mut c,
+            "GET",
+            &f.url,
+            "If-Modified-Since: Fri, 01 Jan 2100 00:00:00 GMT\r\n",
+        );
         assert_eq!(r.status, 304, "{v:?} If-Modified-Since in the future");
-        let r = request(&mut c, "GET", &f.url, "If-Modified-Since: Mon, 01 Jan 1990 00:00:00 GMT\r\n");
+        let r = request(
+            &mut c,
+            "GET",
+            &f.url,
+            "If-Modified-Since: Mon, 01 Jan 1990 00:00:00 GMT\r\n",
+        );
         assert_file_body(&r, f, "If-Modified-Since in the past");
 
         let h = request(&mut c, "HEAD", &f.url, "");
         assert_eq!(h.status, 200, "{v:?} HEAD");
-        assert_eq!(h.content_length(), Some(f.size), "{v:?} HEAD Content-Length");
+        assert_eq!(
+            h.content_length(),
+            Some(f.size),
+            "{v:?} HEAD Content-Length"
+        );
         assert_eq!(h.header("etag"), Some(etag.as_str()));
         let h = request(&mut c, "HEAD", &f.url, "Range: bytes=0-99\r\n");
-        assert!(h.status == 200 || h.status == 206, "{v:?} HEAD with Range: {}", h.status);
+        assert!(
+            h.status == 200 || h.status == 206,
+            "{v:?} HEAD with Range: {}",
+            h.status
+        );
 
         // Nothing stray after the body-less responses: this one must parse and be intact.
         let after = request(&mut c, "GET", &fx.hello.url, "Connection: close\r\n");
         assert_file_body(&after, &fx.hello, "GET after 304s and HEADs");
         let (rest, end) = c.read_to_end();
-        assert!(rest.is_empty(), "{v:?}: stray bytes after the last response: {:?}", String::from_utf8_lossy(&rest));
+        assert!(
+            rest.is_empty(),
+            "{v:?}: stray bytes after the last response: {:?}",
+            String::from_utf8_lossy(&rest)
+        );
         assert!(matches!(end, End::CloseNotify), "{v:?}: {end:?}");
         let stats = server.stop();
         assert_eq!(stats["http_requests"], 13);
@@ -144,7 +222,11 @@ pub fn raw_exchange(port: u16, v: Tls, raw: &[u8]) -> (Vec<u8>, End) {
 pub fn status_of(raw: &[u8]) -> u16 {
     let line = raw.split(|&b| b == b'\r').next().unwrap_or_default();
     let line = String::from_utf8_lossy(line);
-    assert!(line.starts_with("HTTP/1.1 "), "no HTTP status line in {:?}", String::from_utf8_lossy(&raw[..raw.len().min(200)]));
+    assert!(
+        line.starts_with("HTTP/1.1 "),
+        "no HTTP status line in {:?}",
+        String::from_utf8_lossy(&raw[..raw.len().min(200)])
+    );
     line[9..12].parse().expect("status code")
 }
 
@@ -154,20 +236,45 @@ fn error_statuses() {
     let port = server.port();
     let long = format!("/{}", "a".repeat(9000));
     let cases: Vec<(String, Vec<u16>)> = vec![
-        ("GET /no-such-file HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".into(), vec![404]),
-        ("DELETE /hello.txt HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".into(), vec![405]),
-        ("PUT /hello.txt HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".into(), vec![405]),
-        (format!("GET {long} HTTP/1.1\r\nHost: localhost\r\n\r\n"), vec![414]),
+        (
+            "GET /no-such-file HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".into(),
+            vec![404],
+        ),
+        (
+            "DELETE /hello.txt HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".into(),
+            vec![405],
+        ),
+        (
+            "PUT /hello.txt HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".into(),
+            vec![405],
+        ),
+        (
+            format!("GET {long} HTTP/1.1\r\nHost: localhost\r\n\r\n"),
+            vec![414],
+        ),
         ("THIS IS NOT HTTP\r\n\r\n".into(), vec![400]),
-        ("GET /hello.txt HTTP/1.1\r\nBad Header Without Colon\r\n\r\n".into(), vec![400]),
-        ("GET /sub/ HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".into(), vec![403, 404]),
+        (
+            "GET /hello.txt HTTP/1.1\r\nBad Header Without Colon\r\n\r\n".into(),
+            vec![400],
+        ),
+        (
+            "GET /sub/ HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".into(),
+            vec![403, 404],
+        ),
     ];
     for (i, (req, want)) in cases.iter().enumerate() {
         let v = if i % 2 == 0 { Tls::V13 } else { Tls::V12 };
         let (raw, end) = raw_exchange(port, v, req.as_bytes());
         let status = status_of(&raw);
-        assert!(want.contains(&status), "request {:?}: status {status}, want {want:?}", &req[..req.len().min(60)]);
-        assert!(matches!(end, End::CloseNotify), "request {i}: the server must close with close_notify after an error/close: {end:?}");
+        assert!(
+            want.contains(&status),
+            "request {:?}: status {status}, want {want:?}",
+            &req[..req.len().min(60)]
+        );
+        assert!(
+            matches!(end, End::CloseNotify),
+            "request {i}: the server must close with close_notify after an error/close: {end:?}"
+        );
     }
     let stats = server.stop();
     assert_eq!(stats["http_responses_4xx"], cases.len() as u64);

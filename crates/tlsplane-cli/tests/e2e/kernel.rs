@@ -6,7 +6,7 @@
 
 use std::io;
 
-use crate::support::client::{assert_file_body, End, Response, TlsClient, Tls, BOTH};
+use crate::support::client::{assert_file_body, End, Response, Tls, TlsClient, BOTH};
 use crate::support::fixtures::{self, sha256, SIZE_1M7};
 use crate::support::{get_request, kernel_only, mode, Mode, Server};
 
@@ -19,8 +19,14 @@ enum Outcome {
 fn response_or_clean_close(c: &mut TlsClient) -> Outcome {
     match c.read_response(false) {
         Ok(r) => Outcome::Responded(r),
-        Err(e) if e.kind() == io::ErrorKind::ConnectionAborted && c.leftover().is_empty() => Outcome::CleanClose,
-        Err(e) => panic!("neither a response nor a clean close: {e} (kind {:?}); {} bytes of partial response", e.kind(), c.leftover().len()),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionAborted && c.leftover().is_empty() => {
+            Outcome::CleanClose
+        }
+        Err(e) => panic!(
+            "neither a response nor a clean close: {e} (kind {:?}); {} bytes of partial response",
+            e.kind(),
+            c.leftover().len()
+        ),
     }
 }
 
@@ -32,14 +38,20 @@ fn client_key_update() {
     assert_file_body(&c.get(&fx.hello.url), &fx.hello, "before KeyUpdate");
     // KeyUpdate(update_requested), then a request under the new key, in one write.
     c.conn.refresh_traffic_keys().expect("queueing a KeyUpdate");
-    c.write_all(&get_request(&fx.text.url, "")).expect("request after KeyUpdate");
+    c.write_all(&get_request(&fx.text.url, ""))
+        .expect("request after KeyUpdate");
     let outcome = response_or_clean_close(&mut c);
     match &outcome {
         Outcome::Responded(r) => {
             assert_file_body(r, &fx.text, "response after KeyUpdate");
             // The server's own KeyUpdate (it was requested) is behind us; keep going under it.
-            c.write_all(&get_request(&fx.hello.url, "Connection: close\r\n")).expect("second request");
-            assert_file_body(&c.read_response(false).expect("second response"), &fx.hello, "second request after KeyUpdate");
+            c.write_all(&get_request(&fx.hello.url, "Connection: close\r\n"))
+                .expect("second request");
+            assert_file_body(
+                &c.read_response(false).expect("second response"),
+                &fx.hello,
+                "second request after KeyUpdate",
+            );
             let (rest, end) = c.read_to_end();
             assert!(rest.is_empty());
             assert!(matches!(end, End::CloseNotify), "{end:?}");
@@ -50,21 +62,44 @@ fn client_key_update() {
             assert!(matches!(end, End::CloseNotify), "{end:?}");
         }
     }
+    // The server says at start-up whether this kernel can re-key TLS 1.3 (Linux >= 6.14); the
+    // outcome must follow from it, not merely be one of the two acceptable ones.
+    let kernel_rekeys = server
+        .stderr_lines()
+        .iter()
+        .any(|l| l.starts_with("data plane:") && l.contains("TLS 1.3 rekey yes"));
     let stats = server.stop();
+    if mode() == Mode::Kernel {
+        eprintln!("kernel can re-key TLS 1.3: {kernel_rekeys}");
+        assert_eq!(
+            matches!(outcome, Outcome::Responded(_)),
+            kernel_rekeys,
+            "KeyUpdate outcome must match the kernel's rekey support: {stats:?}"
+        );
+    }
     match mode() {
         Mode::User => {
-            assert!(matches!(outcome, Outcome::Responded(_)), "the user plane (rustls) must honour KeyUpdate");
+            assert!(
+                matches!(outcome, Outcome::Responded(_)),
+                "the user plane (rustls) must honour KeyUpdate"
+            );
             assert_eq!(stats["key_update_unsupported"], 0);
             assert_eq!(stats["http_requests"], 3);
         }
         Mode::Kernel => match outcome {
             Outcome::Responded(_) => {
-                assert_eq!(stats["key_updates"], 1, "a response after KeyUpdate means the kernel re-keyed: {stats:?}");
+                assert_eq!(
+                    stats["key_updates"], 1,
+                    "a response after KeyUpdate means the kernel re-keyed: {stats:?}"
+                );
                 assert_eq!(stats["key_update_unsupported"], 0, "{stats:?}");
                 assert_eq!(stats["http_requests"], 3);
             }
             Outcome::CleanClose => {
-                assert_eq!(stats["key_update_unsupported"], 1, "a close after KeyUpdate must be the no-rekey path: {stats:?}");
+                assert_eq!(
+                    stats["key_update_unsupported"], 1,
+                    "a close after KeyUpdate must be the no-rekey path: {stats:?}"
+                );
                 assert_eq!(stats["key_updates"], 0, "{stats:?}");
                 assert_eq!(stats["http_requests"], 1);
             }
@@ -101,9 +136,13 @@ fn aead_record_limit() {
     let f = fx.file(SIZE_1M7);
     let content = std::fs::read(&f.path).expect("fixture");
     for v in BOTH {
-        let server = Server::builder().arg("--aead-record-limit").arg(LIMIT.to_string()).start();
+        let server = Server::builder()
+            .arg("--aead-record-limit")
+            .arg(LIMIT.to_string())
+            .start();
         let mut c = TlsClient::connect_version(server.port(), v);
-        c.write_all(&get_request(&f.url, "Connection: close\r\n")).expect("request");
+        c.write_all(&get_request(&f.url, "Connection: close\r\n"))
+            .expect("request");
         let mut body = Vec::new();
         let complete = match c.read_head() {
             Ok((status, _)) => {
@@ -111,30 +150,58 @@ fn aead_record_limit() {
                 match c.read_body_with(f.size, |b| body.extend_from_slice(b)) {
                     Ok(()) => true,
                     Err(e) => {
-                        assert_eq!(e.kind(), io::ErrorKind::ConnectionAborted, "{v:?}: the body must end complete or with close_notify: {e}");
+                        assert_eq!(
+                            e.kind(),
+                            io::ErrorKind::ConnectionAborted,
+                            "{v:?}: the body must end complete or with close_notify: {e}"
+                        );
                         false
                     }
                 }
             }
             Err(e) => {
-                assert_eq!(e.kind(), io::ErrorKind::ConnectionAborted, "{v:?}: the response must come or close_notify: {e}");
+                assert_eq!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionAborted,
+                    "{v:?}: the response must come or close_notify: {e}"
+                );
                 false
             }
         };
         body.extend_from_slice(c.leftover());
-        assert!(body.len() <= content.len() && body == content[..body.len()], "{v:?}: received bytes are not a prefix of the file: corrupt data");
+        assert!(
+            body.len() <= content.len() && body == content[..body.len()],
+            "{v:?}: received bytes are not a prefix of the file: corrupt data"
+        );
         let (rest, end) = c.read_to_end();
-        assert!(rest.is_empty(), "{v:?}: data after the response or after close_notify");
+        assert!(
+            rest.is_empty(),
+            "{v:?}: data after the response or after close_notify"
+        );
         assert!(matches!(end, End::CloseNotify), "{v:?}: {end:?}");
         let per_key = records_per_key(&c, v);
-        eprintln!("{v:?}: complete={complete}, {} body bytes, server records per key {per_key:?}", body.len());
+        eprintln!(
+            "{v:?}: complete={complete}, {} body bytes, server records per key {per_key:?}",
+            body.len()
+        );
+        let kernel_rekeys = server
+            .stderr_lines()
+            .iter()
+            .any(|l| l.starts_with("data plane:") && l.contains("TLS 1.3 rekey yes"));
         let stats = server.stop();
+        assert_eq!(complete, kernel_rekeys && v == Tls::V13, "{v:?}: re-key exactly when TLS 1.3 on a kernel that can (rekey: {kernel_rekeys}): {stats:?}");
         if complete {
             assert!(sha256(&body) == f.sha256);
-            assert!(stats["aead_limit_rekeys"] >= 1, "{v:?}: a complete 1 MiB body under a 64-record limit needs re-keying: {stats:?}");
+            assert!(
+                stats["aead_limit_rekeys"] >= 1,
+                "{v:?}: a complete 1 MiB body under a 64-record limit needs re-keying: {stats:?}"
+            );
             assert_eq!(v, Tls::V13, "only TLS 1.3 can re-key");
         } else {
-            assert!(stats["aead_limit_closes"] >= 1, "{v:?}: closed early without counting it: {stats:?}");
+            assert!(
+                stats["aead_limit_closes"] >= 1,
+                "{v:?}: closed early without counting it: {stats:?}"
+            );
         }
         for (i, n) in per_key.iter().enumerate() {
             assert!(*n <= LIMIT, "{v:?}: {n} records under server key #{i}, limit {LIMIT} (records per key: {per_key:?})");

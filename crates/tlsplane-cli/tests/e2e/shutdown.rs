@@ -21,13 +21,16 @@ fn sigterm_during_64mib_response() {
         c.write_all(&get_request(&big.url, "")).expect("request");
         let (status, headers) = c.read_head().expect("head");
         assert_eq!(status, 200);
-        assert!(headers.iter().any(|(k, val)| k == "content-length" && *val == big.size.to_string()));
+        assert!(headers
+            .iter()
+            .any(|(k, val)| k == "content-length" && *val == big.size.to_string()));
         let mut ctx = digest::Context::new(&digest::SHA256);
         let mut got = 0u64;
         // Read slowly: 2 MiB over ~0.5 s, then signal, then keep reading slowly a bit.
         let slow = |c: &mut TlsClient, ctx: &mut digest::Context, got: &mut u64, n: u64| {
             for _ in 0..(n / (256 << 10)) {
-                c.read_body_with(256 << 10, |b| ctx.update(b)).expect("body");
+                c.read_body_with(256 << 10, |b| ctx.update(b))
+                    .expect("body");
                 *got += 256 << 10;
                 std::thread::sleep(Duration::from_millis(60));
             }
@@ -39,12 +42,21 @@ fn sigterm_during_64mib_response() {
         // The listener closes promptly: new connections are refused.
         let deadline = Instant::now() + Duration::from_secs(3);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            assert!(Instant::now() < deadline, "{v:?}: new connections still accepted 3 s after SIGTERM");
+            assert!(
+                Instant::now() < deadline,
+                "{v:?}: new connections still accepted 3 s after SIGTERM"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
-        c.read_body_with(big.size - got, |b| ctx.update(b)).unwrap_or_else(|e| panic!("{v:?}: the in-flight response broke off after SIGTERM: {e}"));
+        c.read_body_with(big.size - got, |b| ctx.update(b))
+            .unwrap_or_else(|e| {
+                panic!("{v:?}: the in-flight response broke off after SIGTERM: {e}")
+            });
         let body_done = Instant::now();
-        assert!(ctx.finish().as_ref() == big.sha256, "{v:?}: the 64 MiB body differs from the file");
+        assert!(
+            ctx.finish().as_ref() == big.sha256,
+            "{v:?}: the 64 MiB body differs from the file"
+        );
         let (rest, end) = c.read_to_end();
         let closed = Instant::now();
         assert!(rest.is_empty(), "{v:?}: data after the body");
@@ -56,9 +68,19 @@ fn sigterm_during_64mib_response() {
             signalled.elapsed()
         );
         let status = server.wait_exit(Duration::from_secs(5));
-        assert!(status.is_some(), "{v:?}: the server still runs {:?} after SIGTERM, with nothing left in flight", signalled.elapsed());
-        assert!(status.is_some_and(|s| s.success()), "{v:?}: exit {status:?}");
-        assert!(signalled.elapsed() < Duration::from_secs(grace), "{v:?}: exit only after the grace period");
+        assert!(
+            status.is_some(),
+            "{v:?}: the server still runs {:?} after SIGTERM, with nothing left in flight",
+            signalled.elapsed()
+        );
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "{v:?}: exit {status:?}"
+        );
+        assert!(
+            signalled.elapsed() < Duration::from_secs(grace),
+            "{v:?}: exit only after the grace period"
+        );
         let stats = server.stop();
         assert_eq!(stats["http_requests"], 1);
         assert_eq!(stats["http_io_errors"], 0, "{v:?}: {stats:?}");

@@ -71,7 +71,11 @@ pub struct ClientOpts {
 
 impl ClientOpts {
     pub fn version(v: Tls) -> Self {
-        Self { versions: vec![v], groups: None, suites: None }
+        Self {
+            versions: vec![v],
+            groups: None,
+            suites: None,
+        }
     }
 
     pub fn config(&self) -> Arc<ClientConfig> {
@@ -82,7 +86,9 @@ impl ClientOpts {
             ..base
         };
         let mut roots = RootCertStore::empty();
-        roots.add(fixtures::pki().ca_der.clone()).expect("adding the test CA");
+        roots
+            .add(fixtures::pki().ca_der.clone())
+            .expect("adding the test CA");
         let versions: Vec<_> = self.versions.iter().map(|v| v.rustls()).collect();
         let mut config = ClientConfig::builder_with_provider(Arc::new(provider))
             .with_protocol_versions(&versions)
@@ -130,7 +136,10 @@ impl RecordLog {
     pub fn parse(buf: &[u8]) -> Vec<(u8, u16)> {
         let mut l = RecordLog::default();
         l.feed(buf);
-        assert!(l.pending.is_empty() && l.skip == 0, "buffer does not end on a record boundary");
+        assert!(
+            l.pending.is_empty() && l.skip == 0,
+            "buffer does not end on a record boundary"
+        );
         l.records
     }
 }
@@ -198,8 +207,14 @@ impl End {
                 other => End::Tls(other.clone()),
             };
         }
-        if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
-            return End::Io(io::ErrorKind::TimedOut, format!("the server sent nothing for {READ_TIMEOUT:?}"));
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            return End::Io(
+                io::ErrorKind::TimedOut,
+                format!("the server sent nothing for {READ_TIMEOUT:?}"),
+            );
         }
         End::Io(e.kind(), e.to_string())
     }
@@ -214,11 +229,17 @@ pub struct Response {
 
 impl Response {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
     }
 
     pub fn content_length(&self) -> Option<u64> {
-        self.header("content-length").map(|v| v.parse().unwrap_or_else(|_| panic!("bad Content-Length {v:?}")))
+        self.header("content-length").map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("bad Content-Length {v:?}"))
+        })
     }
 }
 
@@ -235,9 +256,12 @@ pub struct TlsClient {
 pub const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub fn tcp_connect(port: u16) -> TcpStream {
-    let sock = TcpStream::connect(("127.0.0.1", port)).unwrap_or_else(|e| panic!("connect to 127.0.0.1:{port}: {e}"));
-    sock.set_read_timeout(Some(READ_TIMEOUT)).expect("read timeout");
-    sock.set_write_timeout(Some(READ_TIMEOUT)).expect("write timeout");
+    let sock = TcpStream::connect(("127.0.0.1", port))
+        .unwrap_or_else(|e| panic!("connect to 127.0.0.1:{port}: {e}"));
+    sock.set_read_timeout(Some(READ_TIMEOUT))
+        .expect("read timeout");
+    sock.set_write_timeout(Some(READ_TIMEOUT))
+        .expect("write timeout");
     sock.set_nodelay(true).expect("nodelay");
     sock
 }
@@ -245,8 +269,21 @@ pub fn tcp_connect(port: u16) -> TcpStream {
 impl TlsClient {
     /// TCP connect and a ClientConnection, without handshaking yet.
     pub fn new(port: u16, config: Arc<ClientConfig>) -> TlsClient {
-        let conn = ClientConnection::new(config, ServerName::try_from("localhost").expect("name").to_owned()).expect("client connection");
-        TlsClient { conn, io: Io { sock: tcp_connect(port), writes: Vec::new(), inbound: RecordLog::default() }, handshake_records_in: 0, plain: Vec::new() }
+        let conn = ClientConnection::new(
+            config,
+            ServerName::try_from("localhost").expect("name").to_owned(),
+        )
+        .expect("client connection");
+        TlsClient {
+            conn,
+            io: Io {
+                sock: tcp_connect(port),
+                writes: Vec::new(),
+                inbound: RecordLog::default(),
+            },
+            handshake_records_in: 0,
+            plain: Vec::new(),
+        }
     }
 
     /// Connects and completes the handshake.
@@ -256,7 +293,8 @@ impl TlsClient {
 
     pub fn connect_with(port: u16, config: Arc<ClientConfig>) -> TlsClient {
         let mut c = Self::new(port, config);
-        c.handshake().unwrap_or_else(|e| panic!("handshake with 127.0.0.1:{port} failed: {e:?}"));
+        c.handshake()
+            .unwrap_or_else(|e| panic!("handshake with 127.0.0.1:{port} failed: {e:?}"));
         c
     }
 
@@ -275,7 +313,9 @@ impl TlsClient {
     /// Reads once from the socket into rustls and processes it. Ok(0) is TCP EOF.
     pub fn read_tls_once(&mut self) -> io::Result<usize> {
         let n = self.conn.read_tls(&mut self.io)?;
-        self.conn.process_new_packets().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        self.conn
+            .process_new_packets()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
         Ok(n)
     }
 
@@ -345,7 +385,12 @@ impl TlsClient {
         let mut buf = [0u8; 16384];
         loop {
             match self.conn.reader().read(&mut buf) {
-                Ok(0) => return Err(io::Error::new(io::ErrorKind::ConnectionAborted, "close_notify before the end of the response")),
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "close_notify before the end of the response",
+                    ))
+                }
                 Ok(n) => {
                     self.plain.extend_from_slice(&buf[..n]);
                     return Ok(());
@@ -366,15 +411,23 @@ impl TlsClient {
             }
             self.fill()?;
         };
-        let head = String::from_utf8(self.plain[..end].to_vec()).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "non-UTF-8 head"))?;
+        let head = String::from_utf8(self.plain[..end].to_vec())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "non-UTF-8 head"))?;
         self.plain.drain(..end + 4);
         let mut lines = head.split("\r\n");
         let status_line = lines.next().unwrap_or_default();
-        assert!(status_line.starts_with("HTTP/1.1 "), "bad status line {status_line:?}");
-        let status = status_line[9..12].parse().unwrap_or_else(|_| panic!("bad status line {status_line:?}"));
+        assert!(
+            status_line.starts_with("HTTP/1.1 "),
+            "bad status line {status_line:?}"
+        );
+        let status = status_line[9..12]
+            .parse()
+            .unwrap_or_else(|_| panic!("bad status line {status_line:?}"));
         let headers = lines
             .map(|l| {
-                let (k, v) = l.split_once(':').unwrap_or_else(|| panic!("bad header line {l:?}"));
+                let (k, v) = l
+                    .split_once(':')
+                    .unwrap_or_else(|| panic!("bad header line {l:?}"));
                 (k.trim().to_ascii_lowercase(), v.trim().to_string())
             })
             .collect();
@@ -398,10 +451,19 @@ impl TlsClient {
     /// Reads one response; `head_only` for HEAD requests (no body whatever the headers say).
     pub fn read_response(&mut self, head_only: bool) -> io::Result<Response> {
         let (status, headers) = self.read_head()?;
-        let mut resp = Response { status, headers, body: Vec::new() };
+        let mut resp = Response {
+            status,
+            headers,
+            body: Vec::new(),
+        };
         let has_body = !head_only && status != 304 && status != 204 && status >= 200;
         if has_body {
-            let len = resp.content_length().unwrap_or_else(|| panic!("response {status} without Content-Length: {:?}", resp.headers));
+            let len = resp.content_length().unwrap_or_else(|| {
+                panic!(
+                    "response {status} without Content-Length: {:?}",
+                    resp.headers
+                )
+            });
             let mut body = Vec::with_capacity(len as usize);
             self.read_body_with(len, |b| body.extend_from_slice(b))?;
             resp.body = body;
@@ -411,8 +473,10 @@ impl TlsClient {
 
     /// Sends a GET and reads its response.
     pub fn get(&mut self, path: &str) -> Response {
-        self.write_all(&super::get_request(path, "")).expect("sending a request");
-        self.read_response(false).unwrap_or_else(|e| panic!("reading the response to GET {path}: {e}"))
+        self.write_all(&super::get_request(path, ""))
+            .expect("sending a request");
+        self.read_response(false)
+            .unwrap_or_else(|e| panic!("reading the response to GET {path}: {e}"))
     }
 
     /// A polite close: our close_notify, then the server's close_notify and EOF, nothing else.
@@ -421,8 +485,15 @@ impl TlsClient {
     pub fn close(mut self) {
         self.send_close_notify().expect("sending close_notify");
         let (rest, end) = self.read_to_end();
-        assert!(rest.is_empty(), "{} bytes of data after our close_notify", rest.len());
-        assert!(matches!(end, End::CloseNotify), "the server must answer close_notify with close_notify: {end:?}");
+        assert!(
+            rest.is_empty(),
+            "{} bytes of data after our close_notify",
+            rest.len()
+        );
+        assert!(
+            matches!(end, End::CloseNotify),
+            "the server must answer close_notify with close_notify: {end:?}"
+        );
     }
 
     /// Bytes of decrypted data received but not consumed.
@@ -442,7 +513,21 @@ pub fn fetch(port: u16, v: Tls, path: &str) -> Response {
 /// Asserts a 200 with exactly the file's content.
 pub fn assert_file_body(resp: &Response, f: &fixtures::DocFile, what: &str) {
     assert_eq!(resp.status, 200, "{what}: status for {}", f.url);
-    assert_eq!(resp.content_length(), Some(f.size), "{what}: Content-Length for {}", f.url);
-    assert_eq!(resp.body.len() as u64, f.size, "{what}: body length for {}", f.url);
-    assert!(fixtures::sha256(&resp.body) == f.sha256, "{what}: SHA-256 of {} differs from the file", f.url);
+    assert_eq!(
+        resp.content_length(),
+        Some(f.size),
+        "{what}: Content-Length for {}",
+        f.url
+    );
+    assert_eq!(
+        resp.body.len() as u64,
+        f.size,
+        "{what}: body length for {}",
+        f.url
+    );
+    assert!(
+        fixtures::sha256(&resp.body) == f.sha256,
+        "{what}: SHA-256 of {} differs from the file",
+        f.url
+    );
 }

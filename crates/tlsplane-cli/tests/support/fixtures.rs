@@ -42,7 +42,10 @@ pub const SIZE_1M7: u64 = (1 << 20) + 7;
 pub const CONTENT_SIZES: [u64; 7] = [0, 1, 16383, 16384, 16385, SIZE_1M7, SIZE_64M];
 
 pub fn sha256(data: &[u8]) -> [u8; 32] {
-    digest::digest(&digest::SHA256, data).as_ref().try_into().expect("32-byte digest")
+    digest::digest(&digest::SHA256, data)
+        .as_ref()
+        .try_into()
+        .expect("32-byte digest")
 }
 
 pub fn hex(b: &[u8]) -> String {
@@ -56,7 +59,10 @@ pub fn get() -> &'static Fixtures {
 
 impl Fixtures {
     pub fn file(&self, size: u64) -> &DocFile {
-        self.files.iter().find(|f| f.size == size).unwrap_or_else(|| panic!("no fixture file of {size} bytes"))
+        self.files
+            .iter()
+            .find(|f| f.size == size)
+            .unwrap_or_else(|| panic!("no fixture file of {size} bytes"))
     }
 
     pub fn big(&self) -> &DocFile {
@@ -71,11 +77,17 @@ impl Fixtures {
 
 /// Removes `tlsplane-e2e-PID` directories of test processes that no longer run.
 fn cleanup_stale(tmp: &Path) {
-    let Ok(entries) = fs::read_dir(tmp) else { return };
+    let Ok(entries) = fs::read_dir(tmp) else {
+        return;
+    };
     for e in entries.flatten() {
         let name = e.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("tlsplane-e2e-")) else { continue };
-        let Ok(pid) = pid.parse::<u32>() else { continue };
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("tlsplane-e2e-")) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
         if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
             let _ = fs::remove_dir_all(e.path());
         }
@@ -85,7 +97,12 @@ fn cleanup_stale(tmp: &Path) {
 fn write_file(www: &Path, name: &str, content: &[u8]) -> DocFile {
     let path = www.join(name);
     fs::write(&path, content).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
-    DocFile { url: format!("/{name}"), path, size: content.len() as u64, sha256: sha256(content) }
+    DocFile {
+        url: format!("/{name}"),
+        path,
+        size: content.len() as u64,
+        sha256: sha256(content),
+    }
 }
 
 fn create() -> Fixtures {
@@ -109,7 +126,11 @@ fn create() -> Fixtures {
         // wrong file of a similar size cannot pass.
         let start = (size as usize * 7919) % 4096;
         let end = start + size as usize;
-        let content = if end <= buf.len() { &buf[start..end] } else { &buf[..size as usize] };
+        let content = if end <= buf.len() {
+            &buf[start..end]
+        } else {
+            &buf[..size as usize]
+        };
         files.push(write_file(&www, &name, content));
     }
     drop(buf);
@@ -118,7 +139,9 @@ fn create() -> Fixtures {
     let mut text = String::new();
     let mut i = 0;
     while text.len() < 40_000 {
-        text.push_str(&format!("line {i:06} of the tlsplane e2e text fixture, padded to a fixed width....\n"));
+        text.push_str(&format!(
+            "line {i:06} of the tlsplane e2e text fixture, padded to a fixed width....\n"
+        ));
         i += 1;
     }
     let text = write_file(&www, "text.txt", text.as_bytes());
@@ -129,9 +152,18 @@ fn create() -> Fixtures {
     fs::write(&secret_path, SECRET_MARKER).expect("secret.txt");
     std::os::unix::fs::symlink("/etc", www.join("etc")).expect("symlink www/etc -> /etc");
     std::os::unix::fs::symlink("/etc/passwd", www.join("passwd")).expect("symlink www/passwd");
-    std::os::unix::fs::symlink(&secret_path, www.join("secret-link.txt")).expect("symlink www/secret-link.txt");
+    std::os::unix::fs::symlink(&secret_path, www.join("secret-link.txt"))
+        .expect("symlink www/secret-link.txt");
 
-    Fixtures { base, www, files, hello, text, secret_path, secret_marker: SECRET_MARKER }
+    Fixtures {
+        base,
+        www,
+        files,
+        hello,
+        text,
+        secret_path,
+        secret_marker: SECRET_MARKER,
+    }
 }
 
 /// Server key types.
@@ -164,14 +196,26 @@ pub fn pki() -> &'static Pki {
         fs::create_dir_all(&dir).expect("pki dir");
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params.distinguished_name.push(rcgen::DnType::CommonName, "tlsplane e2e test CA");
-        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign, rcgen::KeyUsagePurpose::DigitalSignature];
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "tlsplane e2e test CA");
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::CrlSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
         let ca_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).expect("CA key");
         let ca_cert = params.self_signed(&ca_key).expect("CA certificate");
         let ca_pem = dir.join("ca.pem");
         fs::write(&ca_pem, ca_cert.pem()).expect("ca.pem");
         let ca_der = ca_cert.der().clone().into_owned();
-        Pki { ca_pem, ca_der, ca_cert, ca_key, leaves: std::sync::Mutex::new(Vec::new()) }
+        Pki {
+            ca_pem,
+            ca_der,
+            ca_cert,
+            ca_key,
+            leaves: std::sync::Mutex::new(Vec::new()),
+        }
     })
 }
 
@@ -186,17 +230,28 @@ impl Pki {
             CertKind::P256 => rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256),
             CertKind::P384 => rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P384_SHA384),
             CertKind::Ed25519 => rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519),
-            CertKind::Rsa2048 => rcgen::KeyPair::generate_rsa_for(&rcgen::PKCS_RSA_SHA256, rcgen::RsaKeySize::_2048),
+            CertKind::Rsa2048 => {
+                rcgen::KeyPair::generate_rsa_for(&rcgen::PKCS_RSA_SHA256, rcgen::RsaKeySize::_2048)
+            }
         }
         .unwrap_or_else(|e| panic!("generating a {kind:?} key: {e}"));
-        let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).expect("leaf params");
-        params.distinguished_name.push(rcgen::DnType::CommonName, "localhost");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+                .expect("leaf params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "localhost");
         params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
         params.use_authority_key_identifier_extension = true;
-        let cert = params.signed_by(&key, &self.ca_cert, &self.ca_key).expect("signing the leaf");
+        let cert = params
+            .signed_by(&key, &self.ca_cert, &self.ca_key)
+            .expect("signing the leaf");
         let dir = get().base.join("pki");
         let name = format!("{kind:?}").to_lowercase();
-        let files = CertFiles { cert_pem: dir.join(format!("{name}.crt.pem")), key_pem: dir.join(format!("{name}.key.pem")) };
+        let files = CertFiles {
+            cert_pem: dir.join(format!("{name}.crt.pem")),
+            key_pem: dir.join(format!("{name}.key.pem")),
+        };
         fs::write(&files.cert_pem, cert.pem()).expect("leaf cert");
         fs::write(&files.key_pem, key.serialize_pem()).expect("leaf key");
         let files: &'static CertFiles = Box::leak(Box::new(files));

@@ -53,12 +53,20 @@ pub fn server_bin() -> PathBuf {
     if built.exists() {
         return built;
     }
-    if let Some(sibling) = std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join("tlsplane"))) {
+    if let Some(sibling) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("tlsplane")))
+    {
         if sibling.exists() {
             return sibling;
         }
     }
-    tools::find_in_path("tlsplane").unwrap_or_else(|| panic!("no server binary: set TLSPLANE_BIN ({} does not exist)", built.display()))
+    tools::find_in_path("tlsplane").unwrap_or_else(|| {
+        panic!(
+            "no server binary: set TLSPLANE_BIN ({} does not exist)",
+            built.display()
+        )
+    })
 }
 
 /// Skips a kernel-only test outside the VM. Returns true when the test should run.
@@ -76,20 +84,27 @@ pub struct Stats(pub BTreeMap<String, u64>);
 
 impl Stats {
     pub fn get(&self, name: &str) -> u64 {
-        *self.0.get(name).unwrap_or_else(|| panic!("server stats have no counter {name:?}: {:?}", self.0))
+        *self
+            .0
+            .get(name)
+            .unwrap_or_else(|| panic!("server stats have no counter {name:?}: {:?}", self.0))
     }
 }
 
 impl std::ops::Index<&str> for Stats {
     type Output = u64;
     fn index(&self, name: &str) -> &u64 {
-        self.0.get(name).unwrap_or_else(|| panic!("server stats have no counter {name:?}: {:?}", self.0))
+        self.0
+            .get(name)
+            .unwrap_or_else(|| panic!("server stats have no counter {name:?}: {:?}", self.0))
     }
 }
 
 /// `/proc/net/tls_stat` as name -> value.
 pub fn tls_stat() -> BTreeMap<String, u64> {
-    let text = std::fs::read_to_string("/proc/net/tls_stat").unwrap_or_else(|e| panic!("kernel mode needs /proc/net/tls_stat (tls module loaded): {e}"));
+    let text = std::fs::read_to_string("/proc/net/tls_stat").unwrap_or_else(|e| {
+        panic!("kernel mode needs /proc/net/tls_stat (tls module loaded): {e}")
+    });
     text.lines()
         .filter_map(|l| {
             let mut it = l.split_whitespace();
@@ -150,7 +165,15 @@ impl ServerBuilder {
         let mut cmd = Command::new(&bin);
         cmd.arg("serve")
             .arg(&fx.www)
-            .args(["--listen", "127.0.0.1:0", "--workers", "1", "--data-plane", mode().as_str(), "--stats"])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--workers",
+                "1",
+                "--data-plane",
+                mode().as_str(),
+                "--stats",
+            ])
             .arg("--cert")
             .arg(&leaf.cert_pem)
             .arg("--key")
@@ -160,7 +183,9 @@ impl ServerBuilder {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
         let stderr = child.stderr.take().expect("piped stderr");
         let lines = Arc::new(Mutex::new(Vec::<String>::new()));
         let (port_tx, port_rx) = mpsc::channel();
@@ -185,15 +210,25 @@ impl ServerBuilder {
                 let _ = child.kill();
                 let status = child.wait();
                 let _ = reader.join();
-                panic!("server did not print its port within 20 s (exit: {status:?}); stderr:\n{}", lines.lock().unwrap().join("\n"));
+                panic!(
+                    "server did not print its port within 20 s (exit: {status:?}); stderr:\n{}",
+                    lines.lock().unwrap().join("\n")
+                );
             }
         };
         // After start-up: the server probes kTLS (a few sockets with TLS_TX/TLS_RX) before it
         // listens, and those must not count against its connections.
         let tls_before = (mode() == Mode::Kernel).then(tls_stat);
-        let data_plane = lines.lock().unwrap().iter().find(|l| l.starts_with("data plane:")).cloned();
+        let data_plane = lines
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|l| l.starts_with("data plane:"))
+            .cloned();
         assert!(
-            data_plane.as_deref().is_some_and(|l| l.starts_with(&format!("data plane: {}", mode().as_str()))),
+            data_plane
+                .as_deref()
+                .is_some_and(|l| l.starts_with(&format!("data plane: {}", mode().as_str()))),
             "server did not report `data plane: {}` before listening: {data_plane:?}",
             mode().as_str()
         );
@@ -229,7 +264,13 @@ pub struct Server {
 
 impl Server {
     pub fn builder() -> ServerBuilder {
-        ServerBuilder { cert: CertKind::P256, args: Vec::new(), expect_user_fallbacks: false, expect_decrypt_errors: 0, shutdown_grace: 5 }
+        ServerBuilder {
+            cert: CertKind::P256,
+            args: Vec::new(),
+            expect_user_fallbacks: false,
+            expect_decrypt_errors: 0,
+            shutdown_grace: 5,
+        }
     }
 
     /// A server with the P-256 certificate and default options.
@@ -257,7 +298,10 @@ impl Server {
     pub fn assert_alive(&mut self) {
         let child = self.child.as_mut().expect("server handle");
         if let Some(status) = child.try_wait().expect("try_wait") {
-            panic!("the server exited unexpectedly ({status}); stderr:\n{}", self.stderr_lines().join("\n"));
+            panic!(
+                "the server exited unexpectedly ({status}); stderr:\n{}",
+                self.stderr_lines().join("\n")
+            );
         }
     }
 
@@ -267,7 +311,10 @@ impl Server {
             return;
         }
         let pid = self.pid().to_string();
-        let status = Command::new("kill").args(["-TERM", &pid]).status().expect("running kill");
+        let status = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("running kill");
         assert!(status.success(), "kill -TERM {pid} failed: {status}");
         self.signaled = true;
     }
@@ -294,22 +341,45 @@ impl Server {
         let limit = Duration::from_secs(self.shutdown_grace + 15);
         let status = match self.wait_exit(limit) {
             Some(s) => s,
-            None => panic!("server still running {limit:?} after SIGTERM; stderr:\n{}", self.stderr_lines().join("\n")),
+            None => panic!(
+                "server still running {limit:?} after SIGTERM; stderr:\n{}",
+                self.stderr_lines().join("\n")
+            ),
         };
         self.child = None;
         if let Some(r) = self.reader.take() {
             let _ = r.join();
         }
         let lines = self.stderr_lines();
-        assert!(status.success(), "server exited with {status} after SIGTERM; stderr:\n{}", lines.join("\n"));
-        let stats_lines: Vec<&String> = lines.iter().filter(|l| l.starts_with("tlsplane-stats ")).collect();
-        assert_eq!(stats_lines.len(), 1, "expected exactly one tlsplane-stats line; stderr:\n{}", lines.join("\n"));
-        let json: serde_json::Value = serde_json::from_str(&stats_lines[0]["tlsplane-stats ".len()..]).expect("stats line is not JSON");
+        assert!(
+            status.success(),
+            "server exited with {status} after SIGTERM; stderr:\n{}",
+            lines.join("\n")
+        );
+        let stats_lines: Vec<&String> = lines
+            .iter()
+            .filter(|l| l.starts_with("tlsplane-stats "))
+            .collect();
+        assert_eq!(
+            stats_lines.len(),
+            1,
+            "expected exactly one tlsplane-stats line; stderr:\n{}",
+            lines.join("\n")
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&stats_lines[0]["tlsplane-stats ".len()..])
+                .expect("stats line is not JSON");
         let map = json
             .as_object()
             .expect("stats JSON is not an object")
             .iter()
-            .map(|(k, v)| (k.clone(), v.as_u64().unwrap_or_else(|| panic!("counter {k} is not an integer: {v}"))))
+            .map(|(k, v)| {
+                (
+                    k.clone(),
+                    v.as_u64()
+                        .unwrap_or_else(|| panic!("counter {k} is not an integer: {v}")),
+                )
+            })
             .collect();
         let stats = Stats(map);
         for name in [
@@ -342,27 +412,70 @@ impl Server {
             let _ = stats.get(name);
         }
         eprintln!("server stats: {:?}", stats.0);
-        assert_eq!(stats["http_responses_5xx"], 0, "the server answered 5xx: {stats:?}");
-        assert_eq!(stats["kernel_setup_failures"], 0, "kTLS set-up failed: {stats:?}");
+        assert_eq!(
+            stats["http_responses_5xx"], 0,
+            "the server answered 5xx: {stats:?}"
+        );
+        assert_eq!(
+            stats["kernel_setup_failures"], 0,
+            "kTLS set-up failed: {stats:?}"
+        );
         match mode() {
             Mode::User => {
-                assert_eq!(stats["plane_kernel"], 0, "user mode, yet connections on the kernel plane: {stats:?}");
-                assert_eq!(stats["plane_user"], stats["handshakes"], "every handshake must give a user-plane connection: {stats:?}");
-                assert_eq!(stats["fallback_policy"], stats["handshakes"], "user-plane connections by policy: {stats:?}");
+                assert_eq!(
+                    stats["plane_kernel"], 0,
+                    "user mode, yet connections on the kernel plane: {stats:?}"
+                );
+                assert_eq!(
+                    stats["plane_user"], stats["handshakes"],
+                    "every handshake must give a user-plane connection: {stats:?}"
+                );
+                assert_eq!(
+                    stats["fallback_policy"], stats["handshakes"],
+                    "user-plane connections by policy: {stats:?}"
+                );
             }
             Mode::Kernel => {
                 if !self.expect_user_fallbacks {
-                    assert_eq!(stats["plane_user"], 0, "kernel mode, yet connections on the user plane: {stats:?}");
-                    assert_eq!(stats["plane_kernel"], stats["handshakes"], "every handshake must give a kernel-plane connection: {stats:?}");
+                    assert_eq!(
+                        stats["plane_user"], 0,
+                        "kernel mode, yet connections on the user plane: {stats:?}"
+                    );
+                    assert_eq!(
+                        stats["plane_kernel"], stats["handshakes"],
+                        "every handshake must give a kernel-plane connection: {stats:?}"
+                    );
                 }
                 let before = self.tls_before.take().expect("tls_stat at start");
                 let after = tls_stat();
-                let delta = |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
-                eprintln!("kTLS deltas: TlsTxSw +{} TlsRxSw +{} TlsDecryptError +{}", delta("TlsTxSw"), delta("TlsRxSw"), delta("TlsDecryptError"));
-                assert_eq!(delta("TlsTxSw"), stats["plane_kernel"], "TlsTxSw must grow by plane_kernel: {stats:?}");
-                assert_eq!(delta("TlsRxSw"), stats["plane_kernel"], "TlsRxSw must grow by plane_kernel: {stats:?}");
-                assert_eq!(delta("TlsDecryptError"), self.expect_decrypt_errors, "unexpected TlsDecryptError delta: {stats:?}");
-                assert_eq!(stats["kernel_decrypt_errors"], self.expect_decrypt_errors, "kernel_decrypt_errors: {stats:?}");
+                let delta = |k: &str| {
+                    after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0)
+                };
+                eprintln!(
+                    "kTLS deltas: TlsTxSw +{} TlsRxSw +{} TlsDecryptError +{}",
+                    delta("TlsTxSw"),
+                    delta("TlsRxSw"),
+                    delta("TlsDecryptError")
+                );
+                assert_eq!(
+                    delta("TlsTxSw"),
+                    stats["plane_kernel"],
+                    "TlsTxSw must grow by plane_kernel: {stats:?}"
+                );
+                assert_eq!(
+                    delta("TlsRxSw"),
+                    stats["plane_kernel"],
+                    "TlsRxSw must grow by plane_kernel: {stats:?}"
+                );
+                assert_eq!(
+                    delta("TlsDecryptError"),
+                    self.expect_decrypt_errors,
+                    "unexpected TlsDecryptError delta: {stats:?}"
+                );
+                assert_eq!(
+                    stats["kernel_decrypt_errors"], self.expect_decrypt_errors,
+                    "kernel_decrypt_errors: {stats:?}"
+                );
             }
         }
         stats
