@@ -150,3 +150,74 @@ fn sigterm_sends_close_notify_to_idle_connections() {
         assert_eq!(stats["http_requests"], 1);
     }
 }
+
+/// A client that sends a fatal alert after the handshake: the server closes the connection
+/// (without answering data) and counts it; on the kernel plane the alert arrives as a
+/// non-data record through recvmsg + TLS_GET_RECORD_TYPE.
+#[test]
+fn client_fatal_alert_closes_the_connection() {
+    let fx = fixtures::get();
+    for v in BOTH {
+        let server = Server::start();
+        let mut c = TlsClient::connect_version(server.port(), v);
+        assert_file_body(&c.get(&fx.hello.url), &fx.hello, "before the alert");
+        // Feed our own client a record that cannot decrypt: rustls fails with bad_record_mac
+        // and queues that fatal alert, encrypted under the client's traffic key.
+        let mut bogus = vec![23u8, 3, 3, 0, 48];
+        bogus.extend_from_slice(&[0x5a; 48]);
+        c.conn
+            .read_tls(&mut &bogus[..])
+            .expect("feeding the bogus record");
+        assert!(
+            c.conn.process_new_packets().is_err(),
+            "{v:?}: the client must reject the bogus record"
+        );
+        let mut wire = Vec::new();
+        while c.conn.wants_write() {
+            c.conn.write_tls(&mut wire).expect("encrypting the alert");
+        }
+        let records = crate::support::client::RecordLog::parse(&wire);
+        assert_eq!(
+            records.len(),
+            1,
+            "{v:?}: one alert record expected: {records:?}"
+        );
+        c.io.sock.write_all(&wire).expect("sending the alert");
+        // The server must close without sending anything more.
+        c.io.sock
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let start = Instant::now();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            match std::io::Read::read(&mut c.io.sock, &mut buf) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+                Err(e) => panic!("{v:?}: the server did not close after a fatal alert: {e}"),
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{v:?}: took {:?}",
+            start.elapsed()
+        );
+        assert!(
+            got.is_empty(),
+            "{v:?}: the server sent {} bytes after the client's fatal alert",
+            got.len()
+        );
+        drop(c);
+        std::thread::sleep(Duration::from_millis(300));
+        let stats = server.stop();
+        assert_eq!(stats["http_requests"], 1, "{v:?}: {stats:?}");
+        assert_eq!(
+            stats["http_io_errors"], 1,
+            "{v:?}: the alert ends the connection in error: {stats:?}"
+        );
+        if mode() == Mode::Kernel {
+            assert_eq!(stats["kernel_alerts_received"], 1, "{v:?}: {stats:?}");
+        }
+    }
+}
