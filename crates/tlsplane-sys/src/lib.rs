@@ -7,7 +7,7 @@
 //! callers drive them from an event loop and see `WouldBlock` like any other socket operation.
 
 use std::io;
-use std::mem::{size_of, zeroed};
+use std::mem::zeroed;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use zeroize::Zeroize;
@@ -70,42 +70,6 @@ pub enum Direction {
     Rx,
 }
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct CryptoInfoHeader {
-    version: u16,
-    cipher_type: u16,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AesGcm128 {
-    info: CryptoInfoHeader,
-    iv: [u8; 8],
-    key: [u8; 16],
-    salt: [u8; 4],
-    rec_seq: [u8; 8],
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AesGcm256 {
-    info: CryptoInfoHeader,
-    iv: [u8; 8],
-    key: [u8; 32],
-    salt: [u8; 4],
-    rec_seq: [u8; 8],
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Chacha20Poly1305 {
-    info: CryptoInfoHeader,
-    iv: [u8; 12],
-    key: [u8; 32],
-    rec_seq: [u8; 8],
-}
-
 /// The kernel's `tls12_crypto_info_*` struct for one direction, built from key material.
 ///
 /// Holds a traffic key, so it is wiped when dropped, whether or not the setsockopt succeeded.
@@ -143,63 +107,28 @@ impl CryptoInfo {
         if salt.len() != cipher.salt_len() || salt.len() + iv.len() != 12 {
             return Err(CryptoInfoError("salt/iv lengths do not match the cipher"));
         }
-        let header = CryptoInfoHeader {
-            version: match version {
-                TlsVersion::Tls12 => uapi::TLS_1_2_VERSION,
-                TlsVersion::Tls13 => uapi::TLS_1_3_VERSION,
-            },
-            cipher_type: match cipher {
-                KernelCipher::Aes128Gcm => uapi::TLS_CIPHER_AES_GCM_128,
-                KernelCipher::Aes256Gcm => uapi::TLS_CIPHER_AES_GCM_256,
-                KernelCipher::Chacha20Poly1305 => uapi::TLS_CIPHER_CHACHA20_POLY1305,
-            },
+        let version: u16 = match version {
+            TlsVersion::Tls12 => uapi::TLS_1_2_VERSION,
+            TlsVersion::Tls13 => uapi::TLS_1_3_VERSION,
         };
-        let seq = rec_seq.to_be_bytes();
-        let mut bytes = Vec::new();
-        // Each arm fills a stack value and copies it out byte-wise; the stack copy is wiped
-        // before it goes out of scope so no key byte outlives this function outside `bytes`.
-        match cipher {
-            KernelCipher::Aes128Gcm => {
-                let mut s = AesGcm128 {
-                    info: header,
-                    iv: [0; 8],
-                    key: [0; 16],
-                    salt: [0; 4],
-                    rec_seq: seq,
-                };
-                s.iv.copy_from_slice(iv);
-                s.key.copy_from_slice(key);
-                s.salt.copy_from_slice(salt);
-                bytes.extend_from_slice(as_bytes(&s));
-                wipe(&mut s);
-            }
-            KernelCipher::Aes256Gcm => {
-                let mut s = AesGcm256 {
-                    info: header,
-                    iv: [0; 8],
-                    key: [0; 32],
-                    salt: [0; 4],
-                    rec_seq: seq,
-                };
-                s.iv.copy_from_slice(iv);
-                s.key.copy_from_slice(key);
-                s.salt.copy_from_slice(salt);
-                bytes.extend_from_slice(as_bytes(&s));
-                wipe(&mut s);
-            }
-            KernelCipher::Chacha20Poly1305 => {
-                let mut s = Chacha20Poly1305 {
-                    info: header,
-                    iv: [0; 12],
-                    key: [0; 32],
-                    rec_seq: seq,
-                };
-                s.iv.copy_from_slice(iv);
-                s.key.copy_from_slice(key);
-                bytes.extend_from_slice(as_bytes(&s));
-                wipe(&mut s);
-            }
-        }
+        let cipher_type: u16 = match cipher {
+            KernelCipher::Aes128Gcm => uapi::TLS_CIPHER_AES_GCM_128,
+            KernelCipher::Aes256Gcm => uapi::TLS_CIPHER_AES_GCM_256,
+            KernelCipher::Chacha20Poly1305 => uapi::TLS_CIPHER_CHACHA20_POLY1305,
+        };
+        // Each `tls12_crypto_info_*` struct is the 4-byte `tls_crypto_info` header followed
+        // only by byte arrays, so it has no padding and is exactly the concatenation
+        // header, iv, key, salt, rec_seq (ChaCha20-Poly1305 has no salt). The capacity is
+        // exact so that no reallocation leaves a copy of the key behind in freed memory.
+        let len = 4 + iv.len() + key.len() + salt.len() + 8;
+        let mut bytes = Vec::with_capacity(len);
+        bytes.extend_from_slice(&version.to_ne_bytes());
+        bytes.extend_from_slice(&cipher_type.to_ne_bytes());
+        bytes.extend_from_slice(iv);
+        bytes.extend_from_slice(key);
+        bytes.extend_from_slice(salt);
+        bytes.extend_from_slice(&rec_seq.to_be_bytes());
+        debug_assert_eq!(bytes.len(), len);
         Ok(Self { bytes })
     }
 }
@@ -208,22 +137,6 @@ impl Drop for CryptoInfo {
     fn drop(&mut self) {
         self.bytes.zeroize();
     }
-}
-
-/// Views a plain-old-data `repr(C)` struct of byte arrays as bytes.
-fn as_bytes<T: Copy>(value: &T) -> &[u8] {
-    // SAFETY: only called with the crypto-info structs above, which are `repr(C)`, `Copy`, made
-    // of u16 and u8 arrays laid out without padding (the kernel ABI relies on the same layout),
-    // so every byte is initialised; the slice borrows `value` and cannot outlive it.
-    unsafe { std::slice::from_raw_parts(value as *const T as *const u8, size_of::<T>()) }
-}
-
-fn wipe<T: Copy>(value: &mut T) {
-    // SAFETY: as in `as_bytes`: T is a padding-free POD struct, so writing zero bytes over it
-    // yields a valid T; the pointer is derived from a live exclusive reference.
-    let bytes =
-        unsafe { std::slice::from_raw_parts_mut(value as *mut T as *mut u8, size_of::<T>()) };
-    bytes.zeroize();
 }
 
 fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
@@ -400,11 +313,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn crypto_info_layouts_match_the_kernel_abi() {
-        // Sizes from include/uapi/linux/tls.h; a mismatch makes setsockopt return EINVAL.
-        assert_eq!(size_of::<AesGcm128>(), 40);
-        assert_eq!(size_of::<AesGcm256>(), 56);
-        assert_eq!(size_of::<Chacha20Poly1305>(), 56);
+    fn crypto_info_sizes_match_the_kernel_abi() {
+        // Sizes of tls12_crypto_info_{aes_gcm_128,aes_gcm_256,chacha20_poly1305} in
+        // include/uapi/linux/tls.h; a mismatch makes setsockopt return EINVAL.
+        let v = TlsVersion::Tls13;
+        let a128 =
+            CryptoInfo::new(v, KernelCipher::Aes128Gcm, &[0; 16], &[0; 4], &[0; 8], 0).unwrap();
+        let a256 =
+            CryptoInfo::new(v, KernelCipher::Aes256Gcm, &[0; 32], &[0; 4], &[0; 8], 0).unwrap();
+        let chacha = CryptoInfo::new(
+            v,
+            KernelCipher::Chacha20Poly1305,
+            &[0; 32],
+            &[],
+            &[0; 12],
+            0,
+        )
+        .unwrap();
+        assert_eq!(a128.bytes.len(), 40);
+        assert_eq!(a256.bytes.len(), 56);
+        assert_eq!(chacha.bytes.len(), 56);
     }
 
     #[test]
