@@ -330,13 +330,16 @@ async fn http_loop(
     let mut used = 0usize;
     loop {
         match parse_request(&buf[..used], &shared.limits) {
-            Ok(Parsed::Complete { head_len, request }) => {
+            Ok(Parsed::Complete {
+                head_len,
+                mut request,
+            }) => {
                 shared.stats.requests.fetch_add(1, Relaxed);
-                let mut resp = respond(&request, &shared.root, SystemTime::now());
-                if *stop.borrow() && resp.keep_alive {
-                    // Draining: answer this request, then close.
-                    resp = with_close(resp, &request, &shared.root);
+                if *stop.borrow() {
+                    // Draining: answer this request with `Connection: close`, then close.
+                    request.keep_alive = false;
                 }
+                let resp = respond(&request, &shared.root, SystemTime::now());
                 count_status(&shared.stats, resp.status);
                 if args.access_log {
                     tracing::info!(%peer, method = ?request.method, target = %request.target, status = resp.status, plane = ?tls.plane(), "request");
@@ -407,16 +410,6 @@ async fn http_loop(
             }
         }
     }
-}
-
-fn with_close(
-    _resp: tlsplane_http::Response,
-    request: &tlsplane_http::Request,
-    root: &DocRoot,
-) -> tlsplane_http::Response {
-    let mut req = request.clone();
-    req.keep_alive = false;
-    respond(&req, root, SystemTime::now())
 }
 
 fn count_status(stats: &HttpStats, status: u16) {
