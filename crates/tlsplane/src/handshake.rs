@@ -105,10 +105,20 @@ pub(crate) async fn read_some(sock: &TcpStream, buf: &mut [u8]) -> io::Result<us
     }
 }
 
-pub(crate) async fn write_all(sock: &TcpStream, mut buf: &[u8]) -> io::Result<()> {
+pub(crate) async fn write_all(sock: &TcpStream, buf: &[u8]) -> io::Result<()> {
+    write_all_with(sock, buf, |b| socket2::SockRef::from(sock).send(b)).await
+}
+
+/// Writes all of `buf` with `send`, a non-blocking send on `sock` (plain, record-typed or
+/// `MSG_MORE`), waiting for writability between partial sends.
+pub(crate) async fn write_all_with(
+    sock: &TcpStream,
+    mut buf: &[u8],
+    mut send: impl FnMut(&[u8]) -> io::Result<usize>,
+) -> io::Result<()> {
     while !buf.is_empty() {
         sock.writable().await?;
-        match sock.try_write(buf) {
+        match sock.try_io(tokio::io::Interest::WRITABLE, || send(buf)) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => buf = &buf[n..],
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,

@@ -13,6 +13,7 @@ use tlsplane_sys::{self as sys, CryptoInfo, Direction, KernelCipher, TlsVersion}
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 
+use crate::handshake::write_all_with;
 use crate::stats::{bump, global};
 use crate::Error;
 
@@ -438,18 +439,8 @@ async fn linger_until_peer_closes(sock: &TcpStream, limit: std::time::Duration) 
     .await;
 }
 
-async fn send_all_record(sock: &TcpStream, typ: u8, mut data: &[u8]) -> io::Result<()> {
-    while !data.is_empty() {
-        sock.writable().await?;
-        match sock.try_io(Interest::WRITABLE, || {
-            sys::send_record(sock.as_fd(), typ, data)
-        }) {
-            Ok(n) => data = &data[n..],
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+async fn send_all_record(sock: &TcpStream, typ: u8, data: &[u8]) -> io::Result<()> {
+    write_all_with(sock, data, |b| sys::send_record(sock.as_fd(), typ, b)).await
 }
 
 /// errno values we match on (Linux x86-64/generic; stable ABI).

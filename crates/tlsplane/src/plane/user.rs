@@ -12,7 +12,7 @@ use rustls::unbuffered::{ConnectionState, EncryptError, UnbufferedStatus};
 use tokio::net::TcpStream;
 
 use crate::buf::OutBuf;
-use crate::handshake::{encode_into, flush_alert, write_all, Incoming};
+use crate::handshake::{encode_into, flush_alert, write_all, write_all_with, Incoming};
 use crate::stats::{bump, global};
 use crate::Error;
 
@@ -275,17 +275,10 @@ impl UserPlane {
         if let Err(e) = self.pump(None, true) {
             return Err(self.fail(sock, e).await);
         }
-        let mut data = self.out.filled();
-        while !data.is_empty() {
-            sock.writable().await?;
-            match sock.try_io(tokio::io::Interest::WRITABLE, || {
-                tlsplane_sys::send_more(std::os::fd::AsFd::as_fd(sock), data)
-            }) {
-                Ok(n) => data = &data[n..],
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
-            }
-        }
+        write_all_with(sock, self.out.filled(), |b| {
+            tlsplane_sys::send_more(std::os::fd::AsFd::as_fd(sock), b)
+        })
+        .await?;
         self.out.clear();
         Ok(())
     }
