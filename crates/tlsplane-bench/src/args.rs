@@ -71,7 +71,7 @@ pub enum EngineChoice {
     /// rustls directly. Requires `--connections` <= `--threads`.
     Blocking,
     /// `--threads` current-thread tokio runtimes multiplexing the loops
-    /// (tokio-rustls).
+    /// (rustls driven by hand for handshakes, tokio-rustls for throughput).
     Tokio,
 }
 

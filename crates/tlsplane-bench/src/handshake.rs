@@ -83,10 +83,8 @@ fn blocking_cycle(p: &HsParams, cfg: &Arc<ClientConfig>, buf: &mut [u8]) -> Cycl
         Ok(c) => c,
         Err(e) => return Cycle::failed(Failure::Handshake(e)),
     };
-    while conn.is_handshaking() {
-        if let Err(e) = conn.complete_io(&mut sock) {
-            return Cycle::failed(Failure::from_io(e, true));
-        }
+    if let Err(e) = blocking_handshake(&mut conn, &mut sock) {
+        return Cycle::failed(Failure::from_io(e, true));
     }
     let hs_time = t0.elapsed();
     let mut cycle = Cycle {
@@ -118,6 +116,53 @@ fn blocking_cycle(p: &HsParams, cfg: &Arc<ClientConfig>, buf: &mut [u8]) -> Cycl
     cycle
 }
 
+/// Drives the handshake until the client has the server's last flight, leaving the client's
+/// own last flight (Finished) queued: it leaves with the request or the close_notify that
+/// follows, in one segment, as an efficient client's would. Costs the server one wakeup and
+/// one read less per connection than a Finished sent on its own.
+fn blocking_handshake(conn: &mut ClientConnection, sock: &mut TcpStream) -> io::Result<()> {
+    while conn.is_handshaking() {
+        if conn.wants_write() {
+            conn.write_tls(sock)?;
+            continue;
+        }
+        if conn.read_tls(sock)? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        if let Err(e) = conn.process_new_packets() {
+            // Best effort: let the server see the alert rustls queued.
+            let _ = conn.write_tls(sock);
+            return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+        }
+    }
+    Ok(())
+}
+
+/// Writes everything rustls has queued in one send, with MSG_MORE, then shuts down the write
+/// side: the kernel attaches the FIN to that segment instead of sending it on its own.
+fn send_with_fin(conn: &mut ClientConnection, sock: &TcpStream) -> io::Result<()> {
+    let out = drain_tls(conn)?;
+    let s = socket2::SockRef::from(sock);
+    let mut pos = 0;
+    while pos < out.len() {
+        match s.send_with_flags(&out[pos..], libc::MSG_MORE) {
+            Ok(n) => pos += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    sock.shutdown(Shutdown::Write)
+}
+
+/// Everything rustls has queued for the socket, in order.
+fn drain_tls(conn: &mut ClientConnection) -> io::Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(512);
+    while conn.wants_write() {
+        conn.write_tls(&mut out)?;
+    }
+    Ok(out)
+}
+
 /// Sends the request and reads the whole response (until close_notify or
 /// EOF). Returns the number of body bytes.
 fn blocking_request(
@@ -126,8 +171,15 @@ fn blocking_request(
     req: &[u8],
     buf: &mut [u8],
 ) -> Result<u64, Failure> {
+    // The request shares a write (and a segment) with the queued Finished.
+    let out = conn
+        .writer()
+        .write_all(req)
+        .and_then(|_| drain_tls(conn))
+        .map_err(|e| Failure::from_io(e, false))?;
+    sock.write_all(&out)
+        .map_err(|e| Failure::from_io(e, false))?;
     let mut s = rustls::Stream::new(conn, sock);
-    s.write_all(req).map_err(|e| Failure::from_io(e, false))?;
     let mut filled = 0;
     let head = loop {
         let limit = buf.len().min(MAX_HEAD);
@@ -159,9 +211,10 @@ fn blocking_request(
     Ok(body)
 }
 
-/// Sends close_notify and a FIN, then reads until the server closes too.
-/// Reading to the end consumes TLS 1.3 NewSessionTicket messages (needed for
-/// `--resume psk`) and avoids the RST a close with unread data would cause.
+/// Sends close_notify and a FIN (with the Finished if still queued, in one segment), then
+/// reads until the server closes too. Reading to the end consumes TLS 1.3 NewSessionTicket
+/// messages (needed for `--resume psk`) and avoids the RST a close with unread data would
+/// cause.
 fn blocking_close(
     conn: &mut ClientConnection,
     sock: &mut TcpStream,
@@ -169,16 +222,16 @@ fn blocking_close(
     peer_closed: bool,
 ) -> io::Result<()> {
     conn.send_close_notify();
-    while conn.wants_write() {
-        if let Err(e) = conn.write_tls(sock) {
-            // The server may already be gone after a Connection: close response.
-            return if peer_closed { Ok(()) } else { Err(e) };
-        }
-    }
     if peer_closed {
+        // The server is gone after its Connection: close response; the alert is a courtesy.
+        while conn.wants_write() {
+            if conn.write_tls(sock).is_err() {
+                break;
+            }
+        }
         return Ok(());
     }
-    let _ = sock.shutdown(Shutdown::Write);
+    send_with_fin(conn, sock)?;
     loop {
         match conn.read_tls(sock) {
             Ok(0) => return Ok(()),
@@ -206,16 +259,14 @@ pub(crate) async fn tokio_loop(
     ctl: Arc<Control>,
     cfg: Arc<ClientConfig>,
 ) -> Stats {
-    let connector = tokio_rustls::TlsConnector::from(cfg);
     let mut st = Stats::default();
     let mut buf = vec![0u8; if p.request.is_some() { 64 * 1024 } else { 4096 }];
+    let mut net = vec![0u8; NET_READ];
     while let Some(measured) = ctl.next() {
         let mut c = Cycle::default();
         let t0 = Instant::now();
-        if tokio::time::timeout(p.timeout, tokio_cycle(&p, &connector, &mut buf, t0, &mut c))
-            .await
-            .is_err()
-        {
+        let cycle = tokio_cycle(&p, &cfg, &mut buf, &mut net, t0, &mut c);
+        if tokio::time::timeout(p.timeout, cycle).await.is_err() {
             c.failure = Some(Failure::Timeout);
         }
         if measured {
@@ -225,10 +276,88 @@ pub(crate) async fn tokio_loop(
     st
 }
 
+/// Socket reads of the tokio engine. Reads happen only once rustls has handed out all the
+/// plaintext it holds, so what one read decrypts to always fits rustls' plaintext buffer.
+const NET_READ: usize = 16 * 1024;
+
+/// A rustls client on a tokio socket, driven by hand (not tokio-rustls) so that, as in the
+/// blocking engine, the client's last handshake flight waits for the request or close_notify
+/// and leaves in the same segment.
+struct AsyncClient {
+    conn: ClientConnection,
+    tcp: tokio::net::TcpStream,
+}
+
+impl AsyncClient {
+    async fn handshake(&mut self, net: &mut [u8]) -> io::Result<()> {
+        while self.conn.is_handshaking() {
+            if self.conn.wants_write() {
+                self.flush().await?;
+            } else if !self.fill(net).await? {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes everything rustls has queued, in one write.
+    async fn flush(&mut self) -> io::Result<()> {
+        let out = drain_tls(&mut self.conn)?;
+        self.tcp.write_all(&out).await
+    }
+
+    /// Reads once from the socket and lets rustls process it. `false` at TCP EOF (rustls is
+    /// told, so a later plaintext read reports a missing close_notify).
+    async fn fill(&mut self, net: &mut [u8]) -> io::Result<bool> {
+        let n = self.tcp.read(net).await?;
+        let mut rd = &net[..n];
+        loop {
+            self.conn.read_tls(&mut rd)?;
+            self.conn
+                .process_new_packets()
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+            if rd.is_empty() {
+                return Ok(n > 0);
+            }
+        }
+    }
+
+    /// Application data; 0 after close_notify, `UnexpectedEof` at EOF without it.
+    async fn read(&mut self, out: &mut [u8], net: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.conn.reader().read(out) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                r => return r,
+            }
+            self.fill(net).await?;
+        }
+    }
+
+    /// close_notify and FIN in one segment (with the Finished if still queued).
+    async fn close_write(&mut self) -> io::Result<()> {
+        self.conn.send_close_notify();
+        let out = drain_tls(&mut self.conn)?;
+        let mut pos = 0;
+        while pos < out.len() {
+            self.tcp.writable().await?;
+            let sock = &self.tcp;
+            match sock.try_io(tokio::io::Interest::WRITABLE, || {
+                socket2::SockRef::from(sock).send_with_flags(&out[pos..], libc::MSG_MORE)
+            }) {
+                Ok(n) => pos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+        socket2::SockRef::from(&self.tcp).shutdown(Shutdown::Write)
+    }
+}
+
 async fn tokio_cycle(
     p: &HsParams,
-    connector: &tokio_rustls::TlsConnector,
+    cfg: &Arc<ClientConfig>,
     buf: &mut [u8],
+    net: &mut [u8],
     t0: Instant,
     c: &mut Cycle,
 ) {
@@ -237,36 +366,34 @@ async fn tokio_cycle(
         Err(e) => return c.failure = Some(Failure::from_connect(e)),
     };
     let _ = tcp.set_nodelay(true);
-    let mut tls = match connector.connect(p.server_name.clone(), tcp).await {
-        Ok(t) => t,
-        Err(e) => return c.failure = Some(Failure::from_io(e, true)),
+    let conn = match ClientConnection::new(cfg.clone(), p.server_name.clone()) {
+        Ok(conn) => conn,
+        Err(e) => return c.failure = Some(Failure::Handshake(e)),
     };
-    {
-        let conn = tls.get_ref().1;
-        c.handshake = Some((conn.handshake_kind(), Negotiated::of(conn), t0.elapsed()));
+    let mut tls = AsyncClient { conn, tcp };
+    if let Err(e) = tls.handshake(net).await {
+        return c.failure = Some(Failure::from_io(e, true));
     }
-    let mut peer_closed = false;
+    c.handshake = Some((
+        tls.conn.handshake_kind(),
+        Negotiated::of(&tls.conn),
+        t0.elapsed(),
+    ));
     if let Some(req) = &p.request {
-        match tokio_request(&mut tls, req, buf).await {
-            Ok(body) => {
-                c.response = Some((t0.elapsed(), body));
-                peer_closed = true;
-            }
-            Err(f) => return c.failure = Some(f),
+        match tokio_request(&mut tls, req, buf, net).await {
+            Ok(body) => c.response = Some((t0.elapsed(), body)),
+            Err(f) => c.failure = Some(f),
         }
+        // The server is gone after its Connection: close response; the alert is a courtesy.
+        let _ = tls.close_write().await;
+        return;
     }
     // close_notify + FIN, then read until the server closes (see blocking_close).
-    if let Err(e) = tls.shutdown().await {
-        if !peer_closed {
-            c.failure = Some(Failure::from_io(e, false));
-        }
-        return;
-    }
-    if peer_closed {
-        return;
+    if let Err(e) = tls.close_write().await {
+        return c.failure = Some(Failure::from_io(e, false));
     }
     loop {
-        match tls.read(buf).await {
+        match tls.read(buf, net).await {
             Ok(0) => return,
             Ok(_) => {}
             Err(e)
@@ -282,12 +409,16 @@ async fn tokio_cycle(
     }
 }
 
-async fn tokio_request<S>(tls: &mut S, req: &[u8], buf: &mut [u8]) -> Result<u64, Failure>
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    tls.write_all(req)
-        .await
+async fn tokio_request(
+    tls: &mut AsyncClient,
+    req: &[u8],
+    buf: &mut [u8],
+    net: &mut [u8],
+) -> Result<u64, Failure> {
+    // The request shares a write (and a segment) with the queued Finished.
+    tls.conn
+        .writer()
+        .write_all(req)
         .map_err(|e| Failure::from_io(e, false))?;
     tls.flush().await.map_err(|e| Failure::from_io(e, false))?;
     let mut filled = 0;
@@ -296,7 +427,7 @@ where
         if filled == limit {
             return Err(Failure::BadResponse("response head too large"));
         }
-        match tls.read(&mut buf[filled..limit]).await {
+        match tls.read(&mut buf[filled..limit], net).await {
             Ok(0) => return Err(Failure::BadResponse("closed before the response head")),
             Ok(n) => filled += n,
             Err(e) => return Err(Failure::from_io(e, false)),
@@ -307,7 +438,7 @@ where
     };
     let mut body = (filled - head.len) as u64;
     loop {
-        match tls.read(buf).await {
+        match tls.read(buf, net).await {
             Ok(0) => break,
             Ok(n) => body += n as u64,
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break,

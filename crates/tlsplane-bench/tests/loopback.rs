@@ -50,17 +50,7 @@ fn start_server() -> Server {
     let other_ca = dir.join("other.pem");
     std::fs::write(&other_ca, other.cert.pem()).unwrap();
 
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(ck.key_pair.serialize_der()));
-    let mut cfg =
-        rustls::ServerConfig::builder_with_provider(Arc::new(provider::default_provider()))
-            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![ck.cert.der().clone()], key)
-            .unwrap();
-    cfg.ticketer = provider::Ticketer::new().unwrap();
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server_config(&ck)));
 
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -90,6 +80,20 @@ fn start_server() -> Server {
         other_ca,
         big_sha256: sha256_hex(big_body()),
     }
+}
+
+fn server_config(ck: &rcgen::CertifiedKey) -> rustls::ServerConfig {
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(ck.key_pair.serialize_der()));
+    let mut cfg =
+        rustls::ServerConfig::builder_with_provider(Arc::new(provider::default_provider()))
+            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![ck.cert.der().clone()], key)
+            .unwrap();
+    cfg.ticketer = provider::Ticketer::new().unwrap();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    cfg
 }
 
 fn sha256_hex(b: &[u8]) -> String {
@@ -400,4 +404,78 @@ fn silent_server_times_out() {
         assert!((0.55..3.0).contains(&took), "{engine}: {took}");
     }
     drop(silent);
+}
+
+/// One blocking rustls server connection that records whether the client's Finished,
+/// close_notify and FIN arrived in a single read (one segment).
+fn serve_and_check_last_flight(
+    cfg: &Arc<rustls::ServerConfig>,
+    mut tcp: std::net::TcpStream,
+) -> bool {
+    use std::io::{Read, Write};
+    let mut conn = rustls::ServerConnection::new(cfg.clone()).unwrap();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut same_read = false;
+    while conn.is_handshaking() {
+        if conn.wants_write() {
+            conn.write_tls(&mut tcp).unwrap();
+            continue;
+        }
+        let n = tcp.read(&mut buf).unwrap();
+        assert!(n > 0, "client closed during the handshake");
+        let mut rd = &buf[..n];
+        while !rd.is_empty() {
+            conn.read_tls(&mut rd).unwrap();
+        }
+        let state = conn.process_new_packets().unwrap();
+        same_read = !conn.is_handshaking() && state.peer_has_closed();
+    }
+    // The FIN came with that segment: the socket is at EOF without waiting.
+    tcp.set_nonblocking(true).unwrap();
+    let eof_now = matches!(tcp.read(&mut buf), Ok(0));
+    tcp.set_nonblocking(false).unwrap();
+    conn.send_close_notify();
+    while conn.wants_write() {
+        if conn.write_tls(&mut tcp).is_err() {
+            break;
+        }
+    }
+    let _ = tcp.flush();
+    same_read && eof_now
+}
+
+#[test]
+fn client_last_flight_close_notify_and_fin_share_one_segment() {
+    let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    let cfg = Arc::new(server_config(&ck));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let target = listener.local_addr().unwrap().to_string();
+    let per_engine = 6;
+    let server = std::thread::spawn(move || {
+        (0..2 * per_engine)
+            .map(|_| {
+                let (tcp, _) = listener.accept().unwrap();
+                tcp.set_nodelay(true).unwrap();
+                serve_and_check_last_flight(&cfg, tcp)
+            })
+            .collect::<Vec<bool>>()
+    });
+    for engine in ["blocking", "tokio"] {
+        let r = bench(&[
+            "bench",
+            "handshake",
+            &target,
+            "--insecure-no-verify",
+            "--tls",
+            "1.3",
+            "--count",
+            "6",
+            "--engine",
+            engine,
+        ]);
+        assert_eq!(r.failures_total, 0, "{engine}: {:?}", r.failures);
+        assert_eq!(r.handshakes, 6, "{engine}");
+    }
+    let seen = server.join().unwrap();
+    assert!(seen.iter().all(|&b| b), "per connection: {seen:?}");
 }
