@@ -3,7 +3,7 @@
 //! The crate does no network I/O: the caller owns sockets and buffers, feeds
 //! received bytes to [`parse_request`], asks [`respond`] what to send, writes
 //! [`Response::head`] and then the [`Body`] (a [`Body::File`] is meant for
-//! `sendfile`). Only filesystem look-ups (canonicalize, stat, open) happen here.
+//! `sendfile`). Only filesystem look-ups (stat, `openat2`, canonicalize, open) happen here.
 //!
 //! # Behaviour worth knowing
 //!
@@ -22,10 +22,16 @@
 //!   of which only the path is used). `..` segments are resolved lexically and
 //!   give `403` when they would climb above the root; a percent-decoded `/`,
 //!   `\` or NUL inside a segment gives `400`.
-//! * Unless the [`DocRoot`] allows symlinks leading outside, the file finally
-//!   opened is checked to lie inside the canonical root, both before opening
-//!   (canonical path) and after (`/proc/self/fd`, when `/proc` is mounted), so
-//!   a symlink swapped in between cannot leak an outside file.
+//! * Unless the [`DocRoot`] allows symlinks leading outside, no file outside
+//!   the root is ever opened. A regular file is opened with `openat2(2)`
+//!   relative to the root with `RESOLVE_BENEATH`, so the kernel refuses any
+//!   path walk that leaves it (three syscalls per request). What that cannot
+//!   open (an absolute symlink, a directory, a kernel before 5.6) takes the
+//!   full check: the canonical path must lie inside the canonical root before
+//!   opening, and the descriptor's `/proc/self/fd` path after (when `/proc` is
+//!   mounted), so a symlink swapped in between cannot leak an outside file.
+//! * Nothing but a regular file is opened: the type is checked with a stat
+//!   before the open and again on the descriptor.
 //! * Ranges: one `bytes=` range is honoured for `GET`; several ranges, other
 //!   units or malformed specs are ignored and the whole file is sent (RFC 9110
 //!   §14.2 allows this). `HEAD` ignores `Range`, as RFC 9110 §14.2 requires

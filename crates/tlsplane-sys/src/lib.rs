@@ -8,7 +8,7 @@
 
 use std::io;
 use std::mem::zeroed;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 use zeroize::Zeroize;
 
@@ -176,6 +176,50 @@ pub fn attach_tls_ulp(sock: BorrowedFd<'_>) -> io::Result<()> {
     Ok(())
 }
 
+/// `struct open_how` of `openat2(2)` (linux/openat2.h, version 0: 24 bytes). libc's copy is
+/// `#[non_exhaustive]`, so it cannot be built outside libc.
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// `RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS`: the kernel fails the open with `EXDEV` if any step
+/// of the path walk (`..`, an absolute symlink, a symlink leading out) leaves `dir`.
+pub const RESOLVE_BENEATH: u64 = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS;
+
+/// `openat2(2)`: opens `path` relative to `dir` with `flags` (`O_CLOEXEC` is added) under the
+/// path-walk restrictions in `resolve`. Kernels before 5.6 fail with `ENOSYS`.
+pub fn openat2(
+    dir: BorrowedFd<'_>,
+    path: &std::ffi::CStr,
+    flags: libc::c_int,
+    resolve: u64,
+) -> io::Result<OwnedFd> {
+    let how = OpenHow {
+        flags: (flags | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve,
+    };
+    // SAFETY: `dir` is live for the borrow, `path` is NUL-terminated, and `how` is an
+    // initialised open_how whose exact size is passed; the kernel only reads both.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dir.as_raw_fd(),
+            path.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a non-negative return of openat2 is a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
 /// Installs a key for one direction (`TLS_TX` or `TLS_RX`).
 pub fn set_crypto_info(
     sock: BorrowedFd<'_>,
@@ -311,6 +355,44 @@ pub fn send_more(sock: BorrowedFd<'_>, data: &[u8]) -> io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn openat2_beneath_refuses_every_way_out() {
+        use std::ffi::CString;
+        use std::os::fd::AsFd;
+        let base =
+            std::env::temp_dir().join(format!("tlsplane-sys-openat2-{}", std::process::id()));
+        let root = base.join("root");
+        std::fs::create_dir_all(root.join("sub")).unwrap();
+        std::fs::write(root.join("sub/in.txt"), b"in").unwrap();
+        std::fs::write(root.join("top.txt"), b"top").unwrap();
+        std::fs::write(base.join("out.txt"), b"out").unwrap();
+        std::os::unix::fs::symlink("../top.txt", root.join("sub/rel")).unwrap();
+        std::os::unix::fs::symlink("../out.txt", root.join("up")).unwrap();
+        std::os::unix::fs::symlink(base.join("out.txt"), root.join("abs")).unwrap();
+        let dir = std::fs::File::open(&root).unwrap();
+        let open = |p: &str| {
+            let p = CString::new(p).unwrap();
+            openat2(dir.as_fd(), &p, libc::O_RDONLY, RESOLVE_BENEATH)
+        };
+        let read = |fd: OwnedFd| {
+            std::fs::read_to_string(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap()
+        };
+        match open("sub/in.txt") {
+            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+                std::fs::remove_dir_all(&base).unwrap();
+                return; // kernel before 5.6: callers fall back to their own checks
+            }
+            r => assert_eq!(read(r.unwrap()), "in"),
+        }
+        // A symlink that stays inside is followed.
+        assert_eq!(read(open("sub/rel").unwrap()), "top");
+        for way_out in ["../out.txt", "up", "abs", "sub/../../out.txt"] {
+            let e = open(way_out).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EXDEV), "{way_out}");
+        }
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 
     #[test]
     fn crypto_info_sizes_match_the_kernel_abi() {
