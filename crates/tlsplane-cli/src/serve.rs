@@ -344,6 +344,9 @@ async fn http_loop(
                 if args.access_log {
                     tracing::info!(%peer, method = ?request.method, target = %request.target, status = resp.status, plane = ?tls.plane(), "request");
                 }
+                if !resp.keep_alive {
+                    tls.final_writes();
+                }
                 send_response(&mut tls, &resp).await?;
                 buf.copy_within(head_len..used, 0);
                 used -= head_len;
@@ -361,6 +364,7 @@ async fn http_loop(
                     // parse_request enforces the head limit before this can happen; be safe.
                     let resp = error_response(431, false);
                     count_status(&shared.stats, 431);
+                    tls.final_writes();
                     send_response(&mut tls, &resp).await?;
                     return tls.shutdown().await;
                 }
@@ -390,6 +394,7 @@ async fn http_loop(
                         shared.stats.timeouts.fetch_add(1, Relaxed);
                         if used > 0 {
                             let resp = error_response(408, false);
+                            tls.final_writes();
                             let _ = send_response(&mut tls, &resp).await;
                         }
                         return tls.shutdown().await;
@@ -405,6 +410,7 @@ async fn http_loop(
                 if args.access_log {
                     tracing::info!(%peer, status, error = %e, "bad request");
                 }
+                tls.final_writes();
                 send_response(&mut tls, &error_response(status, false)).await?;
                 return tls.shutdown().await;
             }

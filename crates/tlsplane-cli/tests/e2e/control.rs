@@ -221,3 +221,48 @@ fn client_fatal_alert_closes_the_connection() {
         }
     }
 }
+
+/// The last response of a connection (`Connection: close`), our close_notify and the FIN leave
+/// in one segment on the user plane: a single read returns all of it and the socket is at EOF
+/// right after. (Sent separately they cost the client, and on loopback the server, a wakeup and
+/// an ACK each.)
+#[test]
+fn last_response_close_notify_and_fin_share_a_segment() {
+    use std::io::Read;
+    if mode() == Mode::Kernel {
+        eprintln!("SKIPPED: the kernel plane keeps kTLS records whole, not segments");
+        return;
+    }
+    let fx = fixtures::get();
+    for v in BOTH {
+        let server = Server::start();
+        let mut c = TlsClient::connect_version(server.port(), v);
+        c.write_all(&get_request(&fx.hello.url, "Connection: close\r\n"))
+            .expect("request");
+        let mut raw = vec![0u8; 1 << 16];
+        let n = c.io.sock.read(&mut raw).expect("the response segment");
+        let mut rd = &raw[..n];
+        while !rd.is_empty() {
+            c.conn.read_tls(&mut rd).expect("feeding rustls");
+        }
+        let state = c.conn.process_new_packets().expect("decrypting");
+        assert!(
+            state.peer_has_closed(),
+            "{v:?}: close_notify was not in the segment of the response ({n} bytes)"
+        );
+        c.io.sock.set_nonblocking(true).unwrap();
+        let after = c.io.sock.read(&mut raw);
+        assert!(
+            matches!(after, Ok(0)),
+            "{v:?}: the FIN did not come with the response: {after:?}"
+        );
+        c.io.sock.set_nonblocking(false).unwrap();
+        let (plain, end) = c.read_to_end();
+        assert!(matches!(end, End::CloseNotify), "{v:?}: {end:?}");
+        assert!(plain.starts_with(b"HTTP/1.1 200"), "{v:?}");
+        let body = std::fs::read(&fx.hello.path).expect("fixture");
+        assert!(plain.ends_with(&body), "{v:?}: body");
+        let stats = server.stop();
+        assert_eq!(stats["http_io_errors"], 0, "{v:?}: {stats:?}");
+    }
+}

@@ -46,6 +46,9 @@ pub(crate) struct UserPlane {
     /// File chunks are read here before encryption; allocated on first use, then reused.
     file_buf: Vec<u8>,
     peer_closed: bool,
+    /// The application's next writes are its last before `shutdown` (see
+    /// [`TlsStream::final_writes`](crate::TlsStream::final_writes)): send with MSG_MORE.
+    final_writes: bool,
 }
 
 impl UserPlane {
@@ -66,6 +69,7 @@ impl UserPlane {
             plain_pos: 0,
             file_buf: Vec::new(),
             peer_closed: settled.peer_closed,
+            final_writes: false,
         }
     }
 
@@ -149,11 +153,23 @@ impl UserPlane {
 
     async fn flush(&mut self, sock: &TcpStream) -> io::Result<()> {
         if !self.out.is_empty() {
-            write_all(sock, self.out.filled()).await?;
+            if self.final_writes {
+                // Full segments still leave at once; only the tail waits for what follows.
+                write_all_with(sock, self.out.filled(), |b| {
+                    tlsplane_sys::send_more(std::os::fd::AsFd::as_fd(sock), b)
+                })
+                .await?;
+            } else {
+                write_all(sock, self.out.filled()).await?;
+            }
             self.out.clear();
         }
         self.out_deferrable = false;
         Ok(())
+    }
+
+    pub(crate) fn final_writes(&mut self) {
+        self.final_writes = true;
     }
 
     /// Before waiting for the peer: send what it may be waiting for (a KeyUpdate answer).
@@ -275,25 +291,24 @@ impl UserPlane {
         if let Err(e) = self.pump(None, true) {
             return Err(self.fail(sock, e).await);
         }
-        write_all_with(sock, self.out.filled(), |b| {
-            tlsplane_sys::send_more(std::os::fd::AsFd::as_fd(sock), b)
-        })
-        .await?;
-        self.out.clear();
-        Ok(())
+        self.final_writes = true;
+        self.flush(sock).await
     }
 
+    /// close_notify, then FIN. The alert goes out with MSG_MORE so that the FIN of the
+    /// shutdown(2) right after joins its segment (and, after `final_writes`, the tail of the
+    /// last response too): one segment where there were up to three.
     pub(crate) async fn shutdown(&mut self, sock: &TcpStream) -> io::Result<()> {
         match self.pump(None, true) {
             Ok(_) => {}
             Err(e) => return Err(self.fail(sock, e).await),
         }
+        self.final_writes = true;
         self.flush(sock).await?;
-        if self.peer_closed {
-            // The peer has finished sending, so closing the socket (when the stream is
-            // dropped) sends a plain FIN; a separate shutdown(2) would only cost a syscall.
-            return Ok(());
+        match socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write) {
+            // A peer that already closed may have reset the connection by now.
+            Err(e) if self.peer_closed && e.kind() == io::ErrorKind::NotConnected => Ok(()),
+            r => r,
         }
-        socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write)
     }
 }
