@@ -8,6 +8,7 @@ use rustls::server::UnbufferedServerConnection;
 use rustls::{HandshakeKind, ProtocolVersion};
 use tokio::net::TcpStream;
 
+use crate::buf::Pending;
 use crate::config::{Acceptor, DataPlanePolicy};
 use crate::handshake::{self, Incoming};
 use crate::plane::kernel::KernelPlane;
@@ -40,8 +41,7 @@ pub struct TlsStream {
     plane: Plane,
     info: ConnectionInfo,
     /// For reads into caller buffers too small to hold a control record (kernel plane).
-    small: Vec<u8>,
-    small_pos: usize,
+    small: Pending,
 }
 
 impl Acceptor {
@@ -163,8 +163,7 @@ impl Acceptor {
             sock,
             plane,
             info,
-            small: Vec::new(),
-            small_pos: 0,
+            small: Pending::default(),
         })
     }
 }
@@ -189,22 +188,17 @@ impl TlsStream {
         match &mut self.plane {
             Plane::User(u) => u.read(&self.sock, buf).await,
             Plane::Kernel(k) => {
-                if buf.len() >= 64 && self.small_pos >= self.small.len() {
+                if buf.len() >= 64 && self.small.is_empty() {
                     return k.read(&self.sock, buf).await;
                 }
-                if self.small_pos >= self.small.len() {
-                    self.small.resize(16384, 0);
-                    let n = k.read(&self.sock, &mut self.small).await?;
-                    self.small.truncate(n);
-                    self.small_pos = 0;
+                if self.small.is_empty() {
+                    let n = k.read(&self.sock, self.small.space(16384)).await?;
+                    self.small.filled(n);
                     if n == 0 {
                         return Ok(0);
                     }
                 }
-                let n = buf.len().min(self.small.len() - self.small_pos);
-                buf[..n].copy_from_slice(&self.small[self.small_pos..self.small_pos + n]);
-                self.small_pos += n;
-                Ok(n)
+                Ok(self.small.take_into(buf))
             }
         }
     }

@@ -13,6 +13,7 @@ use tlsplane_sys::{self as sys, CryptoInfo, Direction, KernelCipher, TlsVersion}
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 
+use crate::buf::Pending;
 use crate::handshake::write_all_with;
 use crate::stats::{bump, global};
 use crate::Error;
@@ -87,8 +88,7 @@ pub(crate) struct KernelPlane {
     read_closed: bool,
     write_closed: bool,
     /// Application data rustls decrypted before the hand-off; delivered before the kernel's.
-    early: Vec<u8>,
-    early_pos: usize,
+    early: Pending,
 }
 
 impl KernelPlane {
@@ -119,8 +119,7 @@ impl KernelPlane {
             rekey,
             read_closed: settled.peer_closed,
             write_closed: false,
-            early: settled.plain,
-            early_pos: 0,
+            early: Pending::from_vec(settled.plain),
         })
     }
 
@@ -131,15 +130,8 @@ impl KernelPlane {
         // Control records are a few bytes; a tiny caller buffer would split them. Callers of
         // this crate read into buffers of at least this size (TlsStream guarantees it).
         debug_assert!(buf.len() >= 64);
-        if self.early_pos < self.early.len() {
-            let n = buf.len().min(self.early.len() - self.early_pos);
-            buf[..n].copy_from_slice(&self.early[self.early_pos..self.early_pos + n]);
-            self.early_pos += n;
-            if self.early_pos == self.early.len() {
-                self.early = Vec::new();
-                self.early_pos = 0;
-            }
-            return Ok(n);
+        if !self.early.is_empty() {
+            return Ok(self.early.take_into(buf));
         }
         loop {
             if self.read_closed || buf.is_empty() {

@@ -11,7 +11,7 @@ use rustls::server::UnbufferedServerConnection;
 use rustls::unbuffered::{ConnectionState, EncryptError, UnbufferedStatus};
 use tokio::net::TcpStream;
 
-use crate::buf::OutBuf;
+use crate::buf::{OutBuf, Pending};
 use crate::handshake::{encode_into, flush_alert, write_all, write_all_with, Incoming};
 use crate::stats::{bump, global};
 use crate::Error;
@@ -41,8 +41,7 @@ pub(crate) struct UserPlane {
     /// with the next write instead of costing a write (and a loopback/wire packet) of its own.
     out_deferrable: bool,
     /// Decrypted bytes not yet delivered to the application.
-    plain: Vec<u8>,
-    plain_pos: usize,
+    plain: Pending,
     /// File chunks are read here before encryption; allocated on first use, then reused.
     file_buf: Vec<u8>,
     peer_closed: bool,
@@ -65,8 +64,7 @@ impl UserPlane {
             incoming,
             out_deferrable: !pending.is_empty(),
             out: pending,
-            plain: settled.plain,
-            plain_pos: 0,
+            plain: Pending::from_vec(settled.plain),
             file_buf: Vec::new(),
             peer_closed: settled.peer_closed,
             final_writes: false,
@@ -89,7 +87,7 @@ impl UserPlane {
                     while let Some(rec) = r.next_record() {
                         let rec = rec?;
                         discard += rec.discard;
-                        self.plain.extend_from_slice(rec.payload);
+                        self.plain.extend(rec.payload);
                     }
                     None
                 }
@@ -188,15 +186,8 @@ impl UserPlane {
 
     pub(crate) async fn read(&mut self, sock: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
         loop {
-            if self.plain_pos < self.plain.len() {
-                let n = buf.len().min(self.plain.len() - self.plain_pos);
-                buf[..n].copy_from_slice(&self.plain[self.plain_pos..self.plain_pos + n]);
-                self.plain_pos += n;
-                if self.plain_pos == self.plain.len() {
-                    self.plain.clear();
-                    self.plain_pos = 0;
-                }
-                return Ok(n);
+            if !self.plain.is_empty() {
+                return Ok(self.plain.take_into(buf));
             }
             if buf.is_empty() || self.peer_closed {
                 // After close_notify nothing more can come; don't wait for the peer's FIN.
