@@ -91,6 +91,10 @@ struct Shared {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    match tlsplane_sys::raise_nofile_limit() {
+        Ok(n) => tracing::debug!(open_files = n, "open-files limit"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the open-files limit"),
+    }
     let root = DocRoot::new(&args.dir, args.allow_symlinks_outside)
         .with_context(|| format!("cannot serve {}", args.dir.display()))?;
     let cert = match (&args.cert, &args.key) {

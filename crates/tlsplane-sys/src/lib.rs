@@ -220,6 +220,28 @@ pub fn openat2(
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit, as servers do at start-up (one open file
+/// per connection; the usual soft default of 1024 would cap a server far below what the system
+/// allows). Returns the soft limit in force afterwards.
+pub fn raise_nofile_limit() -> io::Result<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, exclusively borrowed rlimit the kernel fills in.
+    cvt(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) })?;
+    if lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: `raised` is an initialised rlimit the kernel only reads.
+        cvt(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) })?;
+        lim.rlim_cur = lim.rlim_max;
+    }
+    Ok(lim.rlim_cur)
+}
+
 /// Installs a key for one direction (`TLS_TX` or `TLS_RX`).
 pub fn set_crypto_info(
     sock: BorrowedFd<'_>,

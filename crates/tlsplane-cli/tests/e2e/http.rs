@@ -280,3 +280,38 @@ fn error_statuses() {
     assert_eq!(stats["http_responses_4xx"], cases.len() as u64);
     assert_eq!(stats["handshakes"], cases.len() as u64);
 }
+
+/// `serve` lifts its soft open-files limit to the hard one (one descriptor per connection; a
+/// soft limit of 1024, the usual default, would cap it far below what the system allows).
+#[test]
+fn serve_raises_its_open_files_limit() {
+    if crate::support::tools::find_in_path("prlimit").is_none() {
+        eprintln!("SKIPPED: no prlimit to start the server with a low soft limit");
+        return;
+    }
+    let limits = |pid: u32| -> (String, String) {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .expect("Max open files line")
+            .to_string();
+        let mut f = line["Max open files".len()..].split_whitespace();
+        (f.next().unwrap().to_string(), f.next().unwrap().to_string())
+    };
+    let hard = limits(std::process::id()).1;
+    if hard == "256" || hard == "unlimited" {
+        eprintln!("SKIPPED: hard limit {hard} leaves nothing to show");
+        return;
+    }
+    let server = Server::builder().soft_nofile(256).start();
+    let (soft, server_hard) = limits(server.pid());
+    assert_eq!(server_hard, hard, "prlimit changed only the soft limit");
+    assert_eq!(soft, hard, "the server runs with soft = hard, not 256");
+    let fx = fixtures::get();
+    assert_file_body(
+        &crate::support::client::fetch(server.port(), Tls::V13, &fx.hello.url),
+        &fx.hello,
+        "after start-up",
+    );
+}

@@ -126,6 +126,7 @@ pub struct ServerBuilder {
     expect_user_fallbacks: bool,
     expect_decrypt_errors: u64,
     shutdown_grace: u64,
+    soft_nofile: Option<u64>,
 }
 
 impl ServerBuilder {
@@ -137,6 +138,12 @@ impl ServerBuilder {
     /// Extra command-line arguments.
     pub fn arg(mut self, a: impl Into<String>) -> Self {
         self.args.push(a.into());
+        self
+    }
+
+    /// Starts the server with this soft RLIMIT_NOFILE (through `prlimit`, which must exist).
+    pub fn soft_nofile(mut self, n: u64) -> Self {
+        self.soft_nofile = Some(n);
         self
     }
 
@@ -162,7 +169,14 @@ impl ServerBuilder {
         let leaf = fixtures::pki().leaf(self.cert);
         let kernel_guard = (mode() == Mode::Kernel).then(kernel_serial);
         let bin = server_bin();
-        let mut cmd = Command::new(&bin);
+        let mut cmd = match self.soft_nofile {
+            Some(n) => {
+                let mut c = Command::new("prlimit");
+                c.arg(format!("--nofile={n}:")).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
         cmd.arg("serve")
             .arg(&fx.www)
             .args([
@@ -270,6 +284,7 @@ impl Server {
             expect_user_fallbacks: false,
             expect_decrypt_errors: 0,
             shutdown_grace: 5,
+            soft_nofile: None,
         }
     }
 
