@@ -330,7 +330,10 @@ async fn http_loop(
     stop: &mut watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let args = &shared.args;
-    let mut buf = vec![0u8; shared.limits.max_head_bytes + 1024];
+    // Starts small (most request heads are well under 4 KiB; this buffer lives as long as the
+    // connection) and grows up to the head limit only for a request that needs it.
+    let max_buf = shared.limits.max_head_bytes + 1024;
+    let mut buf = vec![0u8; max_buf.min(4096)];
     let mut used = 0usize;
     loop {
         match parse_request(&buf[..used], &shared.limits) {
@@ -364,6 +367,9 @@ async fn http_loop(
                 }
             }
             Ok(Parsed::Incomplete) => {
+                if used == buf.len() && buf.len() < max_buf {
+                    buf.resize((buf.len() * 2).min(max_buf), 0);
+                }
                 if used == buf.len() {
                     // parse_request enforces the head limit before this can happen; be safe.
                     let resp = error_response(431, false);

@@ -39,6 +39,18 @@ impl OutBuf {
     pub(crate) fn clear(&mut self) {
         self.len = 0;
     }
+
+    /// Frees the buffer if it is empty and has grown beyond `max` bytes.
+    pub(crate) fn release_if_larger(&mut self, max: usize) {
+        if self.len == 0 && self.buf.len() > max {
+            self.buf = Vec::new();
+        }
+    }
+
+    #[cfg(test)]
+    fn allocated(&self) -> usize {
+        self.buf.len()
+    }
 }
 
 /// Plaintext received but not yet handed to the application: filled all at once or appended
@@ -134,5 +146,12 @@ mod tests {
         b.clear();
         assert!(b.is_empty());
         assert!(b.spare(10).len() >= 10);
+        b.spare(100_000);
+        b.release_if_larger(64 * 1024);
+        assert_eq!(b.allocated(), 0);
+        b.spare(1000)[..1].copy_from_slice(b"x");
+        b.commit(1);
+        b.release_if_larger(10);
+        assert_eq!(b.filled(), b"x", "never frees what is not sent yet");
     }
 }

@@ -19,6 +19,8 @@ use crate::Error;
 /// Plaintext encrypted per socket write: sixteen full records (fewer, larger writes measured
 /// cheaper per byte than 64 KiB ones on loopback).
 const CHUNK: usize = 16 * 16384;
+/// Buffers larger than this are freed once a response is done rather than kept for the next.
+const IDLE_BUFFER_MAX: usize = 64 * 1024;
 /// Worst-case per-record expansion (TLS 1.2 GCM: 5 header + 8 explicit nonce + 16 tag; TLS 1.3
 /// adds a content-type byte instead of the nonce).
 const RECORD_OVERHEAD: usize = 5 + 8 + 16 + 1;
@@ -241,15 +243,21 @@ impl UserPlane {
         len: u64,
     ) -> io::Result<()> {
         let mut buf = std::mem::take(&mut self.file_buf);
-        buf.resize(CHUNK, 0);
+        // Only as large as this response needs: a 1 KiB file must not cost a zero-filled
+        // 256 KiB buffer (memset and page faults showed in new-connection + small-GET profiles).
+        let need = (prefix.len() as u64 + len).min(CHUNK as u64) as usize;
+        if buf.len() < need {
+            buf.resize(need, 0);
+        }
+        let cap = buf.len();
         let mut remaining = len;
         let mut first = prefix;
         let res = async {
             while remaining > 0 || !first.is_empty() {
-                let head = first.len().min(CHUNK);
+                let head = first.len().min(cap);
                 buf[..head].copy_from_slice(&first[..head]);
                 first = &first[head..];
-                let want = ((CHUNK - head) as u64).min(remaining) as usize;
+                let want = ((cap - head) as u64).min(remaining) as usize;
                 let mut got = 0;
                 while got < want {
                     let n = file.read_at(&mut buf[head + got..head + want], offset + got as u64)?;
@@ -268,7 +276,12 @@ impl UserPlane {
             Ok(())
         }
         .await;
-        self.file_buf = buf;
+        // A connection idling in keep-alive after a large response should not keep its
+        // chunk-sized buffers (two of 256 KiB); the next large response allocates again.
+        if buf.len() <= IDLE_BUFFER_MAX {
+            self.file_buf = buf;
+        }
+        self.out.release_if_larger(IDLE_BUFFER_MAX);
         res
     }
 
