@@ -44,7 +44,8 @@ pub(crate) struct UserPlane {
     out_deferrable: bool,
     /// Decrypted bytes not yet delivered to the application.
     plain: Pending,
-    /// File chunks are read here before encryption; allocated on first use, then reused.
+    /// File chunks are read here before encryption; sized to the response, kept for the next
+    /// one only while small (`IDLE_BUFFER_MAX`).
     file_buf: Vec<u8>,
     peer_closed: bool,
     /// The application's next writes are its last before `shutdown` (see
