@@ -31,22 +31,8 @@ fn curl(v: Tls) {
     let port = server.port();
     for f in &fx.files {
         let url = format!("https://localhost:{port}{}", f.url);
-        let mut cmd = Command::new("curl");
-        cmd.args([
-            "-sS",
-            "-v",
-            "--fail",
-            "--http1.1",
-            "--connect-timeout",
-            "10",
-            "--max-time",
-            "60",
-            "--cacert",
-        ])
-        .arg(&fixtures::pki().ca_pem)
-        .args(["--resolve", &format!("localhost:{port}:127.0.0.1")])
-        .args(v.curl_args())
-        .args(["-o", "-", &url]);
+        let mut cmd = v.curl(port, 60);
+        cmd.args(["-o", "-", &url]);
         let out = tools::run(cmd, b"", Duration::from_secs(90));
         assert!(
             out.status.success(),

@@ -2,7 +2,6 @@
 //! negotiates with a real client, and data then flows intact. Assertions are on what the
 //! client reports as negotiated, not on exit codes.
 
-use std::process::Command;
 use std::time::Duration;
 
 use rustls::crypto::aws_lc_rs::{cipher_suite as cs, kx_group};
@@ -111,22 +110,8 @@ fn curl_suites(v: Tls, cert: CertKind, suites: &[&str]) {
     let port = server.port();
     for suite in suites {
         let url = format!("https://localhost:{port}/text.txt");
-        let mut cmd = Command::new("curl");
+        let mut cmd = v.curl(port, 20);
         cmd.args([
-            "-sS",
-            "-v",
-            "--fail",
-            "--http1.1",
-            "--connect-timeout",
-            "10",
-            "--max-time",
-            "20",
-            "--cacert",
-        ])
-        .arg(&fixtures::pki().ca_pem)
-        .args(["--resolve", &format!("localhost:{port}:127.0.0.1")])
-        .args(v.curl_args())
-        .args([
             if v == Tls::V13 {
                 "--tls13-ciphers"
             } else {
@@ -322,22 +307,8 @@ fn cert_types_ed25519_and_p384() {
                 n += 1;
             }
             if have_curl {
-                let mut cmd = Command::new("curl");
-                cmd.args([
-                    "-sS",
-                    "-v",
-                    "--fail",
-                    "--http1.1",
-                    "--connect-timeout",
-                    "10",
-                    "--max-time",
-                    "20",
-                    "--cacert",
-                ])
-                .arg(&fixtures::pki().ca_pem)
-                .args(["--resolve", &format!("localhost:{port}:127.0.0.1")])
-                .args(v.curl_args())
-                .args(["-o", "-", &format!("https://localhost:{port}/text.txt")]);
+                let mut cmd = v.curl(port, 20);
+                cmd.args(["-o", "-", &format!("https://localhost:{port}/text.txt")]);
                 let out = tools::run(cmd, b"", Duration::from_secs(30));
                 assert!(
                     out.status.success(),

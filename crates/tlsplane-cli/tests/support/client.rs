@@ -46,11 +46,27 @@ impl Tls {
         }
     }
 
-    pub fn curl_args(self) -> &'static [&'static str] {
-        match self {
-            Tls::V12 => &["--tlsv1.2", "--tls-max", "1.2"],
-            Tls::V13 => &["--tlsv1.3", "--tls-max", "1.3"],
-        }
+    /// curl pinned to this version, trusting the test CA, with `localhost:port` resolved to
+    /// 127.0.0.1 and the whole transfer limited to `max_time` seconds; verbose, so that stderr
+    /// reports what was negotiated. The caller adds the URL (and any suite option).
+    pub fn curl(self, port: u16, max_time: u32) -> std::process::Command {
+        let mut cmd = std::process::Command::new("curl");
+        cmd.args([
+            "-sS",
+            "-v",
+            "--fail",
+            "--http1.1",
+            "--connect-timeout",
+            "10",
+        ])
+        .args(["--max-time", &max_time.to_string(), "--cacert"])
+        .arg(&fixtures::pki().ca_pem)
+        .args(["--resolve", &format!("localhost:{port}:127.0.0.1")])
+        .args(match self {
+            Tls::V12 => ["--tlsv1.2", "--tls-max", "1.2"],
+            Tls::V13 => ["--tlsv1.3", "--tls-max", "1.3"],
+        });
+        cmd
     }
 
     pub fn openssl_flag(self) -> &'static str {
