@@ -352,14 +352,11 @@ async fn http_loop(
                     tracing::info!(%peer, method = ?request.method, target = %request.target, status = resp.status, plane = ?tls.plane(), "request");
                 }
                 if !resp.keep_alive {
-                    tls.final_writes();
+                    return send_last_response(&mut tls, &resp).await;
                 }
                 send_response(&mut tls, &resp).await?;
                 buf.copy_within(head_len..used, 0);
                 used -= head_len;
-                if !resp.keep_alive {
-                    return tls.shutdown().await;
-                }
                 if *stop.borrow() && used == 0 {
                     // Draining after SIGTERM: the response in flight is done, nothing else
                     // was asked for; end the connection with close_notify now.
@@ -374,9 +371,7 @@ async fn http_loop(
                     // parse_request enforces the head limit before this can happen; be safe.
                     let resp = error_response(431, false);
                     count_status(&shared.stats, 431);
-                    tls.final_writes();
-                    send_response(&mut tls, &resp).await?;
-                    return tls.shutdown().await;
+                    return send_last_response(&mut tls, &resp).await;
                 }
                 let wait = if used == 0 {
                     args.idle_timeout
@@ -420,9 +415,7 @@ async fn http_loop(
                 if args.access_log {
                     tracing::info!(%peer, status, error = %e, "bad request");
                 }
-                tls.final_writes();
-                send_response(&mut tls, &error_response(status, false)).await?;
-                return tls.shutdown().await;
+                return send_last_response(&mut tls, &error_response(status, false)).await;
             }
         }
     }
@@ -434,6 +427,17 @@ fn count_status(stats: &HttpStats, status: u16) {
         500..=599 => stats.responses_5xx.fetch_add(1, Relaxed),
         _ => 0,
     };
+}
+
+/// The connection's last response: it, the close_notify and the FIN leave together (see
+/// `TlsStream::final_writes`).
+async fn send_last_response(
+    tls: &mut TlsStream,
+    resp: &tlsplane_http::Response,
+) -> std::io::Result<()> {
+    tls.final_writes();
+    send_response(tls, resp).await?;
+    tls.shutdown().await
 }
 
 async fn send_response(tls: &mut TlsStream, resp: &tlsplane_http::Response) -> std::io::Result<()> {
