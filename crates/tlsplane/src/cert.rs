@@ -24,12 +24,31 @@ pub fn load_pem(cert_path: &Path, key_path: &Path) -> Result<Arc<CertifiedKey>, 
         )));
     }
     let key = PrivateKeyDer::from_pem_file(key_path).map_err(|e| {
-        Error::Config(format!(
-            "{}: no usable private key: {e}",
-            key_path.display()
-        ))
+        let why = match std::fs::read(key_path) {
+            Ok(pem) if contains(&pem, b"-----BEGIN ENCRYPTED PRIVATE KEY-----") => {
+                "the key is encrypted, which is not supported (decrypt it with e.g. \
+                 `openssl pkey -in KEY -out PLAIN` and keep that file private)"
+                    .to_string()
+            }
+            Ok(_) if matches!(e, rustls_pki_types::pem::Error::NoItemsFound) => {
+                "no PRIVATE KEY, EC PRIVATE KEY or RSA PRIVATE KEY block in PEM file".to_string()
+            }
+            _ => format!("no usable private key: {e}"),
+        };
+        Error::Config(format!("{}: {why}", key_path.display()))
     })?;
-    certified_key(chain, key)
+    certified_key(chain, key).map_err(|e| match e {
+        Error::Config(why) => Error::Config(format!(
+            "{} and {}: {why}",
+            key_path.display(),
+            cert_path.display()
+        )),
+        e => e,
+    })
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 /// Builds a [`CertifiedKey`] from DER parts, refusing a key that does not match the leaf.
@@ -40,8 +59,14 @@ pub fn certified_key(
     let signing_key = any_supported_type(&key)
         .map_err(|e| Error::Config(format!("unsupported private key: {e}")))?;
     let ck = CertifiedKey::new(chain, signing_key);
-    ck.keys_match()
-        .map_err(|e| Error::Config(format!("certificate and private key do not match: {e}")))?;
+    ck.keys_match().map_err(|e| {
+        Error::Config(match e {
+            rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch) => {
+                "the private key does not belong to the certificate (first in the chain)".into()
+            }
+            e => format!("cannot check that the private key belongs to the certificate: {e}"),
+        })
+    })?;
     Ok(Arc::new(ck))
 }
 
