@@ -1,6 +1,7 @@
 //! `TlsStream`: one type for the application whichever plane carries the records.
 
 use std::fs::File;
+use std::future::Future;
 use std::io;
 use std::time::Instant;
 
@@ -42,6 +43,8 @@ pub struct TlsStream {
     info: ConnectionInfo,
     /// For reads into caller buffers too small to hold a control record (kernel plane).
     small: Pending,
+    /// TLS 1.3, first read not done yet: see [`TlsStream::read`].
+    ack_before_wait: bool,
 }
 
 impl Acceptor {
@@ -162,6 +165,7 @@ impl Acceptor {
         Ok(TlsStream {
             sock,
             plane,
+            ack_before_wait: version == ProtocolVersion::TLSv1_3 && !driven.peer_closed,
             info,
             small: Pending::default(),
         })
@@ -185,20 +189,54 @@ impl TlsStream {
     /// Reads decrypted application data. `Ok(0)` is the end of the stream: close_notify or, from
     /// an impolite peer, a bare TCP FIN.
     pub async fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match &mut self.plane {
-            Plane::User(u) => u.read(&self.sock, buf).await,
-            Plane::Kernel(k) => {
-                if buf.len() >= 64 && self.small.is_empty() {
-                    return k.read(&self.sock, buf).await;
+        if !self.ack_before_wait {
+            return Self::read_inner(&self.sock, &mut self.plane, &mut self.small, buf).await;
+        }
+        // A TLS 1.3 server sends nothing after the client's Finished (the session ticket waits
+        // to ride with the first response), so nothing acknowledges that Finished but a delayed
+        // ACK, and a client without TCP_NODELAY holds its request back until it comes (Nagle):
+        // ~40 ms before every first response. When the request is not here yet, acknowledge at
+        // once. A client that sent its request with the Finished costs nothing here.
+        self.ack_before_wait = false;
+        let sock = socket2::SockRef::from(&self.sock);
+        let mut read = std::pin::pin!(Self::read_inner(
+            &self.sock,
+            &mut self.plane,
+            &mut self.small,
+            buf
+        ));
+        let first = std::future::poll_fn(|cx| std::task::Poll::Ready(read.as_mut().poll(cx))).await;
+        match first {
+            std::task::Poll::Ready(r) => r,
+            std::task::Poll::Pending => {
+                if let Err(e) = sock.set_quickack(true) {
+                    tracing::debug!(error = %e, "TCP_QUICKACK failed");
                 }
-                if self.small.is_empty() {
-                    let n = k.read(&self.sock, self.small.space(16384)).await?;
-                    self.small.filled(n);
+                read.await
+            }
+        }
+    }
+
+    async fn read_inner(
+        sock: &TcpStream,
+        plane: &mut Plane,
+        small: &mut Pending,
+        buf: &mut [u8],
+    ) -> io::Result<usize> {
+        match plane {
+            Plane::User(u) => u.read(sock, buf).await,
+            Plane::Kernel(k) => {
+                if buf.len() >= 64 && small.is_empty() {
+                    return k.read(sock, buf).await;
+                }
+                if small.is_empty() {
+                    let n = k.read(sock, small.space(16384)).await?;
+                    small.filled(n);
                     if n == 0 {
                         return Ok(0);
                     }
                 }
-                Ok(self.small.take_into(buf))
+                Ok(small.take_into(buf))
             }
         }
     }
