@@ -23,8 +23,39 @@ enum Command {
     Bench(tlsplane_bench::BenchCommand),
 }
 
+/// One line per panic, so that a bug the network can trigger repeatedly cannot flood the log
+/// (or burn CPU) with backtraces; the first panic still gets one if `RUST_BACKTRACE` asks.
+fn install_panic_hook() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static FIRST: AtomicBool = AtomicBool::new(true);
+    std::panic::set_hook(Box::new(|info| {
+        let thread = std::thread::current();
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| info.payload().downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("(non-string payload)");
+        let at = info
+            .location()
+            .map(|l| format!("{}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        eprintln!(
+            "tlsplane: thread '{}' panicked at {at}: {msg} (a bug; the connection was closed)",
+            thread.name().unwrap_or("?")
+        );
+        if FIRST.swap(false, Ordering::Relaxed) {
+            let bt = std::backtrace::Backtrace::capture();
+            if bt.status() == std::backtrace::BacktraceStatus::Captured {
+                eprintln!("{bt}");
+            }
+        }
+    }));
+}
+
 fn main() {
     let cli = Cli::parse();
+    install_panic_hook();
     let filter = tracing_subscriber::EnvFilter::try_from_env("TLSPLANE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt()

@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::{bail, Context};
 use clap::Args;
+use futures_util::FutureExt;
 use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions, TlsStream};
 use tlsplane_http::{error_response, parse_request, respond, Body, DocRoot, Limits, Parsed};
 use tokio::sync::watch;
@@ -25,15 +26,15 @@ pub struct ServeArgs {
     /// Address to listen on (repeatable; IPv6 as [::1]:8443). Port 0 picks a free port.
     #[arg(long = "listen", default_value = "127.0.0.1:8443")]
     pub listen: Vec<SocketAddr>,
-    /// Certificate chain (PEM). Without --cert/--key a self-signed localhost certificate is
-    /// generated once and reused (its path is printed).
+    /// Certificate chain (PEM). Without --cert/--key a certificate for localhost, issued by a
+    /// local CA made for the purpose, is generated once and reused (both paths are printed).
     #[arg(long, requires = "key")]
     pub cert: Option<PathBuf>,
     /// Private key (PEM: PKCS#8, SEC1 or PKCS#1; ECDSA P-256/P-384, Ed25519 or RSA).
     #[arg(long, requires = "cert")]
     pub key: Option<PathBuf>,
     /// Worker threads, each an event loop with its own listening socket [default: CPU count].
-    #[arg(long)]
+    #[arg(long, value_parser = parse_workers)]
     pub workers: Option<usize>,
     /// Record layer: `auto` (kernel kTLS when possible, per connection), `kernel` (required:
     /// refuse to start without a TLS ULP, close connections it cannot take), `user`.
@@ -48,10 +49,12 @@ pub struct ServeArgs {
     /// Seconds a TLS handshake may take.
     #[arg(long, default_value_t = 10)]
     pub handshake_timeout: u64,
-    /// Seconds from the first byte of a request to the end of its headers.
+    /// Seconds from the first byte of a request to the end of its headers (one deadline for
+    /// the whole head, however the client spreads it over reads).
     #[arg(long, default_value_t = 10)]
     pub header_timeout: u64,
-    /// Seconds a keep-alive connection may stay idle between requests.
+    /// Seconds a connection may wait for the first byte of its next request (after the
+    /// handshake, and between keep-alive requests).
     #[arg(long, default_value_t = 60)]
     pub idle_timeout: u64,
     /// Seconds in-flight responses get to finish after SIGTERM/SIGINT.
@@ -69,9 +72,19 @@ pub struct ServeArgs {
     pub stats: bool,
 }
 
+fn parse_workers(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// HTTP-level counters; TLS counters live in `tlsplane::stats`.
 #[derive(Default)]
 struct HttpStats {
+    /// Connection tasks that panicked (a bug: the network must never be able to cause one).
+    task_panics: AtomicU64,
     connections: AtomicU64,
     requests: AtomicU64,
     responses_4xx: AtomicU64,
@@ -137,6 +150,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // that port 0 resolves once and every worker shares the port.
     let mut per_worker: Vec<Vec<std::net::TcpListener>> =
         (0..workers).map(|_| Vec::new()).collect();
+    // All probes before any bind: our own sockets for one address must not look like
+    // another server to the probe of an overlapping one (0.0.0.0:443 and 127.0.0.1:443).
+    for addr in args.listen.iter().filter(|a| a.port() != 0) {
+        refuse_if_listened(*addr)?;
+    }
     for addr in &args.listen {
         let mut actual = *addr;
         for (i, slot) in per_worker.iter_mut().enumerate() {
@@ -176,9 +194,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
+        // SIGHUP's default action would kill the server and every connection with it.
+        let mut hup = signal(SignalKind::hangup())?;
+        loop {
+            tokio::select! {
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+                _ = hup.recv() => {
+                    tracing::warn!("SIGHUP received: configuration reload is not supported yet; ignored, still serving");
+                }
+            }
         }
         anyhow::Ok(())
     })?;
@@ -206,8 +231,31 @@ fn stats_json(h: &HttpStats) -> String {
         ("http_timeouts", h.timeouts.load(Relaxed)),
         ("http_handshake_errors", h.handshake_errors.load(Relaxed)),
         ("http_io_errors", h.io_errors.load(Relaxed)),
+        ("task_panics", h.task_panics.load(Relaxed)),
     ]);
     tlsplane::stats::to_json(&pairs)
+}
+
+/// Our listeners set SO_REUSEPORT so that each worker has its own socket; the price is that
+/// the kernel would also let a second server (same user) join the port and silently take part
+/// of its connections. A socket without SO_REUSEPORT cannot bind where anyone listens, so a
+/// throw-away one tells whether the port is free before our workers bind it.
+fn refuse_if_listened(addr: SocketAddr) -> anyhow::Result<()> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    // Connections of an earlier run lingering in TIME_WAIT must not count as a listener.
+    s.set_reuse_address(true)?;
+    if addr.is_ipv6() {
+        s.set_only_v6(true)?;
+    }
+    match s.bind(&addr.into()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => bail!(
+            "cannot listen on {addr}: address already in use (another server listens there; \
+             refusing to share the port with it)"
+        ),
+        Err(e) => Err(e).with_context(|| format!("cannot listen on {addr}")),
+    }
 }
 
 fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
@@ -257,7 +305,15 @@ fn worker(listeners: Vec<std::net::TcpListener>, shared: Arc<Shared>, stop: watc
                             Ok((tcp, peer)) => {
                                 let shared = shared.clone();
                                 let stop = stop.clone();
-                                tokio::spawn(async move { connection(tcp, peer, shared, stop).await });
+                                tokio::spawn(async move {
+                                    // A panic here is a bug whatever the peer sent: count it
+                                    // (the panic hook has logged one line) and let the others
+                                    // carry on; the socket closes as the task's state drops.
+                                    let task = std::panic::AssertUnwindSafe(connection(tcp, peer, shared.clone(), stop));
+                                    if task.catch_unwind().await.is_err() {
+                                        shared.stats.task_panics.fetch_add(1, Relaxed);
+                                    }
+                                });
                             }
                             Err(e) => {
                                 // EMFILE and friends: back off instead of spinning.
@@ -335,6 +391,10 @@ async fn http_loop(
     let max_buf = shared.limits.max_head_bytes + 1024;
     let mut buf = vec![0u8; max_buf.min(4096)];
     let mut used = 0usize;
+    // The deadline of what we are waiting for: the first byte of a request (idle timeout) or,
+    // once it came, the end of the head (header timeout). Set once per phase, never per read,
+    // so a client trickling a byte at a time cannot hold the connection past it.
+    let mut deadline: Option<(bool, tokio::time::Instant)> = None;
     loop {
         match parse_request(&buf[..used], &shared.limits) {
             Ok(Parsed::Complete {
@@ -357,6 +417,7 @@ async fn http_loop(
                 send_response(&mut tls, &resp).await?;
                 buf.copy_within(head_len..used, 0);
                 used -= head_len;
+                deadline = None;
                 if *stop.borrow() && used == 0 {
                     // Draining after SIGTERM: the response in flight is done, nothing else
                     // was asked for; end the connection with close_notify now.
@@ -373,13 +434,22 @@ async fn http_loop(
                     count_status(&shared.stats, 431);
                     return send_last_response(&mut tls, &resp).await;
                 }
-                let wait = if used == 0 {
-                    args.idle_timeout
-                } else {
-                    args.header_timeout
+                let in_head = used > 0;
+                let until = match deadline {
+                    Some((phase, at)) if phase == in_head => at,
+                    _ => {
+                        let wait = if in_head {
+                            args.header_timeout
+                        } else {
+                            args.idle_timeout
+                        };
+                        let at = tokio::time::Instant::now() + Duration::from_secs(wait);
+                        deadline = Some((in_head, at));
+                        at
+                    }
                 };
                 let read = tokio::select! {
-                    r = tokio::time::timeout(Duration::from_secs(wait), tls.read(&mut buf[used..])) => r,
+                    r = tokio::time::timeout_at(until, tls.read(&mut buf[used..])) => r,
                     _ = stop.changed(), if used == 0 && !*stop.borrow() => {
                         // Idle keep-alive connection during shutdown: close it now. The peer
                         // may be closing at the same moment (ENOTCONN): not an error of ours.
