@@ -24,6 +24,8 @@ mod control;
 mod http;
 #[path = "e2e/kernel.rs"]
 mod kernel;
+#[path = "e2e/operations.rs"]
+mod operations;
 #[path = "e2e/shutdown.rs"]
 mod shutdown;
 #[path = "e2e/suites.rs"]

@@ -127,9 +127,16 @@ pub struct ServerBuilder {
     expect_decrypt_errors: u64,
     shutdown_grace: u64,
     soft_nofile: Option<u64>,
+    workers: usize,
 }
 
 impl ServerBuilder {
+    /// Event-loop threads (default 1).
+    pub fn workers(mut self, n: usize) -> Self {
+        self.workers = n;
+        self
+    }
+
     pub fn cert(mut self, kind: CertKind) -> Self {
         self.cert = kind;
         self
@@ -182,12 +189,11 @@ impl ServerBuilder {
             .args([
                 "--listen",
                 "127.0.0.1:0",
-                "--workers",
-                "1",
                 "--data-plane",
                 mode().as_str(),
                 "--stats",
             ])
+            .args(["--workers", &self.workers.to_string()])
             .arg("--cert")
             .arg(&leaf.cert_pem)
             .arg("--key")
@@ -285,6 +291,7 @@ impl Server {
             expect_decrypt_errors: 0,
             shutdown_grace: 5,
             soft_nofile: None,
+            workers: 1,
         }
     }
 
@@ -423,10 +430,21 @@ impl Server {
             "http_timeouts",
             "http_handshake_errors",
             "http_io_errors",
+            "task_panics",
         ] {
             let _ = stats.get(name);
         }
         eprintln!("server stats: {:?}", stats.0);
+        // Nothing a client sends may panic a connection task.
+        assert_eq!(
+            stats["task_panics"], 0,
+            "a connection task panicked: {stats:?}"
+        );
+        let panics: Vec<&String> = lines.iter().filter(|l| l.contains("panicked")).collect();
+        assert!(
+            panics.is_empty(),
+            "the server's stderr reports a panic: {panics:?}"
+        );
         assert_eq!(
             stats["http_responses_5xx"], 0,
             "the server answered 5xx: {stats:?}"
