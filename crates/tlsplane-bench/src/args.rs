@@ -185,6 +185,62 @@ pub struct ThroughputArgs {
     pub verify_sha256: Option<[u8; 32]>,
 }
 
+/// `tlsplane bench flood TARGET`
+#[derive(Args, Debug, Clone)]
+pub struct FloodArgs {
+    /// Server address as host:port (e.g. 127.0.0.1:8443).
+    pub target: String,
+    /// Connections kept in flight (each: connect, canned ClientHello, read the
+    /// server's first flight, reset; repeat).
+    #[arg(long, value_name = "C", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub concurrency: u32,
+    /// OS threads, each a current-thread tokio runtime with its share of the
+    /// connections.
+    #[arg(long, value_name = "T", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub threads: u32,
+    /// Measured run time in seconds (default 10 unless --count is given).
+    #[arg(long, value_name = "SECS", value_parser = parse_positive_secs)]
+    pub duration: Option<f64>,
+    /// Total measured attempts (instead of --duration).
+    #[arg(long, value_name = "N", conflicts_with = "duration",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub count: Option<u64>,
+    /// Seconds of unmeasured flood before measuring starts.
+    #[arg(long, value_name = "SECS", default_value = "0", value_parser = parse_non_negative_secs)]
+    pub warmup: f64,
+    /// Time limit per attempt (connect to the end of the server's first
+    /// flight), in seconds; exceeding it counts as a "timeout" failure.
+    #[arg(long, value_name = "SECS", default_value = "10", value_parser = parse_positive_secs)]
+    pub timeout: f64,
+    /// Offer only this TLS version in the ClientHello (default: 1.3 and 1.2).
+    #[arg(long = "tls", value_enum, value_name = "VERSION")]
+    pub tls: Option<TlsVersion>,
+    /// Offer (and send a key share for) only this group.
+    #[arg(long, value_enum)]
+    pub group: Option<Group>,
+    /// Offer only this cipher suite (rustls name, case-insensitive).
+    #[arg(long, value_name = "NAME")]
+    pub cipher: Option<String>,
+    /// Server name sent as SNI (default: the target host if it is a DNS name,
+    /// else "localhost").
+    #[arg(long, value_name = "NAME")]
+    pub sni: Option<String>,
+    /// ALPN protocols to offer, comma-separated ("" offers none).
+    #[arg(long, value_name = "LIST", default_value = "http/1.1")]
+    pub alpn: String,
+    /// Records that make up the server's first flight. Default: learnt from
+    /// one probe handshake with the canned ClientHello before the flood; give
+    /// it to skip the probe.
+    #[arg(long, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub flight_records: Option<u32>,
+    /// Print one JSON object on stdout instead of the human-readable report.
+    #[arg(long)]
+    pub json: bool,
+}
+
 fn parse_secs(s: &str, allow_zero: bool) -> Result<f64, String> {
     let v: f64 = s
         .trim()
@@ -497,6 +553,63 @@ impl HandshakeArgs {
     }
 }
 
+/// Everything a flood run needs, validated.
+#[derive(Debug, Clone)]
+pub(crate) struct FloodPlan {
+    pub target_label: String,
+    pub addr: SocketAddr,
+    pub server_name: ServerName<'static>,
+    pub concurrency: usize,
+    pub threads: usize,
+    pub stop: Stop,
+    pub warmup: Duration,
+    pub timeout: Duration,
+    /// Client config the canned ClientHello is built from (the certificate
+    /// is never checked: the flood never gets that far, and the probe only
+    /// needs the flight's shape).
+    pub config: Arc<ClientConfig>,
+    pub flight_records: Option<u32>,
+}
+
+impl FloodArgs {
+    pub(crate) fn plan(&self) -> Result<FloodPlan> {
+        let (host, port) = split_host_port(&self.target)?;
+        let stop = match (self.count, self.duration) {
+            (Some(_), Some(_)) => bail!("use either --count or --duration, not both"),
+            (Some(n), None) => Stop::Count(n),
+            (None, d) => Stop::After(Duration::from_secs_f64(d.unwrap_or(10.0))),
+        };
+        let tls_args = TlsArgs {
+            tls: self.tls,
+            group: self.group,
+            cipher: self.cipher.clone(),
+            sni: self.sni.clone(),
+            cacert: None,
+            insecure_no_verify: true,
+        };
+        let (config, _) = tls::build_config(
+            &tls_args,
+            ResumeMode::None,
+            parse_alpn(&self.alpn)?,
+            tls::Verify::Insecure,
+        )?;
+        let concurrency = self.concurrency as usize;
+        Ok(FloodPlan {
+            target_label: self.target.trim().to_string(),
+            addr: resolve(&host, port)?,
+            server_name: server_name_for(&host, self.sni.as_deref())?,
+            concurrency,
+            // No idle threads: at most one per connection.
+            threads: (self.threads as usize).min(concurrency),
+            stop,
+            warmup: Duration::from_secs_f64(self.warmup),
+            timeout: Duration::from_secs_f64(self.timeout),
+            config: Arc::new(config),
+            flight_records: self.flight_records,
+        })
+    }
+}
+
 impl ThroughputArgs {
     pub(crate) fn plan(&self) -> Result<(Plan, Vec<u8>)> {
         let url = parse_https_url(&self.url)?;
@@ -780,6 +893,74 @@ mod tests {
         assert!(tp(&["https://h/", "--verify-sha256", "abcd"]).is_err());
         assert!(tp(&["https://h/", "--count", "3"]).is_err());
         assert!(tp(&["https://h/", "--resume", "psk"]).is_err());
+    }
+
+    fn fl(args: &[&str]) -> Result<FloodArgs, String> {
+        let mut v = vec!["bench", "flood"];
+        v.extend_from_slice(args);
+        match Cli::try_parse_from(v).map_err(|e| e.to_string())?.cmd {
+            crate::BenchCommand::Flood(a) => Ok(a),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn flood_args() {
+        // No trust anchor needed: the flood never checks a certificate.
+        let a = fl(&["127.0.0.1:8443"]).unwrap();
+        assert_eq!((a.concurrency, a.threads, a.timeout), (64, 1, 10.0));
+        let p = a.plan().unwrap();
+        assert_eq!(p.stop, Stop::After(Duration::from_secs(10)));
+        assert_eq!(p.server_name.to_str(), "localhost");
+        assert_eq!(p.flight_records, None);
+        assert_eq!(p.config.alpn_protocols, vec![b"http/1.1".to_vec()]);
+
+        let p = fl(&[
+            "[::1]:9",
+            "--concurrency",
+            "3",
+            "--threads",
+            "8",
+            "--count",
+            "100",
+            "--tls",
+            "1.2",
+            "--group",
+            "secp256r1",
+            "--sni",
+            "example.test",
+            "--alpn",
+            "",
+            "--flight-records",
+            "4",
+        ])
+        .unwrap()
+        .plan()
+        .unwrap();
+        assert_eq!((p.concurrency, p.threads), (3, 3));
+        assert_eq!(p.stop, Stop::Count(100));
+        assert_eq!(p.server_name.to_str(), "example.test");
+        assert_eq!(p.flight_records, Some(4));
+        assert!(p.config.alpn_protocols.is_empty());
+        let groups: Vec<_> = p
+            .config
+            .crypto_provider()
+            .kx_groups
+            .iter()
+            .map(|g| g.name())
+            .collect();
+        assert_eq!(groups, vec![rustls::NamedGroup::secp256r1]);
+
+        assert!(fl(&["127.0.0.1:1", "--count", "5", "--duration", "3"]).is_err());
+        assert!(fl(&["127.0.0.1:1", "--concurrency", "0"]).is_err());
+        assert!(fl(&["127.0.0.1:1", "--flight-records", "0"]).is_err());
+        assert!(fl(&["127.0.0.1:1", "--cacert", "x.pem"]).is_err());
+        let e = fl(&["127.0.0.1:1", "--group", "x25519mlkem768", "--tls", "1.2"])
+            .unwrap()
+            .plan()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("x25519mlkem768"), "{e}");
     }
 
     #[test]

@@ -134,7 +134,7 @@ fn tokio_thread(work: Work, ctl: Arc<Control>, cfgs: Vec<Arc<ClientConfig>>) -> 
     })
 }
 
-fn progress(ctl: &Control, throughput: bool) {
+pub(crate) fn progress(ctl: &Control, throughput: bool) {
     use std::io::Write;
     let now = Instant::now();
     let mut err = std::io::stderr().lock();

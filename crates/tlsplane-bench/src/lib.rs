@@ -5,6 +5,11 @@
 //!   reason, latency percentiles and the client's own CPU per handshake.
 //! * `bench throughput URL`: keep-alive connections GETting a URL, reporting
 //!   body bytes/s, requests/s, latency and client CPU per GB.
+//! * `bench flood TARGET`: a handshake flood as an attacker runs it: one
+//!   canned ClientHello replayed on `--concurrency` connections kept in
+//!   flight, each reset as soon as the server's first flight is in; reports
+//!   first flights per second, failures by kind and the client's own CPU
+//!   (see `flood.rs`).
 //!
 //! The binary embeds it as:
 //! ```ignore
@@ -23,6 +28,7 @@
 mod args;
 mod cpu;
 mod engine;
+mod flood;
 mod handshake;
 mod http;
 mod net;
@@ -35,9 +41,10 @@ use std::sync::Arc;
 use anyhow::Result;
 
 pub use args::{
-    EngineChoice, Group, HandshakeArgs, LoadArgs, ResumeMode, ThroughputArgs, TlsArgs, TlsVersion,
+    EngineChoice, FloodArgs, Group, HandshakeArgs, LoadArgs, ResumeMode, ThroughputArgs, TlsArgs,
+    TlsVersion,
 };
-pub use stats::{Latency, Report};
+pub use stats::{FlightShape, FloodReport, Latency, Report};
 
 use engine::{execute, Work};
 use stats::{Mode, RunInfo};
@@ -49,20 +56,61 @@ pub enum BenchCommand {
     Handshake(HandshakeArgs),
     /// Measure HTTPS GET throughput over keep-alive connections.
     Throughput(ThroughputArgs),
+    /// Handshake flood: replay one canned ClientHello on C connections kept in
+    /// flight, reset each once the server's first flight is in (no client crypto).
+    Flood(FloodArgs),
 }
 
 /// Runs a benchmark and prints its report (JSON with `--json`) on stdout.
 pub fn run(cmd: BenchCommand) -> Result<()> {
-    let (report, json) = match &cmd {
-        BenchCommand::Handshake(a) => (run_handshake(a)?, a.load.json),
-        BenchCommand::Throughput(a) => (run_throughput(a)?, a.load.json),
-    };
+    match &cmd {
+        BenchCommand::Handshake(a) => emit(&run_handshake(a)?, a.load.json, Report::to_text),
+        BenchCommand::Throughput(a) => emit(&run_throughput(a)?, a.load.json, Report::to_text),
+        BenchCommand::Flood(a) => emit(&run_flood(a)?, a.json, FloodReport::to_text),
+    }
+}
+
+fn emit<R: serde::Serialize>(report: &R, json: bool, text: fn(&R) -> String) -> Result<()> {
     if json {
-        println!("{}", serde_json::to_string(&report)?);
+        println!("{}", serde_json::to_string(report)?);
     } else {
-        print!("{}", report.to_text());
+        print!("{}", text(report));
     }
     Ok(())
+}
+
+/// Runs `bench flood` and returns its report without printing it.
+pub fn run_flood(a: &FloodArgs) -> Result<FloodReport> {
+    let plan = a.plan()?;
+    let (hello, conn) = flood::canned_hello(&plan)?;
+    let (flight_records, probe) = match plan.flight_records {
+        Some(n) => (n, None),
+        None => {
+            let shape = flood::probe(plan.addr, plan.timeout, conn, &hello)?;
+            (shape.records, Some(shape))
+        }
+    };
+    let params = Arc::new(flood::FloodParams {
+        addr: plan.addr,
+        hello,
+        flight_records,
+        timeout: plan.timeout,
+    });
+    let client_hello_bytes = params.hello.len();
+    let out = flood::execute(&plan, params)?;
+    Ok(FloodReport::build(
+        stats::FloodRunInfo {
+            target: plan.target_label.clone(),
+            concurrency: plan.concurrency,
+            threads: plan.threads,
+            elapsed: out.elapsed,
+            cpu: out.cpu,
+            client_hello_bytes,
+            flight_records,
+            probe,
+        },
+        &out.stats,
+    ))
 }
 
 /// Runs `bench handshake` and returns its report without printing it.

@@ -12,7 +12,7 @@ use serde::Serialize;
 /// Highest latency the histograms track exactly (larger values saturate).
 const HIST_MAX_US: u64 = 120_000_000;
 
-fn new_hist() -> Histogram<u64> {
+pub(crate) fn new_hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, HIST_MAX_US, 3).expect("valid histogram bounds")
 }
 
@@ -86,6 +86,20 @@ impl Negotiated {
             suite: c.negotiated_cipher_suite().map(|s| s.suite()),
             group: c.negotiated_key_exchange_group().map(|g| g.name()),
         }
+    }
+
+    pub(crate) fn version_name(&self) -> String {
+        self.version
+            .map(version_name)
+            .unwrap_or_else(|| "none".into())
+    }
+
+    pub(crate) fn suite_name(&self) -> String {
+        opt_name(self.suite, CipherSuite::as_str)
+    }
+
+    pub(crate) fn group_name(&self) -> String {
+        opt_name(self.group, NamedGroup::as_str)
     }
 }
 
@@ -209,7 +223,7 @@ pub struct Latency {
 }
 
 impl Latency {
-    fn of(h: &Histogram<u64>) -> Latency {
+    pub(crate) fn of(h: &Histogram<u64>) -> Latency {
         if h.is_empty() {
             return Latency::default();
         }
@@ -307,7 +321,7 @@ fn opt_name<T: std::fmt::Debug>(v: Option<T>, as_str: fn(&T) -> Option<&'static 
     }
 }
 
-fn round(v: f64, digits: i32) -> f64 {
+pub(crate) fn round(v: f64, digits: i32) -> f64 {
     let m = 10f64.powi(digits);
     (v * m).round() / m
 }
@@ -332,14 +346,9 @@ impl Report {
         let mut suites = BTreeMap::new();
         let mut groups = BTreeMap::new();
         for (n, c) in &st.negotiated {
-            let v = n.version.map(version_name).unwrap_or_else(|| "none".into());
-            *versions.entry(v).or_insert(0) += c;
-            *suites
-                .entry(opt_name(n.suite, CipherSuite::as_str))
-                .or_insert(0) += c;
-            *groups
-                .entry(opt_name(n.group, NamedGroup::as_str))
-                .or_insert(0) += c;
+            *versions.entry(n.version_name()).or_insert(0) += c;
+            *suites.entry(n.suite_name()).or_insert(0) += c;
+            *groups.entry(n.group_name()).or_insert(0) += c;
         }
         Report {
             mode: match info.mode {
@@ -446,6 +455,261 @@ impl Report {
         let _ = writeln!(s, "  versions       {}", top(&self.versions));
         let _ = writeln!(s, "  suites         {}", top(&self.suites));
         let _ = writeln!(s, "  groups         {}", top(&self.groups));
+        s
+    }
+}
+
+// ---------------------------------------------------------------- flood
+
+/// Why one flood attempt did not get the server's whole first flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FloodFailure {
+    /// Nothing listening (RST to the SYN).
+    ConnectRefused,
+    /// Any other connect (or socket) error.
+    Connect(io::ErrorKind),
+    /// The server reset the connection before its first flight was complete.
+    ResetByServer,
+    /// The attempt took longer than `--timeout`.
+    Timeout,
+    /// The server closed (FIN) before its first flight was complete.
+    ClosedEarly,
+    /// The server answered with a TLS alert record instead of its flight.
+    Alert,
+    /// Any other error while sending the ClientHello or reading.
+    Io(io::ErrorKind),
+}
+
+impl FloodFailure {
+    pub(crate) fn from_connect(e: &io::Error) -> FloodFailure {
+        match e.kind() {
+            io::ErrorKind::ConnectionRefused => FloodFailure::ConnectRefused,
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => FloodFailure::Timeout,
+            k => FloodFailure::Connect(k),
+        }
+    }
+
+    pub(crate) fn from_io(e: &io::Error) -> FloodFailure {
+        match e.kind() {
+            io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe => FloodFailure::ResetByServer,
+            io::ErrorKind::UnexpectedEof => FloodFailure::ClosedEarly,
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => FloodFailure::Timeout,
+            k => FloodFailure::Io(k),
+        }
+    }
+
+    /// The key under which the failure is counted.
+    pub(crate) fn reason(&self) -> String {
+        match self {
+            FloodFailure::ConnectRefused => "connect_refused".into(),
+            FloodFailure::Connect(k) => format!("connect: {k:?}"),
+            FloodFailure::ResetByServer => "reset_by_server".into(),
+            FloodFailure::Timeout => "timeout".into(),
+            FloodFailure::ClosedEarly => "closed_early".into(),
+            FloodFailure::Alert => "alert".into(),
+            FloodFailure::Io(k) => format!("io: {k:?}"),
+        }
+    }
+}
+
+/// Counters of one flood loop (or several, merged).
+pub(crate) struct FloodStats {
+    /// Connect start to the last record of the server's first flight, µs.
+    pub latency: Histogram<u64>,
+    pub attempts: u64,
+    pub flights: u64,
+    /// Failures by kind; the reason string is built once per kind.
+    pub failures: Vec<(FloodFailure, u64)>,
+}
+
+impl Default for FloodStats {
+    fn default() -> Self {
+        FloodStats {
+            latency: new_hist(),
+            attempts: 0,
+            flights: 0,
+            failures: Vec::new(),
+        }
+    }
+}
+
+impl FloodStats {
+    pub(crate) fn flight(&mut self, latency: Duration) {
+        self.attempts += 1;
+        self.flights += 1;
+        self.latency.saturating_record(micros(latency));
+    }
+
+    pub(crate) fn failure(&mut self, f: FloodFailure) {
+        self.attempts += 1;
+        match self.failures.iter_mut().find(|(g, _)| *g == f) {
+            Some((_, n)) => *n += 1,
+            None => self.failures.push((f, 1)),
+        }
+    }
+
+    pub(crate) fn merge(&mut self, o: FloodStats) {
+        self.latency.add(&o.latency).expect("same histogram bounds");
+        self.attempts += o.attempts;
+        self.flights += o.flights;
+        for (f, n) in o.failures {
+            match self.failures.iter_mut().find(|(g, _)| *g == f) {
+                Some((_, m)) => *m += n,
+                None => self.failures.push((f, n)),
+            }
+        }
+    }
+}
+
+/// What the probe handshake learnt about the server's first flight.
+#[derive(Serialize, Debug, Clone, Default, PartialEq)]
+pub struct FlightShape {
+    /// Records up to and including the one that completes the flight.
+    pub records: u32,
+    /// Their total size on the wire (headers included).
+    pub bytes: usize,
+    /// Content type of each record (22 handshake, 20 change_cipher_spec,
+    /// 23 application data: TLS 1.3's encrypted handshake).
+    pub record_types: Vec<u8>,
+    pub version: String,
+    pub suite: String,
+    pub group: String,
+}
+
+/// The result of `bench flood` (`--json` prints it as one object).
+#[derive(Serialize, Debug, Clone)]
+pub struct FloodReport {
+    /// "flood".
+    pub mode: &'static str,
+    pub target: String,
+    /// Connections kept in flight.
+    pub concurrency: usize,
+    /// OS threads (current-thread tokio runtimes) actually used.
+    pub threads: usize,
+    /// Measured wall time.
+    pub duration_s: f64,
+    /// Attempts finished in the measured phase (flights + failures).
+    pub attempts: u64,
+    /// Server first flights received in full: handshakes the server paid an
+    /// ECDHE and a signature for, and that were then reset.
+    pub flights: u64,
+    /// `flights` per second.
+    pub rate_per_s: f64,
+    /// Failures by kind: connect_refused, reset_by_server, timeout,
+    /// closed_early, alert, "connect: ..." or "io: ..." for anything else.
+    pub failures: BTreeMap<String, u64>,
+    pub failures_total: u64,
+    /// Connect start to the end of the server's first flight.
+    pub latency_us: Latency,
+    /// Client process user+system CPU during the measured phase.
+    pub client_cpu_s: f64,
+    /// `client_cpu_s` over the measured wall time, in % of one core.
+    pub client_cpu_percent: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_cpu_us_per_flight: Option<f64>,
+    /// Size of the canned ClientHello sent on every connection.
+    pub client_hello_bytes: usize,
+    /// Records counted as the server's first flight.
+    pub flight_records: u32,
+    /// The probe handshake's findings (absent with `--flight-records`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub probe: Option<FlightShape>,
+}
+
+pub(crate) struct FloodRunInfo {
+    pub target: String,
+    pub concurrency: usize,
+    pub threads: usize,
+    pub elapsed: Duration,
+    pub cpu: Duration,
+    pub client_hello_bytes: usize,
+    pub flight_records: u32,
+    pub probe: Option<FlightShape>,
+}
+
+impl FloodReport {
+    pub(crate) fn build(info: FloodRunInfo, st: &FloodStats) -> FloodReport {
+        let secs = info.elapsed.as_secs_f64().max(1e-9);
+        let cpu = info.cpu.as_secs_f64();
+        let failures: BTreeMap<String, u64> =
+            st.failures.iter().map(|(f, n)| (f.reason(), *n)).collect();
+        FloodReport {
+            mode: "flood",
+            target: info.target,
+            concurrency: info.concurrency,
+            threads: info.threads,
+            duration_s: round(secs, 3),
+            attempts: st.attempts,
+            flights: st.flights,
+            rate_per_s: round(st.flights as f64 / secs, 1),
+            failures_total: failures.values().sum(),
+            failures,
+            latency_us: Latency::of(&st.latency),
+            client_cpu_s: round(cpu, 3),
+            client_cpu_percent: round(cpu / secs * 100.0, 1),
+            client_cpu_us_per_flight: (st.flights > 0)
+                .then(|| round(cpu * 1e6 / st.flights as f64, 1)),
+            client_hello_bytes: info.client_hello_bytes,
+            flight_records: info.flight_records,
+            probe: info.probe,
+        }
+    }
+
+    /// The human-readable report.
+    pub fn to_text(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "flood bench  {}  concurrency={} threads={}  measured {:.3} s",
+            self.target, self.concurrency, self.threads, self.duration_s
+        );
+        let _ = writeln!(
+            s,
+            "  first flights  {:>10}  {:.1}/s  ({} attempts)",
+            self.flights, self.rate_per_s, self.attempts
+        );
+        let l = &self.latency_us;
+        let _ = writeln!(
+            s,
+            "  latency µs     p50 {}  p90 {}  p99 {}  max {}  (mean {:.1})",
+            l.p50, l.p90, l.p99, l.max, l.mean
+        );
+        if self.failures.is_empty() {
+            let _ = writeln!(s, "  failures       0");
+        } else {
+            let _ = writeln!(s, "  failures       {}", self.failures_total);
+            for (k, v) in &self.failures {
+                let _ = writeln!(s, "    {v:>10}  {k}");
+            }
+        }
+        let _ = write!(
+            s,
+            "  client CPU     {:.3} s = {:.1}% of one core",
+            self.client_cpu_s, self.client_cpu_percent
+        );
+        if let Some(c) = self.client_cpu_us_per_flight {
+            let _ = write!(s, "  = {c:.1} µs/flight");
+        }
+        let _ = writeln!(s, "  (/proc/self/stat, 10 ms ticks)");
+        let _ = write!(
+            s,
+            "  ClientHello    {} bytes, first flight = {} records",
+            self.client_hello_bytes, self.flight_records
+        );
+        match &self.probe {
+            Some(p) => {
+                let _ = writeln!(
+                    s,
+                    " ({} bytes, types {:?}; probe: {} {} {})",
+                    p.bytes, p.record_types, p.version, p.suite, p.group
+                );
+            }
+            None => {
+                let _ = writeln!(s, " (--flight-records, no probe)");
+            }
+        }
         s
     }
 }
@@ -585,6 +849,90 @@ mod tests {
         assert_eq!(r.response_latency_us, Some(Latency::default()));
         let text = serde_json::to_string(&r).unwrap();
         assert!(!text.contains("NaN") && !text.contains("null,\"client_cpu_us"));
+    }
+
+    #[test]
+    fn flood_report_math() {
+        let mut a = FloodStats::default();
+        let mut b = FloodStats::default();
+        for i in 1..=100u64 {
+            a.flight(Duration::from_micros(i * 100));
+        }
+        a.failure(FloodFailure::Timeout);
+        b.failure(FloodFailure::Timeout);
+        b.failure(FloodFailure::ResetByServer);
+        b.failure(FloodFailure::from_connect(&io::Error::from(
+            io::ErrorKind::ConnectionRefused,
+        )));
+        b.failure(FloodFailure::from_io(&io::Error::from(
+            io::ErrorKind::UnexpectedEof,
+        )));
+        b.failure(FloodFailure::from_io(&io::Error::from(
+            io::ErrorKind::BrokenPipe,
+        )));
+        b.failure(FloodFailure::Connect(io::ErrorKind::AddrNotAvailable));
+        a.merge(b);
+        let r = FloodReport::build(
+            FloodRunInfo {
+                target: "127.0.0.1:1".into(),
+                concurrency: 8,
+                threads: 1,
+                elapsed: Duration::from_secs(2),
+                cpu: Duration::from_millis(500),
+                client_hello_bytes: 247,
+                flight_records: 3,
+                probe: None,
+            },
+            &a,
+        );
+        assert_eq!((r.attempts, r.flights), (107, 100));
+        assert_eq!(r.rate_per_s, 50.0);
+        assert_eq!(r.failures_total, 7);
+        assert_eq!(r.failures["timeout"], 2);
+        assert_eq!(r.failures["reset_by_server"], 2);
+        assert_eq!(r.failures["connect_refused"], 1);
+        assert_eq!(r.failures["closed_early"], 1);
+        assert_eq!(r.failures["connect: AddrNotAvailable"], 1);
+        assert_eq!(r.client_cpu_percent, 25.0);
+        assert_eq!(r.client_cpu_us_per_flight, Some(5000.0));
+        assert!(
+            (9990..=10010).contains(&r.latency_us.max),
+            "{}",
+            r.latency_us.max
+        );
+        let json: serde_json::Value = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["mode"], "flood");
+        for key in [
+            "concurrency",
+            "flights",
+            "rate_per_s",
+            "failures",
+            "latency_us",
+            "client_cpu_s",
+            "client_cpu_percent",
+            "client_hello_bytes",
+            "flight_records",
+        ] {
+            assert!(json.get(key).is_some(), "missing {key}");
+        }
+        assert!(json.get("probe").is_none());
+        assert!(r.to_text().contains("% of one core"));
+
+        let r = FloodReport::build(
+            FloodRunInfo {
+                target: "x".into(),
+                concurrency: 1,
+                threads: 1,
+                elapsed: Duration::ZERO,
+                cpu: Duration::ZERO,
+                client_hello_bytes: 0,
+                flight_records: 1,
+                probe: Some(FlightShape::default()),
+            },
+            &FloodStats::default(),
+        );
+        let text = serde_json::to_string(&r).unwrap();
+        assert!(!text.contains("NaN") && !text.contains("null"), "{text}");
     }
 
     #[test]

@@ -149,6 +149,7 @@ fn bench(args: &[&str]) -> Report {
     let r = match cli.cmd {
         BenchCommand::Handshake(a) => tlsplane_bench::run_handshake(&a),
         BenchCommand::Throughput(a) => tlsplane_bench::run_throughput(&a),
+        BenchCommand::Flood(_) => panic!("bench flood has its own report: see tests/flood.rs"),
     }
     .unwrap();
     eprintln!("{}", r.to_text());
