@@ -1,22 +1,23 @@
 //! `tlsplane serve`: an HTTPS static-file server.
 //!
-//! One event loop per worker thread (a current-thread tokio runtime), each with its own
-//! `SO_REUSEPORT` listening socket per address, so the kernel spreads connections across
-//! workers without a shared accept lock. HTTP/1.1 is parsed by `tlsplane-http`; responses are
-//! written here so that file bodies can follow the headers by `sendfile(2)`.
+//! Listeners, handshakes and workers are the shared runtime's (`crate::runtime`); this module
+//! is the handler it runs on each established connection. HTTP/1.1 is parsed by
+//! `tlsplane-http`; responses are written here so that file bodies can follow the headers by
+//! `sendfile(2)`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::Args;
-use futures_util::FutureExt;
 use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions, TlsStream};
 use tlsplane_http::{error_response, parse_request, respond, Body, DocRoot, Limits, Parsed};
 use tokio::sync::watch;
+
+use crate::runtime::{self, Handler, Phase, RuntimeConfig, RuntimeStats, Served};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -57,6 +58,11 @@ pub struct ServeArgs {
     /// handshake, and between keep-alive requests).
     #[arg(long, default_value_t = 60)]
     pub idle_timeout: u64,
+    /// Nice value of the threads that accept and run handshakes, relative to the threads that
+    /// serve established connections. When both have work, established connections come
+    /// first (at 5 handshakes still get about a quarter of a busy core); 0 is equal priority.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub handshake_nice: i32,
     /// Seconds in-flight responses get to finish after SIGTERM/SIGINT.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace: u64,
@@ -83,24 +89,19 @@ fn parse_workers(s: &str) -> Result<usize, String> {
 /// HTTP-level counters; TLS counters live in `tlsplane::stats`.
 #[derive(Default)]
 struct HttpStats {
-    /// Connection tasks that panicked (a bug: the network must never be able to cause one).
-    task_panics: AtomicU64,
-    connections: AtomicU64,
     requests: AtomicU64,
     responses_4xx: AtomicU64,
     responses_5xx: AtomicU64,
     timeouts: AtomicU64,
-    handshake_errors: AtomicU64,
     io_errors: AtomicU64,
 }
 
-struct Shared {
-    acceptor: Acceptor,
+/// The `serve` product: the runtime hands it established connections.
+struct Serve {
     root: DocRoot,
     args: ServeArgs,
     limits: Limits,
     stats: HttpStats,
-    in_flight: AtomicUsize,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -135,261 +136,90 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         acceptor.kernel_support().reason
     );
 
-    let workers = args
-        .workers
-        .unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        })
-        .max(1);
-    if args.listen.is_empty() {
-        bail!("no --listen address");
-    }
-    // Bind everything before starting workers so that address errors stop start-up, and so
-    // that port 0 resolves once and every worker shares the port.
-    let mut per_worker: Vec<Vec<std::net::TcpListener>> =
-        (0..workers).map(|_| Vec::new()).collect();
-    // All probes before any bind: our own sockets for one address must not look like
-    // another server to the probe of an overlapping one (0.0.0.0:443 and 127.0.0.1:443).
-    for addr in args.listen.iter().filter(|a| a.port() != 0) {
-        refuse_if_listened(*addr)?;
-    }
-    for addr in &args.listen {
-        let mut actual = *addr;
-        for (i, slot) in per_worker.iter_mut().enumerate() {
-            let l = bind_reuseport(actual).with_context(|| format!("cannot listen on {actual}"))?;
-            if i == 0 {
-                actual = l.local_addr()?;
-                eprintln!("listening on https://{actual}");
-            }
-            slot.push(l);
-        }
-    }
-
-    let shared = Arc::new(Shared {
-        acceptor,
+    let workers = args.workers.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let config = RuntimeConfig {
+        listen: args.listen.clone(),
+        workers,
+        handshake_timeout: Duration::from_secs(args.handshake_timeout),
+        shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        handshake_nice: args.handshake_nice,
+    };
+    let runtime_stats = Arc::new(RuntimeStats::default());
+    let serve = Arc::new(Serve {
         root,
         limits: Limits::default(),
         stats: HttpStats::default(),
-        in_flight: AtomicUsize::new(0),
         args: args.clone(),
     });
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let mut threads = Vec::new();
-    for (i, listeners) in per_worker.into_iter().enumerate() {
-        let shared = shared.clone();
-        let stop = stop_rx.clone();
-        threads.push(
-            std::thread::Builder::new()
-                .name(format!("worker-{i}"))
-                .spawn(move || worker(listeners, shared, stop))?,
-        );
-    }
-
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        // SIGHUP's default action would kill the server and every connection with it.
-        let mut hup = signal(SignalKind::hangup())?;
-        loop {
-            tokio::select! {
-                _ = term.recv() => break,
-                _ = int.recv() => break,
-                _ = hup.recv() => {
-                    tracing::warn!("SIGHUP received: configuration reload is not supported yet; ignored, still serving");
-                }
-            }
-        }
-        anyhow::Ok(())
-    })?;
-    eprintln!(
-        "shutting down: no new connections; in-flight responses get {} s",
-        args.shutdown_grace
-    );
-    let _ = stop_tx.send(true);
-    for t in threads {
-        let _ = t.join();
-    }
+    runtime::run(config, acceptor, serve.clone(), runtime_stats.clone())?;
     if args.stats {
-        eprintln!("tlsplane-stats {}", stats_json(&shared.stats));
+        eprintln!(
+            "tlsplane-stats {}",
+            stats_json(&serve.stats, &runtime_stats)
+        );
     }
     Ok(())
 }
 
-fn stats_json(h: &HttpStats) -> String {
+fn stats_json(h: &HttpStats, r: &RuntimeStats) -> String {
     let mut pairs = tlsplane::stats::global().snapshot();
     pairs.extend([
-        ("http_connections", h.connections.load(Relaxed)),
+        ("http_connections", r.connections.load(Relaxed)),
         ("http_requests", h.requests.load(Relaxed)),
         ("http_responses_4xx", h.responses_4xx.load(Relaxed)),
         ("http_responses_5xx", h.responses_5xx.load(Relaxed)),
-        ("http_timeouts", h.timeouts.load(Relaxed)),
-        ("http_handshake_errors", h.handshake_errors.load(Relaxed)),
+        (
+            "http_timeouts",
+            h.timeouts.load(Relaxed) + r.handshake_timeouts.load(Relaxed),
+        ),
+        ("http_handshake_errors", r.handshake_errors.load(Relaxed)),
         ("http_io_errors", h.io_errors.load(Relaxed)),
-        ("task_panics", h.task_panics.load(Relaxed)),
+        ("task_panics", r.task_panics.load(Relaxed)),
     ]);
     tlsplane::stats::to_json(&pairs)
 }
 
-/// Our listeners set SO_REUSEPORT so that each worker has its own socket; the price is that
-/// the kernel would also let a second server (same user) join the port and silently take part
-/// of its connections. A socket without SO_REUSEPORT cannot bind where anyone listens, so a
-/// throw-away one tells whether the port is free before our workers bind it.
-fn refuse_if_listened(addr: SocketAddr) -> anyhow::Result<()> {
-    use socket2::{Domain, Socket, Type};
-    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-    // Connections of an earlier run lingering in TIME_WAIT must not count as a listener.
-    s.set_reuse_address(true)?;
-    if addr.is_ipv6() {
-        s.set_only_v6(true)?;
-    }
-    match s.bind(&addr.into()) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => bail!(
-            "cannot listen on {addr}: address already in use (another server listens there; \
-             refusing to share the port with it)"
-        ),
-        Err(e) => Err(e).with_context(|| format!("cannot listen on {addr}")),
-    }
-}
+impl Handler for Serve {
+    /// The request buffer (empty: a connection parks only between requests).
+    type Parked = Vec<u8>;
 
-fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    use socket2::{Domain, Socket, Type};
-    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
-    s.set_reuse_address(true)?;
-    s.set_reuse_port(true)?;
-    if addr.is_ipv6() {
-        s.set_only_v6(true)?;
-    }
-    s.set_nonblocking(true)?;
-    // Accepted sockets inherit TCP_NODELAY from the listener: one setsockopt per listener
-    // instead of one per connection.
-    s.set_nodelay(true)?;
-    s.bind(&addr.into())?;
-    s.listen(1024)?;
-    Ok(s.into())
-}
-
-fn worker(listeners: Vec<std::net::TcpListener>, shared: Arc<Shared>, stop: watch::Receiver<bool>) {
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "worker runtime failed to start");
-            return;
+    async fn serve(
+        self: Arc<Self>,
+        tls: TlsStream,
+        peer: SocketAddr,
+        phase: Phase<Vec<u8>>,
+        mut stop: watch::Receiver<bool>,
+    ) -> Served<Vec<u8>> {
+        match http_loop(tls, peer, &self, phase, &mut stop).await {
+            Ok(served) => served,
+            Err(e) => {
+                self.stats.io_errors.fetch_add(1, Relaxed);
+                tracing::debug!(%peer, error = %e, "connection ended with error");
+                Served::Done
+            }
         }
-    };
-    rt.block_on(async move {
-        let mut accepts = Vec::new();
-        for l in listeners {
-            let l = match tokio::net::TcpListener::from_std(l) {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::error!(error = %e, "listener registration failed");
-                    continue;
-                }
-            };
-            let shared = shared.clone();
-            let mut stop = stop.clone();
-            accepts.push(tokio::spawn(async move {
-                loop {
-                    tokio::select! {
-                        r = l.accept() => match r {
-                            Ok((tcp, peer)) => {
-                                let shared = shared.clone();
-                                let stop = stop.clone();
-                                tokio::spawn(async move {
-                                    // A panic here is a bug whatever the peer sent: count it
-                                    // (the panic hook has logged one line) and let the others
-                                    // carry on; the socket closes as the task's state drops.
-                                    let task = std::panic::AssertUnwindSafe(connection(tcp, peer, shared.clone(), stop));
-                                    if task.catch_unwind().await.is_err() {
-                                        shared.stats.task_panics.fetch_add(1, Relaxed);
-                                    }
-                                });
-                            }
-                            Err(e) => {
-                                // EMFILE and friends: back off instead of spinning.
-                                tracing::warn!(error = %e, "accept failed");
-                                tokio::time::sleep(Duration::from_millis(50)).await;
-                            }
-                        },
-                        _ = stop.changed() => break,
-                    }
-                }
-            }));
-        }
-        for a in accepts {
-            let _ = a.await;
-        }
-        // Listeners are closed; give in-flight connections the grace period.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(shared.args.shutdown_grace);
-        while shared.in_flight.load(Relaxed) > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    });
-}
-
-/// Decrements the in-flight count however the connection task ends.
-struct InFlight<'a>(&'a AtomicUsize);
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
-    }
-}
-
-async fn connection(
-    tcp: tokio::net::TcpStream,
-    peer: SocketAddr,
-    shared: Arc<Shared>,
-    mut stop: watch::Receiver<bool>,
-) {
-    shared.in_flight.fetch_add(1, Relaxed);
-    let _guard = InFlight(&shared.in_flight);
-    shared.stats.connections.fetch_add(1, Relaxed);
-    let args = &shared.args;
-    let tls = match tokio::time::timeout(
-        Duration::from_secs(args.handshake_timeout),
-        shared.acceptor.accept(tcp),
-    )
-    .await
-    {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => {
-            shared.stats.handshake_errors.fetch_add(1, Relaxed);
-            tracing::debug!(%peer, error = %e, "handshake failed");
-            return;
-        }
-        Err(_) => {
-            shared.stats.timeouts.fetch_add(1, Relaxed);
-            tracing::debug!(%peer, "handshake timed out");
-            return;
-        }
-    };
-    if let Err(e) = http_loop(tls, peer, &shared, &mut stop).await {
-        shared.stats.io_errors.fetch_add(1, Relaxed);
-        tracing::debug!(%peer, error = %e, "connection ended with error");
     }
 }
 
 async fn http_loop(
     mut tls: TlsStream,
     peer: SocketAddr,
-    shared: &Shared,
+    shared: &Serve,
+    phase: Phase<Vec<u8>>,
     stop: &mut watch::Receiver<bool>,
-) -> std::io::Result<()> {
+) -> std::io::Result<Served<Vec<u8>>> {
     let args = &shared.args;
     // Starts small (most request heads are well under 4 KiB; this buffer lives as long as the
     // connection) and grows up to the head limit only for a request that needs it.
     let max_buf = shared.limits.max_head_bytes + 1024;
-    let mut buf = vec![0u8; max_buf.min(4096)];
+    let (mut buf, park_when_idle) = match phase {
+        Phase::Handshake => (vec![0u8; max_buf.min(4096)], true),
+        Phase::Moved(buf) => (buf, false),
+    };
     let mut used = 0usize;
     // The deadline of what we are waiting for: the first byte of a request (idle timeout) or,
     // once it came, the end of the head (header timeout). Set once per phase, never per read,
@@ -412,7 +242,9 @@ async fn http_loop(
                     tracing::info!(%peer, method = ?request.method, target = %request.target, status = resp.status, plane = ?tls.plane(), "request");
                 }
                 if !resp.keep_alive {
-                    return send_last_response(&mut tls, &resp).await;
+                    return send_last_response(&mut tls, &resp)
+                        .await
+                        .map(|()| Served::Done);
                 }
                 send_response(&mut tls, &resp).await?;
                 buf.copy_within(head_len..used, 0);
@@ -421,7 +253,7 @@ async fn http_loop(
                 if *stop.borrow() && used == 0 {
                     // Draining after SIGTERM: the response in flight is done, nothing else
                     // was asked for; end the connection with close_notify now.
-                    return tls.shutdown().await;
+                    return tls.shutdown().await.map(|()| Served::Done);
                 }
             }
             Ok(Parsed::Incomplete) => {
@@ -432,7 +264,14 @@ async fn http_loop(
                     // parse_request enforces the head limit before this can happen; be safe.
                     let resp = error_response(431, false);
                     count_status(&shared.stats, 431);
-                    return send_last_response(&mut tls, &resp).await;
+                    return send_last_response(&mut tls, &resp)
+                        .await
+                        .map(|()| Served::Done);
+                }
+                if park_when_idle && used == 0 && !tls.input_pending() {
+                    // Between requests with nothing to read: wait on a connection loop, not
+                    // on the handshake loop.
+                    return Ok(Served::Park(tls, buf));
                 }
                 let in_head = used > 0;
                 let until = match deadline {
@@ -454,14 +293,14 @@ async fn http_loop(
                         // Idle keep-alive connection during shutdown: close it now. The peer
                         // may be closing at the same moment (ENOTCONN): not an error of ours.
                         let _ = tls.shutdown().await;
-                        return Ok(());
+                        return Ok(Served::Done);
                     }
                 };
                 match read {
                     Ok(Ok(0)) => {
                         // Peer finished (close_notify or FIN); answer its close_notify.
                         let _ = tls.close().await;
-                        return Ok(());
+                        return Ok(Served::Done);
                     }
                     Ok(Ok(n)) => used += n,
                     Ok(Err(e)) => return Err(e),
@@ -472,11 +311,11 @@ async fn http_loop(
                             tls.final_writes();
                             let _ = send_response(&mut tls, &resp).await;
                         }
-                        return tls.shutdown().await;
+                        return tls.shutdown().await.map(|()| Served::Done);
                     }
                 }
                 if *stop.borrow() && used == 0 {
-                    return tls.shutdown().await;
+                    return tls.shutdown().await.map(|()| Served::Done);
                 }
             }
             Err(e) => {
@@ -485,7 +324,9 @@ async fn http_loop(
                 if args.access_log {
                     tracing::info!(%peer, status, error = %e, "bad request");
                 }
-                return send_last_response(&mut tls, &error_response(status, false)).await;
+                return send_last_response(&mut tls, &error_response(status, false))
+                    .await
+                    .map(|()| Served::Done);
             }
         }
     }

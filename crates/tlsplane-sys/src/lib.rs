@@ -242,6 +242,16 @@ pub fn raise_nofile_limit() -> io::Result<u64> {
     Ok(lim.rlim_cur)
 }
 
+/// Sets the nice value of the calling thread only (Linux schedules threads, and
+/// `setpriority(PRIO_PROCESS, tid)` addresses one). Raising it needs no privilege.
+pub fn set_current_thread_nice(nice: i32) -> io::Result<()> {
+    // SAFETY: gettid has no preconditions and cannot fail.
+    let tid = unsafe { libc::gettid() };
+    // SAFETY: plain integer arguments; the kernel validates them.
+    cvt(unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) })?;
+    Ok(())
+}
+
 /// Installs a key for one direction (`TLS_TX` or `TLS_RX`).
 pub fn set_crypto_info(
     sock: BorrowedFd<'_>,

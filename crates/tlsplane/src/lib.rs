@@ -23,4 +23,4 @@ mod stream;
 pub use config::{Acceptor, DataPlanePolicy, ServerOptions};
 pub use error::Error;
 pub use plane::PlaneKind;
-pub use stream::TlsStream;
+pub use stream::{DetachedTlsStream, TlsStream};

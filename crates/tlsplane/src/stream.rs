@@ -45,6 +45,8 @@ pub struct TlsStream {
     small: Pending,
     /// TLS 1.3, first read not done yet: see [`TlsStream::read`].
     ack_before_wait: bool,
+    /// The client sent close_notify with (or right after) its Finished.
+    peer_closed: bool,
 }
 
 impl Acceptor {
@@ -166,15 +168,84 @@ impl Acceptor {
             sock,
             plane,
             ack_before_wait: version == ProtocolVersion::TLSv1_3 && !driven.peer_closed,
+            peer_closed: driven.peer_closed,
             info,
             small: Pending::default(),
         })
     }
 }
 
-impl TlsStream {
+/// A [`TlsStream`] taken off its tokio runtime (see [`TlsStream::detach`]), to be carried to
+/// another thread and resumed there with [`DetachedTlsStream::attach`].
+pub struct DetachedTlsStream {
+    sock: std::net::TcpStream,
+    plane: Plane,
+    info: ConnectionInfo,
+    small: Pending,
+    ack_before_wait: bool,
+    peer_closed: bool,
+}
+
+impl DetachedTlsStream {
     pub fn info(&self) -> &ConnectionInfo {
         &self.info
+    }
+
+    /// Registers the socket with the current thread's tokio runtime (must be called inside
+    /// one). Nothing was read or written while detached, so the TLS state is intact.
+    pub fn attach(self) -> io::Result<TlsStream> {
+        Ok(TlsStream {
+            sock: TcpStream::from_std(self.sock)?,
+            plane: self.plane,
+            info: self.info,
+            small: self.small,
+            ack_before_wait: self.ack_before_wait,
+            peer_closed: self.peer_closed,
+        })
+    }
+}
+
+impl TlsStream {
+    /// Takes the connection off this thread's runtime (its socket leaves the runtime's epoll
+    /// set), so that another runtime can go on with it: handshakes and established
+    /// connections can then be served by different event loops.
+    pub fn detach(self) -> io::Result<DetachedTlsStream> {
+        Ok(DetachedTlsStream {
+            sock: self.sock.into_std()?,
+            plane: self.plane,
+            info: self.info,
+            small: self.small,
+            ack_before_wait: self.ack_before_wait,
+            peer_closed: self.peer_closed,
+        })
+    }
+
+    pub fn info(&self) -> &ConnectionInfo {
+        &self.info
+    }
+
+    /// Whether a read would return at once (data, EOF or an error) rather than wait for the
+    /// peer: input buffered in the record layer, or bytes (or EOF) in the socket. Costs at
+    /// most one non-blocking `recv(MSG_PEEK)`.
+    pub fn input_pending(&mut self) -> bool {
+        let buffered = match &mut self.plane {
+            Plane::User(u) => u.has_buffered_input(),
+            Plane::Kernel(k) => k.has_buffered_input() || !self.small.is_empty(),
+        };
+        if buffered {
+            return true;
+        }
+        let mut byte = [std::mem::MaybeUninit::<u8>::uninit()];
+        match socket2::SockRef::from(&self.sock).peek(&mut byte) {
+            Ok(_) => true,
+            Err(e) => e.kind() != io::ErrorKind::WouldBlock,
+        }
+    }
+
+    /// The client closed (close_notify) with or right after its Finished: nothing more will
+    /// come from it.
+    pub fn peer_closed(&self) -> bool {
+        self.peer_closed
     }
 
     pub fn plane(&self) -> PlaneKind {

@@ -126,6 +126,12 @@ impl KernelPlane {
     /// Reads application data. Control records are handled here: close_notify is EOF, a fatal
     /// alert or a decryption failure is an error, KeyUpdate re-keys the kernel (or ends the
     /// connection cleanly where the kernel cannot re-key).
+    /// Input this plane holds that a read would return without the socket: plaintext rustls
+    /// decrypted before the hand-off, or the end of the stream.
+    pub(crate) fn has_buffered_input(&self) -> bool {
+        !self.early.is_empty() || self.read_closed
+    }
+
     pub(crate) async fn read(&mut self, sock: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
         // Control records are a few bytes; a tiny caller buffer would split them. Callers of
         // this crate read into buffers of at least this size (TlsStream guarantees it).

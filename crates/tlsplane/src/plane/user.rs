@@ -187,6 +187,19 @@ impl UserPlane {
         Error::Protocol(e).into()
     }
 
+    /// Input a read would process without the socket: plaintext (including what rustls
+    /// decrypted with the handshake's last flight and still holds), bytes received and not yet
+    /// decrypted (perhaps a record cut short, whose rest is on its way), or the end. No I/O.
+    pub(crate) fn has_buffered_input(&mut self) -> bool {
+        if self.plain.is_empty() && !self.peer_closed {
+            // An error here is for the next read to report: count it as input.
+            if self.pump(None, false).is_err() {
+                return true;
+            }
+        }
+        !self.plain.is_empty() || self.incoming.used > 0 || self.peer_closed
+    }
+
     pub(crate) async fn read(&mut self, sock: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
         loop {
             if !self.plain.is_empty() {

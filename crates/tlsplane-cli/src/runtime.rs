@@ -1,0 +1,442 @@
+//! The runtime every product shares: listeners, the threads that accept and handshake, the
+//! threads that serve established connections, signals and graceful shutdown. A product plugs
+//! in as a handler: "given an established `TlsStream`, serve it".
+//!
+//! Each worker is two event loops (current-thread tokio runtimes) on two threads:
+//!
+//! - the **handshake loop** owns the worker's `SO_REUSEPORT` listeners, accepts, and runs TLS
+//!   handshakes; it runs at a lower scheduling priority (`--handshake-nice`);
+//! - the **connection loop** receives each connection once its handshake is done and it has
+//!   to wait for its client (the socket moves between the loops' epoll sets), and runs the
+//!   handler on it from there on.
+//!
+//! Why: a handshake step is ~100 µs of public-key crypto that no event loop can interrupt. When
+//! both kinds of work shared one loop, every established connection's next request queued
+//! behind all the handshake steps that were ready first; a flood of cheap fake ClientHellos
+//! (no crypto on the attacker's side) cut a keep-alive client from 11k to ~110 requests/s.
+//! With the split the kernel's scheduler arbitrates: the connection loop, mostly asleep and
+//! then briefly busy, runs as soon as it has work, and handshakes take the rest of the CPU.
+//! The handler serves whatever the client sent with its Finished on the handshake loop, so a
+//! connection that ends there (a single request with `Connection: close`, a client that only
+//! wanted the handshake) never moves; a keep-alive connection moves once, at its first wait.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use futures_util::FutureExt;
+use tlsplane::{Acceptor, DetachedTlsStream, TlsStream};
+use tokio::sync::{mpsc, watch};
+
+/// What the runtime needs to know; products build it from their flags (or, later, a file).
+#[derive(Clone, Debug)]
+pub struct RuntimeConfig {
+    pub listen: Vec<SocketAddr>,
+    pub workers: usize,
+    pub handshake_timeout: Duration,
+    pub shutdown_grace: Duration,
+    /// Nice value of the handshake threads (0: same priority as the connection threads).
+    pub handshake_nice: i32,
+}
+
+/// Counters of the runtime itself (the TLS layer has its own, in `tlsplane::stats`).
+#[derive(Default)]
+pub struct RuntimeStats {
+    /// TCP connections accepted.
+    pub connections: AtomicU64,
+    /// Handshakes that failed (the TLS layer counts why).
+    pub handshake_errors: AtomicU64,
+    /// Handshakes that did not finish within the handshake timeout.
+    pub handshake_timeouts: AtomicU64,
+    /// Connection or handshake tasks that panicked (a bug: the network must never cause one).
+    pub task_panics: AtomicU64,
+}
+
+/// Where a handler runs a connection.
+pub enum Phase<P> {
+    /// On the handshake loop, right after the handshake. Serve what the client already sent;
+    /// as soon as serving would mean waiting for the client, return the connection with
+    /// [`Served::Park`]. Short connections (one request with `Connection: close`, a client
+    /// that closes) so end where they started, without moving.
+    Handshake,
+    /// On a connection loop, with what the handler parked: serve until the end.
+    Moved(P),
+}
+
+/// How a handler's turn with a connection ended.
+pub enum Served<P> {
+    /// The connection is finished (closed, or failed).
+    Done,
+    /// Only from [`Phase::Handshake`]: move it to a connection loop, with this state.
+    Park(TlsStream, P),
+}
+
+/// Serves an established connection. `stop` turns true when the server starts shutting down:
+/// finish what is in flight, then close.
+pub trait Handler: Send + Sync + 'static {
+    /// What a connection carries from the handshake loop to its connection loop.
+    type Parked: Send + 'static;
+
+    fn serve(
+        self: Arc<Self>,
+        tls: TlsStream,
+        peer: SocketAddr,
+        phase: Phase<Self::Parked>,
+        stop: watch::Receiver<bool>,
+    ) -> impl Future<Output = Served<Self::Parked>> + Send;
+}
+
+struct Shared<H> {
+    acceptor: Acceptor,
+    handler: Arc<H>,
+    config: RuntimeConfig,
+    stats: Arc<RuntimeStats>,
+    /// Connections accepted and not yet closed, whichever loop holds them.
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Binds the listeners, starts the workers and serves until SIGTERM or SIGINT, then drains
+/// for up to the shutdown grace. Returns once every worker has stopped.
+pub fn run<H: Handler>(
+    config: RuntimeConfig,
+    acceptor: Acceptor,
+    handler: Arc<H>,
+    stats: Arc<RuntimeStats>,
+) -> anyhow::Result<()> {
+    if config.listen.is_empty() {
+        bail!("no --listen address");
+    }
+    let per_worker = bind_all(&config.listen, config.workers)?;
+    let shared = Arc::new(Shared {
+        acceptor,
+        handler,
+        config: config.clone(),
+        stats,
+        in_flight: Arc::default(),
+    });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut threads = Vec::new();
+    for (i, listeners) in per_worker.into_iter().enumerate() {
+        let (to_conn, from_hs) = mpsc::unbounded_channel();
+        let (s, stop) = (shared.clone(), stop_rx.clone());
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("conn-{i}"))
+                .spawn(move || connection_loop(from_hs, s, stop))?,
+        );
+        let (s, stop) = (shared.clone(), stop_rx.clone());
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("handshake-{i}"))
+                .spawn(move || handshake_loop(listeners, to_conn, s, stop))?,
+        );
+    }
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        // SIGHUP's default action would kill the server and every connection with it.
+        let mut hup = signal(SignalKind::hangup())?;
+        loop {
+            tokio::select! {
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+                _ = hup.recv() => {
+                    tracing::warn!("SIGHUP received: configuration reload is not supported yet; ignored, still serving");
+                }
+            }
+        }
+        anyhow::Ok(())
+    })?;
+    eprintln!(
+        "shutting down: no new connections; in-flight responses get {} s",
+        config.shutdown_grace.as_secs()
+    );
+    let _ = stop_tx.send(true);
+    for t in threads {
+        let _ = t.join();
+    }
+    Ok(())
+}
+
+/// Binds every address once per worker, before any worker starts, so that address errors stop
+/// start-up and port 0 resolves once for all workers.
+fn bind_all(
+    listen: &[SocketAddr],
+    workers: usize,
+) -> anyhow::Result<Vec<Vec<std::net::TcpListener>>> {
+    // All probes before any bind: our own sockets for one address must not look like
+    // another server to the probe of an overlapping one (0.0.0.0:443 and 127.0.0.1:443).
+    for addr in listen.iter().filter(|a| a.port() != 0) {
+        refuse_if_listened(*addr)?;
+    }
+    let mut per_worker: Vec<Vec<std::net::TcpListener>> =
+        (0..workers).map(|_| Vec::new()).collect();
+    for addr in listen {
+        let mut actual = *addr;
+        for (i, slot) in per_worker.iter_mut().enumerate() {
+            let l = bind_reuseport(actual).with_context(|| format!("cannot listen on {actual}"))?;
+            if i == 0 {
+                actual = l.local_addr()?;
+                eprintln!("listening on https://{actual}");
+            }
+            slot.push(l);
+        }
+    }
+    Ok(per_worker)
+}
+
+/// Our listeners set SO_REUSEPORT so that each worker has its own socket; the price is that
+/// the kernel would also let a second server (same user) join the port and silently take part
+/// of its connections. A socket without SO_REUSEPORT cannot bind where anyone listens, so a
+/// throw-away one tells whether the port is free before our workers bind it.
+fn refuse_if_listened(addr: SocketAddr) -> anyhow::Result<()> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    // Connections of an earlier run lingering in TIME_WAIT must not count as a listener.
+    s.set_reuse_address(true)?;
+    if addr.is_ipv6() {
+        s.set_only_v6(true)?;
+    }
+    match s.bind(&addr.into()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => bail!(
+            "cannot listen on {addr}: address already in use (another server listens there; \
+             refusing to share the port with it)"
+        ),
+        Err(e) => Err(e).with_context(|| format!("cannot listen on {addr}")),
+    }
+}
+
+fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    s.set_reuse_address(true)?;
+    s.set_reuse_port(true)?;
+    if addr.is_ipv6() {
+        s.set_only_v6(true)?;
+    }
+    s.set_nonblocking(true)?;
+    // Accepted sockets inherit TCP_NODELAY from the listener: one setsockopt per listener
+    // instead of one per connection.
+    s.set_nodelay(true)?;
+    s.bind(&addr.into())?;
+    s.listen(1024)?;
+    Ok(s.into())
+}
+
+fn current_thread_runtime() -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            tracing::error!(error = %e, "worker runtime failed to start");
+            None
+        }
+    }
+}
+
+/// One unit of a count for as long as it lives (however the task holding it ends).
+struct Counted(Arc<AtomicUsize>);
+impl Counted {
+    fn new(count: Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Relaxed);
+        Self(count)
+    }
+}
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+/// Runs `task`; a panic in it is counted (the panic hook has logged one line) and goes no
+/// further: the connection's socket closes as the task's state drops.
+async fn contain_panics(stats: &RuntimeStats, task: impl Future<Output = ()>) {
+    if std::panic::AssertUnwindSafe(task)
+        .catch_unwind()
+        .await
+        .is_err()
+    {
+        stats.task_panics.fetch_add(1, Relaxed);
+    }
+}
+
+/// A connection on its way from the handshake loop to the connection loop, still counted in
+/// flight.
+type Established<P> = (DetachedTlsStream, SocketAddr, P, Counted);
+
+fn handshake_loop<H: Handler>(
+    listeners: Vec<std::net::TcpListener>,
+    to_conn: mpsc::UnboundedSender<Established<H::Parked>>,
+    shared: Arc<Shared<H>>,
+    stop: watch::Receiver<bool>,
+) {
+    if shared.config.handshake_nice != 0 {
+        if let Err(e) = tlsplane_sys::set_current_thread_nice(shared.config.handshake_nice) {
+            tracing::warn!(error = %e, "cannot lower the handshake threads' priority");
+        }
+    }
+    let Some(rt) = current_thread_runtime() else {
+        return;
+    };
+    // Handshakes of this loop still in progress (connections it handed over no longer count).
+    let handshaking = Arc::new(AtomicUsize::new(0));
+    rt.block_on(async move {
+        let mut accepts = Vec::new();
+        for l in listeners {
+            let l = match tokio::net::TcpListener::from_std(l) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!(error = %e, "listener registration failed");
+                    continue;
+                }
+            };
+            let (shared, to_conn, mut stop) = (shared.clone(), to_conn.clone(), stop.clone());
+            let handshaking = handshaking.clone();
+            accepts.push(tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        r = l.accept() => match r {
+                            Ok((tcp, peer)) => {
+                                let guard = Counted::new(shared.in_flight.clone());
+                                let (s, to_conn, stop) = (shared.clone(), to_conn.clone(), stop.clone());
+                                let counted = Counted::new(handshaking.clone());
+                                tokio::spawn(async move {
+                                    let _counted = counted;
+                                    let stats = s.stats.clone();
+                                    contain_panics(&stats, handshake(tcp, peer, s, guard, to_conn, stop)).await;
+                                });
+                            }
+                            Err(e) => {
+                                // EMFILE and friends: back off instead of spinning.
+                                tracing::warn!(error = %e, "accept failed");
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                        },
+                        _ = stop.changed() => break,
+                    }
+                }
+            }));
+        }
+        drop(to_conn);
+        for a in accepts {
+            let _ = a.await;
+        }
+        // Listeners are closed; handshakes in progress still finish (or time out) and go to
+        // the connection loop, which drains them.
+        let deadline = tokio::time::Instant::now() + shared.config.handshake_timeout;
+        while handshaking.load(Relaxed) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}
+
+async fn handshake<H: Handler>(
+    tcp: tokio::net::TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared<H>>,
+    guard: Counted,
+    to_conn: mpsc::UnboundedSender<Established<H::Parked>>,
+    stop: watch::Receiver<bool>,
+) {
+    shared.stats.connections.fetch_add(1, Relaxed);
+    let tls =
+        match tokio::time::timeout(shared.config.handshake_timeout, shared.acceptor.accept(tcp))
+            .await
+        {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => {
+                shared.stats.handshake_errors.fetch_add(1, Relaxed);
+                tracing::debug!(%peer, error = %e, "handshake failed");
+                return;
+            }
+            Err(_) => {
+                shared.stats.handshake_timeouts.fetch_add(1, Relaxed);
+                tracing::debug!(%peer, "handshake timed out");
+                return;
+            }
+        };
+    let (tls, parked) = match shared
+        .handler
+        .clone()
+        .serve(tls, peer, Phase::Handshake, stop)
+        .await
+    {
+        Served::Done => return,
+        Served::Park(tls, parked) => (tls, parked),
+    };
+    match tls.detach() {
+        Ok(d) => {
+            // Fails only when the connection loop is gone (shutdown): the connection drops.
+            let _ = to_conn.send((d, peer, parked, guard));
+        }
+        Err(e) => tracing::debug!(%peer, error = %e, "hand-off to the connection loop failed"),
+    }
+}
+
+fn connection_loop<H: Handler>(
+    mut from_hs: mpsc::UnboundedReceiver<Established<H::Parked>>,
+    shared: Arc<Shared<H>>,
+    stop: watch::Receiver<bool>,
+) {
+    let Some(rt) = current_thread_runtime() else {
+        return;
+    };
+    rt.block_on(async move {
+        let start = |(d, peer, parked, guard): Established<H::Parked>| {
+            let (s, stop) = (shared.clone(), stop.clone());
+            tokio::spawn(async move {
+                let _guard = guard;
+                let tls = match d.attach() {
+                    Ok(t) => t,
+                    Err(e) => {
+                        tracing::debug!(%peer, error = %e, "connection registration failed");
+                        return;
+                    }
+                };
+                let serve = s
+                    .handler
+                    .clone()
+                    .serve(tls, peer, Phase::Moved(parked), stop);
+                contain_panics(&s.stats, async {
+                    // Parking is for the handshake loop only; a handler that asks anyway
+                    // gets its connection closed.
+                    let _ = serve.await;
+                })
+                .await;
+            });
+        };
+        let mut stopping = stop.clone();
+        loop {
+            tokio::select! {
+                c = from_hs.recv() => match c {
+                    Some(c) => start(c),
+                    None => break,
+                },
+                _ = stopping.changed() => break,
+            }
+        }
+        // Shutdown: take what the handshake loop still hands over, give everything the grace
+        // period, then return (the runtime drops what is left).
+        let deadline = tokio::time::Instant::now() + shared.config.shutdown_grace;
+        loop {
+            while let Ok(c) = from_hs.try_recv() {
+                start(c);
+            }
+            if shared.in_flight.load(Relaxed) == 0 || tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}
