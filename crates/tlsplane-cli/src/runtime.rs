@@ -29,6 +29,8 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use futures_util::FutureExt;
 use tlsplane::{Acceptor, DetachedTlsStream, TlsStream};
+
+use crate::limits::{self, Admission, LimitArgs, LimitStats, Ticket};
 use tokio::sync::{mpsc, watch};
 
 /// What the runtime needs to know; products build it from their flags (or, later, a file).
@@ -40,6 +42,7 @@ pub struct RuntimeConfig {
     pub shutdown_grace: Duration,
     /// Nice value of the handshake threads (0: same priority as the connection threads).
     pub handshake_nice: i32,
+    pub limits: LimitArgs,
 }
 
 /// Counters of the runtime itself (the TLS layer has its own, in `tlsplane::stats`).
@@ -53,6 +56,8 @@ pub struct RuntimeStats {
     pub handshake_timeouts: AtomicU64,
     /// Connection or handshake tasks that panicked (a bug: the network must never cause one).
     pub task_panics: AtomicU64,
+    /// Connections refused by a limit, by kind.
+    pub limits: LimitStats,
 }
 
 /// Where a handler runs a connection.
@@ -96,6 +101,7 @@ struct Shared<H> {
     stats: Arc<RuntimeStats>,
     /// Connections accepted and not yet closed, whichever loop holds them.
     in_flight: Arc<AtomicUsize>,
+    admission: Arc<Admission>,
 }
 
 /// Binds the listeners, starts the workers and serves until SIGTERM or SIGINT, then drains
@@ -116,6 +122,7 @@ pub fn run<H: Handler>(
         config: config.clone(),
         stats,
         in_flight: Arc::default(),
+        admission: Admission::new(config.limits.clone()),
     });
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut threads = Vec::new();
@@ -273,7 +280,14 @@ async fn contain_panics(stats: &RuntimeStats, task: impl Future<Output = ()>) {
 
 /// A connection on its way from the handshake loop to the connection loop, still counted in
 /// flight.
-type Established<P> = (DetachedTlsStream, SocketAddr, P, Counted);
+type Established<P> = (DetachedTlsStream, SocketAddr, P, Admitted);
+
+/// What an admitted connection holds until it closes: its place in the in-flight count and in
+/// the per-client limits.
+struct Admitted {
+    _in_flight: Counted,
+    ticket: Ticket,
+}
 
 fn handshake_loop<H: Handler>(
     listeners: Vec<std::net::TcpListener>,
@@ -308,7 +322,23 @@ fn handshake_loop<H: Handler>(
                     tokio::select! {
                         r = l.accept() => match r {
                             Ok((tcp, peer)) => {
-                                let guard = Counted::new(shared.in_flight.clone());
+                                let open = shared.in_flight.load(Relaxed);
+                                let admitted = shared
+                                    .admission
+                                    .admit(peer, open, handshaking.load(Relaxed));
+                                let ticket = match admitted {
+                                    Ok(t) => t,
+                                    Err(refusal) => {
+                                        shared.stats.limits.count(refusal);
+                                        tracing::debug!(%peer, ?refusal, "connection refused by a limit");
+                                        limits::reset(tcp);
+                                        continue;
+                                    }
+                                };
+                                let guard = Admitted {
+                                    _in_flight: Counted::new(shared.in_flight.clone()),
+                                    ticket,
+                                };
                                 let (s, to_conn, stop) = (shared.clone(), to_conn.clone(), stop.clone());
                                 let counted = Counted::new(handshaking.clone());
                                 tokio::spawn(async move {
@@ -345,7 +375,7 @@ async fn handshake<H: Handler>(
     tcp: tokio::net::TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared<H>>,
-    guard: Counted,
+    mut guard: Admitted,
     to_conn: mpsc::UnboundedSender<Established<H::Parked>>,
     stop: watch::Receiver<bool>,
 ) {
@@ -354,7 +384,10 @@ async fn handshake<H: Handler>(
         match tokio::time::timeout(shared.config.handshake_timeout, shared.acceptor.accept(tcp))
             .await
         {
-            Ok(Ok(t)) => t,
+            Ok(Ok(t)) => {
+                guard.ticket.handshake_done();
+                t
+            }
             Ok(Err(e)) => {
                 shared.stats.handshake_errors.fetch_add(1, Relaxed);
                 tracing::debug!(%peer, error = %e, "handshake failed");

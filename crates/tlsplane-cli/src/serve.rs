@@ -73,6 +73,8 @@ pub struct ServeArgs {
     /// suite's AEAD confidentiality limit).
     #[arg(long, hide = true)]
     pub aead_record_limit: Option<u64>,
+    #[command(flatten)]
+    pub limits: crate::limits::LimitArgs,
     /// Print the counters as one JSON line to stderr at exit.
     #[arg(long)]
     pub stats: bool,
@@ -147,6 +149,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         handshake_timeout: Duration::from_secs(args.handshake_timeout),
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         handshake_nice: args.handshake_nice,
+        limits: args.limits.clone(),
     };
     let runtime_stats = Arc::new(RuntimeStats::default());
     let serve = Arc::new(Serve {
@@ -180,6 +183,7 @@ fn stats_json(h: &HttpStats, r: &RuntimeStats) -> String {
         ("http_io_errors", h.io_errors.load(Relaxed)),
         ("task_panics", r.task_panics.load(Relaxed)),
     ]);
+    pairs.extend(r.limits.snapshot());
     tlsplane::stats::to_json(&pairs)
 }
 

@@ -24,6 +24,8 @@ mod control;
 mod http;
 #[path = "e2e/kernel.rs"]
 mod kernel;
+#[path = "e2e/limits.rs"]
+mod limits;
 #[path = "e2e/operations.rs"]
 mod operations;
 #[path = "e2e/shutdown.rs"]

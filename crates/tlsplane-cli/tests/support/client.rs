@@ -274,6 +274,19 @@ pub const READ_TIMEOUT: Duration = Duration::from_secs(10);
 pub fn tcp_connect(port: u16) -> TcpStream {
     let sock = TcpStream::connect(("127.0.0.1", port))
         .unwrap_or_else(|e| panic!("connect to 127.0.0.1:{port}: {e}"));
+    with_timeouts(sock)
+}
+
+/// Connects to 127.0.0.1:`port` from the loopback address `source` (e.g. 127.0.0.2), as a
+/// second client would.
+pub fn tcp_connect_from(source: std::net::Ipv4Addr, port: u16) -> io::Result<TcpStream> {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    s.bind(&std::net::SocketAddr::from((source, 0)).into())?;
+    s.connect(&std::net::SocketAddr::from(([127, 0, 0, 1], port)).into())?;
+    Ok(with_timeouts(s.into()))
+}
+
+fn with_timeouts(sock: TcpStream) -> TcpStream {
     sock.set_read_timeout(Some(READ_TIMEOUT))
         .expect("read timeout");
     sock.set_write_timeout(Some(READ_TIMEOUT))
@@ -285,6 +298,11 @@ pub fn tcp_connect(port: u16) -> TcpStream {
 impl TlsClient {
     /// TCP connect and a ClientConnection, without handshaking yet.
     pub fn new(port: u16, config: Arc<ClientConfig>) -> TlsClient {
+        Self::over(tcp_connect(port), config)
+    }
+
+    /// A TLS client over an already connected socket (not handshaken yet).
+    pub fn over(sock: TcpStream, config: Arc<ClientConfig>) -> TlsClient {
         let conn = ClientConnection::new(
             config,
             ServerName::try_from("localhost").expect("name").to_owned(),
@@ -293,7 +311,7 @@ impl TlsClient {
         TlsClient {
             conn,
             io: Io {
-                sock: tcp_connect(port),
+                sock,
                 writes: Vec::new(),
                 inbound: RecordLog::default(),
             },

@@ -1,0 +1,416 @@
+//! Admission control: limits checked when a connection is accepted, before the server reads
+//! its ClientHello or spends any crypto on it (Tempesta's frang limits, HAProxy's maxconn and
+//! maxsslrate). A refused connection is closed with a reset and counted by kind; nothing here
+//! ever closes a connection that was admitted.
+//!
+//! Per-client limits key on the client's address: IPv4 /32, IPv6 /64 (one subscriber's
+//! usual allocation; an IPv4-mapped IPv6 address counts as IPv4).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Limits, as flags (`serve` and later `proxy` flatten these). 0 means unlimited.
+#[derive(clap::Args, Debug, Clone)]
+pub struct LimitArgs {
+    /// Connections open at once, all workers together (0: only the open-files limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_connections: usize,
+    /// Handshakes in progress at once per worker; more are refused (bounds a flood's memory).
+    #[arg(long, default_value_t = 1024)]
+    pub max_handshakes_per_worker: usize,
+    /// Connections open at once from one client address (/32, /64).
+    #[arg(long, default_value_t = 0)]
+    pub client_max_connections: u32,
+    /// New connections (each a handshake) per second from one client address, sustained.
+    #[arg(long, default_value_t = 0)]
+    pub client_handshake_rate: u32,
+    /// ... and in a burst (default: the rate).
+    #[arg(long)]
+    pub client_handshake_burst: Option<u32>,
+    /// Handshakes per second one client address may leave unfinished (failed, reset or timed
+    /// out before Finished) before its new connections are refused; burst = 2 × rate.
+    #[arg(long, default_value_t = 0)]
+    pub client_incomplete_rate: u32,
+}
+
+/// Why a connection was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    MaxConnections,
+    HandshakesPerWorker,
+    ClientConnections,
+    ClientHandshakeRate,
+    ClientIncomplete,
+}
+
+/// One counter per [`Refusal`].
+#[derive(Default)]
+pub struct LimitStats {
+    pub max_connections: AtomicU64,
+    pub handshakes_per_worker: AtomicU64,
+    pub client_connections: AtomicU64,
+    pub client_handshake_rate: AtomicU64,
+    pub client_incomplete: AtomicU64,
+}
+
+impl LimitStats {
+    pub fn count(&self, r: Refusal) {
+        let c = match r {
+            Refusal::MaxConnections => &self.max_connections,
+            Refusal::HandshakesPerWorker => &self.handshakes_per_worker,
+            Refusal::ClientConnections => &self.client_connections,
+            Refusal::ClientHandshakeRate => &self.client_handshake_rate,
+            Refusal::ClientIncomplete => &self.client_incomplete,
+        };
+        c.fetch_add(1, Relaxed);
+    }
+
+    pub fn snapshot(&self) -> [(&'static str, u64); 5] {
+        [
+            ("limit_max_connections", self.max_connections.load(Relaxed)),
+            (
+                "limit_max_handshakes_per_worker",
+                self.handshakes_per_worker.load(Relaxed),
+            ),
+            (
+                "limit_client_max_connections",
+                self.client_connections.load(Relaxed),
+            ),
+            (
+                "limit_client_handshake_rate",
+                self.client_handshake_rate.load(Relaxed),
+            ),
+            (
+                "limit_client_incomplete_rate",
+                self.client_incomplete.load(Relaxed),
+            ),
+        ]
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum ClientKey {
+    V4(u32),
+    /// The /64 prefix.
+    V6(u64),
+}
+
+impl ClientKey {
+    fn of(addr: IpAddr) -> Self {
+        match addr {
+            IpAddr::V4(v4) => ClientKey::V4(v4.into()),
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => ClientKey::V4(v4.into()),
+                None => ClientKey::V6((u128::from(v6) >> 64) as u64),
+            },
+        }
+    }
+}
+
+/// A token bucket: `rate` tokens a second, at most `burst`.
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn full(burst: u32, now: Instant) -> Self {
+        Bucket {
+            tokens: burst as f64,
+            at: now,
+        }
+    }
+
+    fn refill(&mut self, rate: u32, burst: u32, now: Instant) {
+        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + dt * rate as f64).min(burst as f64);
+        self.at = now;
+    }
+
+    fn take(&mut self, rate: u32, burst: u32, now: Instant) -> bool {
+        self.refill(rate, burst, now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn has(&mut self, rate: u32, burst: u32, now: Instant) -> bool {
+        self.refill(rate, burst, now);
+        self.tokens >= 1.0
+    }
+}
+
+#[derive(Debug)]
+struct Client {
+    connections: u32,
+    handshakes: Bucket,
+    incomplete: Bucket,
+}
+
+/// Beyond this many tracked addresses, idle ones whose buckets have refilled are forgotten.
+const SWEEP_ABOVE: usize = 65_536;
+
+/// The per-client table and the configured limits, shared by every worker.
+pub struct Admission {
+    args: LimitArgs,
+    per_client: bool,
+    clients: Mutex<HashMap<ClientKey, Client>>,
+}
+
+/// An admitted connection's place in the per-client table; released when dropped. A ticket
+/// dropped before [`Ticket::handshake_done`] (failure, reset, timeout, even a panic) counts
+/// against its client's incomplete-handshake budget.
+pub struct Ticket {
+    admission: Arc<Admission>,
+    key: Option<ClientKey>,
+    handshake_done: bool,
+}
+
+impl Ticket {
+    pub fn handshake_done(&mut self) {
+        self.handshake_done = true;
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let Some(key) = self.key else {
+            return;
+        };
+        let rate = self.admission.args.client_incomplete_rate;
+        let mut clients = self.admission.lock();
+        if let Some(c) = clients.get_mut(&key) {
+            c.connections = c.connections.saturating_sub(1);
+            if !self.handshake_done && rate > 0 {
+                c.incomplete.take(rate, rate * 2, Instant::now());
+            }
+        }
+    }
+}
+
+impl Admission {
+    pub fn new(args: LimitArgs) -> Arc<Self> {
+        let per_client = args.client_max_connections > 0
+            || args.client_handshake_rate > 0
+            || args.client_incomplete_rate > 0;
+        Arc::new(Admission {
+            args,
+            per_client,
+            clients: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ClientKey, Client>> {
+        // The table holds only counters: a panic elsewhere cannot leave it inconsistent.
+        self.clients.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn handshake_burst(&self) -> u32 {
+        self.args
+            .client_handshake_burst
+            .unwrap_or(self.args.client_handshake_rate)
+            .max(1)
+    }
+
+    /// Decides on a connection just accepted. `open` is the number of connections open now
+    /// (all workers), `handshaking` the handshakes in progress on this worker.
+    pub fn admit(
+        self: &Arc<Self>,
+        peer: SocketAddr,
+        open: usize,
+        handshaking: usize,
+    ) -> Result<Ticket, Refusal> {
+        let a = &self.args;
+        if a.max_connections > 0 && open >= a.max_connections {
+            return Err(Refusal::MaxConnections);
+        }
+        if a.max_handshakes_per_worker > 0 && handshaking >= a.max_handshakes_per_worker {
+            return Err(Refusal::HandshakesPerWorker);
+        }
+        if !self.per_client {
+            return Ok(Ticket {
+                admission: self.clone(),
+                key: None,
+                handshake_done: false,
+            });
+        }
+        let key = ClientKey::of(peer.ip());
+        let now = Instant::now();
+        let (rate, burst) = (a.client_handshake_rate, self.handshake_burst());
+        let inc = a.client_incomplete_rate;
+        let mut clients = self.lock();
+        if clients.len() >= SWEEP_ABOVE && !clients.contains_key(&key) {
+            sweep(&mut clients, a, burst, now);
+        }
+        let c = clients.entry(key).or_insert_with(|| Client {
+            connections: 0,
+            handshakes: Bucket::full(burst, now),
+            incomplete: Bucket::full(inc * 2, now),
+        });
+        if a.client_max_connections > 0 && c.connections >= a.client_max_connections {
+            return Err(Refusal::ClientConnections);
+        }
+        if inc > 0 && !c.incomplete.has(inc, inc * 2, now) {
+            return Err(Refusal::ClientIncomplete);
+        }
+        if rate > 0 && !c.handshakes.take(rate, burst, now) {
+            return Err(Refusal::ClientHandshakeRate);
+        }
+        c.connections += 1;
+        Ok(Ticket {
+            admission: self.clone(),
+            key: Some(key),
+            handshake_done: false,
+        })
+    }
+}
+
+/// Forgets clients with no connection whose buckets are full again (forgetting them loses
+/// nothing: a new entry starts full).
+fn sweep(clients: &mut HashMap<ClientKey, Client>, a: &LimitArgs, burst: u32, now: Instant) {
+    let inc = a.client_incomplete_rate;
+    clients.retain(|_, c| {
+        if c.connections > 0 {
+            return true;
+        }
+        let hs_full = a.client_handshake_rate == 0 || {
+            c.handshakes.refill(a.client_handshake_rate, burst, now);
+            c.handshakes.tokens >= burst as f64
+        };
+        let inc_full = inc == 0 || {
+            c.incomplete.refill(inc, inc * 2, now);
+            c.incomplete.tokens >= (inc * 2) as f64
+        };
+        !(hs_full && inc_full)
+    });
+}
+
+/// Closes a refused connection with a reset: no FIN handshake, no TIME_WAIT on our side.
+pub fn reset(tcp: tokio::net::TcpStream) {
+    let _ = socket2::SockRef::from(&tcp).set_linger(Some(Duration::ZERO));
+    drop(tcp);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> LimitArgs {
+        LimitArgs {
+            max_connections: 0,
+            max_handshakes_per_worker: 0,
+            client_max_connections: 0,
+            client_handshake_rate: 0,
+            client_handshake_burst: None,
+            client_incomplete_rate: 0,
+        }
+    }
+
+    fn peer(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn ipv6_clients_are_keyed_by_their_64_prefix_and_mapped_ipv4_as_ipv4() {
+        let a = ClientKey::of("2001:db8:1:2:aaaa::1".parse().unwrap());
+        let b = ClientKey::of("2001:db8:1:2:bbbb::9".parse().unwrap());
+        let c = ClientKey::of("2001:db8:1:3::1".parse().unwrap());
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert_eq!(
+            ClientKey::of("::ffff:10.0.0.1".parse().unwrap()),
+            ClientKey::of("10.0.0.1".parse().unwrap())
+        );
+    }
+
+    #[test]
+    fn handshake_rate_refuses_the_excess_of_a_burst_per_client() {
+        let mut a = args();
+        a.client_handshake_rate = 1;
+        a.client_handshake_burst = Some(5);
+        let adm = Admission::new(a);
+        let mut tickets = Vec::new();
+        for _ in 0..5 {
+            tickets.push(
+                adm.admit(peer("10.0.0.1:1000"), 0, 0)
+                    .expect("within burst"),
+            );
+        }
+        assert_eq!(
+            adm.admit(peer("10.0.0.1:1001"), 0, 0).err(),
+            Some(Refusal::ClientHandshakeRate)
+        );
+        assert!(adm.admit(peer("10.0.0.2:1000"), 0, 0).is_ok());
+    }
+
+    #[test]
+    fn connection_limit_frees_a_place_when_a_ticket_drops() {
+        let mut a = args();
+        a.client_max_connections = 2;
+        let adm = Admission::new(a);
+        let t1 = adm.admit(peer("10.0.0.1:1"), 0, 0).unwrap();
+        let _t2 = adm.admit(peer("10.0.0.1:2"), 0, 0).unwrap();
+        assert_eq!(
+            adm.admit(peer("10.0.0.1:3"), 0, 0).err(),
+            Some(Refusal::ClientConnections)
+        );
+        drop(t1);
+        assert!(adm.admit(peer("10.0.0.1:4"), 0, 0).is_ok());
+    }
+
+    #[test]
+    fn incomplete_handshakes_close_the_door_until_the_budget_refills() {
+        let mut a = args();
+        a.client_incomplete_rate = 1; // burst 2
+        let adm = Admission::new(a);
+        let mut done = adm.admit(peer("10.0.0.1:1"), 0, 0).unwrap();
+        done.handshake_done();
+        drop(done);
+        for _ in 0..2 {
+            drop(adm.admit(peer("10.0.0.1:1"), 0, 0).unwrap());
+        }
+        assert_eq!(
+            adm.admit(peer("10.0.0.1:1"), 0, 0).err(),
+            Some(Refusal::ClientIncomplete)
+        );
+        assert!(adm.admit(peer("10.0.0.9:1"), 0, 0).is_ok());
+    }
+
+    #[test]
+    fn global_limits_come_first() {
+        let mut a = args();
+        a.max_connections = 10;
+        a.max_handshakes_per_worker = 3;
+        let adm = Admission::new(a);
+        assert_eq!(
+            adm.admit(peer("10.0.0.1:1"), 10, 0).err(),
+            Some(Refusal::MaxConnections)
+        );
+        assert_eq!(
+            adm.admit(peer("10.0.0.1:1"), 9, 3).err(),
+            Some(Refusal::HandshakesPerWorker)
+        );
+        assert!(adm.admit(peer("10.0.0.1:1"), 9, 2).is_ok());
+    }
+
+    #[test]
+    fn sweep_forgets_only_idle_clients_with_full_buckets() {
+        let mut a = args();
+        a.client_handshake_rate = 1000;
+        let adm = Admission::new(a.clone());
+        let _held = adm.admit(peer("10.0.0.1:1"), 0, 0).unwrap();
+        drop(adm.admit(peer("10.0.0.2:1"), 0, 0).unwrap());
+        let later = Instant::now() + Duration::from_secs(5);
+        let mut clients = adm.lock();
+        sweep(&mut clients, &a, 1000, later);
+        assert!(clients.contains_key(&ClientKey::V4(0x0a00_0001)));
+        assert!(!clients.contains_key(&ClientKey::V4(0x0a00_0002)));
+    }
+}

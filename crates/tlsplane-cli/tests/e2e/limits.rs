@@ -1,0 +1,163 @@
+//! Admission limits: each fires, is counted, refuses before any TLS work (the refused client
+//! sees its connection reset without a ServerHello), spares other client addresses, and never
+//! closes a connection it already admitted.
+
+use std::io::{Read, Write};
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use crate::support::client::{tcp_connect, tcp_connect_from, ClientOpts, Tls, TlsClient};
+use crate::support::{fixtures, Server};
+
+const FIRST: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 1);
+const SECOND: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
+
+/// A full handshake + GET from `source`; false if the server refused the connection.
+fn served_from(source: Ipv4Addr, port: u16) -> bool {
+    let Ok(sock) = tcp_connect_from(source, port) else {
+        return false;
+    };
+    let mut c = TlsClient::over(sock, ClientOpts::version(Tls::V13).config());
+    if c.handshake().is_err() {
+        return false;
+    }
+    let ok = c.get(&fixtures::get().hello.url).status == 200;
+    c.close();
+    ok
+}
+
+#[test]
+fn client_handshake_rate_refuses_a_burst_and_spares_other_clients() {
+    let server = Server::builder()
+        .arg("--client-handshake-rate")
+        .arg("2")
+        .arg("--client-handshake-burst")
+        .arg("10")
+        .start();
+    let port = server.port();
+    let started = std::time::Instant::now();
+    let served = (0..50).filter(|_| served_from(FIRST, port)).count();
+    // 10 from the burst, plus what 2/s refilled while the 50 attempts ran.
+    let refill = (2.0 * started.elapsed().as_secs_f64()).ceil() as usize;
+    assert!(
+        (10..=10 + refill).contains(&served),
+        "{served} of a burst of 50 handshakes from one address were served (burst 10, 2/s, \
+         {:?})",
+        started.elapsed()
+    );
+    assert!(served_from(SECOND, port), "another address was refused too");
+    let stats = server.stop();
+    assert_eq!(
+        stats["limit_client_handshake_rate"],
+        50 - served as u64,
+        "every refusal counted: {stats:?}"
+    );
+    assert_eq!(
+        stats["handshakes"],
+        served as u64 + 1,
+        "refused connections must cost no handshake: {stats:?}"
+    );
+}
+
+#[test]
+fn client_connection_limit_keeps_admitted_connections() {
+    let server = Server::builder()
+        .arg("--client-max-connections")
+        .arg("3")
+        .start();
+    let port = server.port();
+    let hello = &fixtures::get().hello;
+    let mut held: Vec<TlsClient> = (0..3)
+        .map(|_| TlsClient::connect_version(port, Tls::V13))
+        .collect();
+    for c in &mut held {
+        assert_eq!(c.get(&hello.url).status, 200);
+    }
+    assert!(!served_from(FIRST, port), "a 4th connection was admitted");
+    assert!(served_from(SECOND, port), "another address was refused");
+    // The admitted ones are untouched by the refusal, and a place frees when one closes.
+    for c in &mut held {
+        assert_eq!(c.get(&hello.url).status, 200);
+    }
+    held.pop().expect("one").close();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        served_from(FIRST, port),
+        "a freed place was not given again"
+    );
+    for c in held {
+        c.close();
+    }
+    let stats = server.stop();
+    assert_eq!(stats["limit_client_max_connections"], 1, "{stats:?}");
+}
+
+#[test]
+fn incomplete_handshakes_close_the_door_for_that_client() {
+    let server = Server::builder()
+        .arg("--client-incomplete-rate")
+        .arg("2")
+        .start();
+    let port = server.port();
+    // Four connections (the burst: 2 × rate) that never finish a handshake.
+    for _ in 0..4 {
+        let mut s = tcp_connect(port);
+        // A record cut short, then EOF: the handshake fails without a ClientHello.
+        s.write_all(b"\x16\x03\x01\x00\x05").expect("send");
+        s.shutdown(std::net::Shutdown::Write).expect("FIN");
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !served_from(FIRST, port),
+        "served after 4 incomplete handshakes"
+    );
+    assert!(served_from(SECOND, port), "another address was refused");
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(served_from(FIRST, port), "the budget did not refill (2/s)");
+    let stats = server.stop();
+    assert_eq!(stats["limit_client_incomplete_rate"], 1, "{stats:?}");
+}
+
+#[test]
+fn handshakes_in_progress_are_capped_per_worker() {
+    let server = Server::builder()
+        .arg("--max-handshakes-per-worker")
+        .arg("2")
+        .start();
+    let port = server.port();
+    // Two connections that stay in their handshake (nothing sent).
+    let idle: Vec<_> = (0..2).map(|_| tcp_connect(port)).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!served_from(SECOND, port), "a 3rd handshake was admitted");
+    drop(idle);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        served_from(SECOND, port),
+        "not admitted once the others ended"
+    );
+    let stats = server.stop();
+    assert_eq!(stats["limit_max_handshakes_per_worker"], 1, "{stats:?}");
+}
+
+#[test]
+fn total_connection_limit() {
+    let server = Server::builder().arg("--max-connections").arg("2").start();
+    let port = server.port();
+    let hello = &fixtures::get().hello;
+    let mut held: Vec<TlsClient> = (0..2)
+        .map(|_| TlsClient::connect_version(port, Tls::V13))
+        .collect();
+    assert!(!served_from(SECOND, port), "a 3rd connection was admitted");
+    for c in &mut held {
+        assert_eq!(c.get(&hello.url).status, 200);
+    }
+    for c in held {
+        c.close();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(served_from(SECOND, port));
+    let stats = server.stop();
+    assert_eq!(stats["limit_max_connections"], 1, "{stats:?}");
+}
