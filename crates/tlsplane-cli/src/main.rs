@@ -1,6 +1,7 @@
 //! `tlsplane`: HTTPS static files over split-plane TLS, and a TLS load generator.
 #![forbid(unsafe_code)]
 
+mod admin;
 mod limits;
 mod runtime;
 mod serve;

@@ -58,6 +58,9 @@ pub struct RuntimeStats {
     pub task_panics: AtomicU64,
     /// Connections refused by a limit, by kind.
     pub limits: LimitStats,
+    /// Connections accepted and not yet closed, whichever loop holds them.
+    pub open: Arc<AtomicUsize>,
+    pub histograms: crate::admin::Histograms,
 }
 
 /// Where a handler runs a connection.
@@ -99,7 +102,7 @@ struct Shared<H> {
     handler: Arc<H>,
     config: RuntimeConfig,
     stats: Arc<RuntimeStats>,
-    /// Connections accepted and not yet closed, whichever loop holds them.
+    /// `stats.open`, shared with the connection guards.
     in_flight: Arc<AtomicUsize>,
     admission: Arc<Admission>,
 }
@@ -120,8 +123,8 @@ pub fn run<H: Handler>(
         acceptor,
         handler,
         config: config.clone(),
+        in_flight: stats.open.clone(),
         stats,
-        in_flight: Arc::default(),
         admission: Admission::new(config.limits.clone()),
     });
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -386,6 +389,11 @@ async fn handshake<H: Handler>(
         {
             Ok(Ok(t)) => {
                 guard.ticket.handshake_done();
+                shared
+                    .stats
+                    .histograms
+                    .handshake
+                    .observe(t.info().handshake_time.as_secs_f64());
                 t
             }
             Ok(Err(e)) => {

@@ -75,6 +75,10 @@ pub struct ServeArgs {
     pub aead_record_limit: Option<u64>,
     #[command(flatten)]
     pub limits: crate::limits::LimitArgs,
+    /// Serve /metrics (OpenMetrics text) and /healthz over plain HTTP at ADDR:PORT (loopback
+    /// only) or unix:PATH. Off by default.
+    #[arg(long, value_name = "ADDR:PORT|unix:PATH")]
+    pub admin: Option<crate::admin::AdminAddr>,
     /// Print the counters as one JSON line to stderr at exit.
     #[arg(long)]
     pub stats: bool,
@@ -92,6 +96,8 @@ fn parse_workers(s: &str) -> Result<usize, String> {
 #[derive(Default)]
 struct HttpStats {
     requests: AtomicU64,
+    responses_2xx: AtomicU64,
+    responses_3xx: AtomicU64,
     responses_4xx: AtomicU64,
     responses_5xx: AtomicU64,
     timeouts: AtomicU64,
@@ -158,21 +164,39 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         stats: HttpStats::default(),
         args: args.clone(),
     });
+    if let Some(addr) = &args.admin {
+        let mut registry = prometheus_client::registry::Registry::with_prefix("tlsplane");
+        let (s, r) = (serve.clone(), runtime_stats.clone());
+        let open = runtime_stats.open.clone();
+        registry.register_collector(Box::new(crate::admin::SnapshotCollector::new(
+            move || counters(&s.stats, &r),
+            move || {
+                vec![(
+                    "connections_open",
+                    "Connections accepted and not yet closed",
+                    open.load(Relaxed) as i64,
+                )]
+            },
+        )));
+        runtime_stats.histograms.register(&mut registry);
+        crate::admin::start(addr, registry)?;
+    }
     runtime::run(config, acceptor, serve.clone(), runtime_stats.clone())?;
     if args.stats {
-        eprintln!(
-            "tlsplane-stats {}",
-            stats_json(&serve.stats, &runtime_stats)
-        );
+        let pairs = counters(&serve.stats, &runtime_stats);
+        eprintln!("tlsplane-stats {}", tlsplane::stats::to_json(&pairs));
     }
     Ok(())
 }
 
-fn stats_json(h: &HttpStats, r: &RuntimeStats) -> String {
+/// Every counter, as `--stats` prints them and `/metrics` exposes them.
+fn counters(h: &HttpStats, r: &RuntimeStats) -> Vec<(&'static str, u64)> {
     let mut pairs = tlsplane::stats::global().snapshot();
     pairs.extend([
         ("http_connections", r.connections.load(Relaxed)),
         ("http_requests", h.requests.load(Relaxed)),
+        ("http_responses_2xx", h.responses_2xx.load(Relaxed)),
+        ("http_responses_3xx", h.responses_3xx.load(Relaxed)),
         ("http_responses_4xx", h.responses_4xx.load(Relaxed)),
         ("http_responses_5xx", h.responses_5xx.load(Relaxed)),
         (
@@ -184,7 +208,7 @@ fn stats_json(h: &HttpStats, r: &RuntimeStats) -> String {
         ("task_panics", r.task_panics.load(Relaxed)),
     ]);
     pairs.extend(r.limits.snapshot());
-    tlsplane::stats::to_json(&pairs)
+    pairs
 }
 
 impl Handler for Serve {
@@ -338,6 +362,8 @@ async fn http_loop(
 
 fn count_status(stats: &HttpStats, status: u16) {
     match status {
+        200..=299 => stats.responses_2xx.fetch_add(1, Relaxed),
+        300..=399 => stats.responses_3xx.fetch_add(1, Relaxed),
         400..=499 => stats.responses_4xx.fetch_add(1, Relaxed),
         500..=599 => stats.responses_5xx.fetch_add(1, Relaxed),
         _ => 0,

@@ -26,6 +26,8 @@ mod http;
 mod kernel;
 #[path = "e2e/limits.rs"]
 mod limits;
+#[path = "e2e/metrics.rs"]
+mod metrics;
 #[path = "e2e/operations.rs"]
 mod operations;
 #[path = "e2e/shutdown.rs"]
