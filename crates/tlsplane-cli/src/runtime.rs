@@ -60,6 +60,8 @@ pub struct RuntimeStats {
     pub limits: LimitStats,
     /// Connections accepted and not yet closed, whichever loop holds them.
     pub open: Arc<AtomicUsize>,
+    /// Idle keep-alive connections closed to make room under --max-connections.
+    pub idle_evicted: AtomicU64,
     pub histograms: crate::admin::Histograms,
 }
 
@@ -82,8 +84,81 @@ pub enum Served<P> {
     Park(TlsStream, P),
 }
 
-/// Serves an established connection. `stop` turns true when the server starts shutting down:
-/// finish what is in flight, then close.
+/// What the runtime gives a handler along with each connection.
+pub struct ConnContext {
+    /// Turns true when the server starts shutting down: finish what is in flight, then close.
+    pub stop: watch::Receiver<bool>,
+    pub idle: Idle,
+}
+
+/// The server's list of idle connections (see [`Idle::wait`]).
+#[derive(Clone)]
+pub struct Idle(Arc<IdleList>);
+
+impl Idle {
+    /// Runs `wait`, a wait for the client's next request, as an idle wait: when the server is
+    /// at its connection limit, the oldest idle waits are ended to make room for a new
+    /// connection (`None`: close this one). Never use it for a wait in the middle of work.
+    pub async fn wait<F: Future>(&self, wait: F) -> Option<F::Output> {
+        let entry = self.0.enter();
+        let evicted = entry.notify.clone();
+        tokio::select! {
+            r = wait => Some(r),
+            _ = evicted.notified() => None,
+        }
+    }
+}
+
+/// Connections waiting for their client's next request, oldest first.
+#[derive(Default)]
+struct IdleList {
+    next: std::sync::atomic::AtomicU64,
+    waiting: std::sync::Mutex<std::collections::BTreeMap<u64, Arc<tokio::sync::Notify>>>,
+}
+
+struct IdleEntry<'a> {
+    list: &'a IdleList,
+    seq: u64,
+    notify: Arc<tokio::sync::Notify>,
+}
+
+impl Drop for IdleEntry<'_> {
+    fn drop(&mut self) {
+        self.list.lock().remove(&self.seq);
+    }
+}
+
+impl IdleList {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u64, Arc<tokio::sync::Notify>>> {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn enter(&self) -> IdleEntry<'_> {
+        let seq = self.next.fetch_add(1, Relaxed);
+        let notify = Arc::new(tokio::sync::Notify::new());
+        self.lock().insert(seq, notify.clone());
+        IdleEntry {
+            list: self,
+            seq,
+            notify,
+        }
+    }
+
+    /// Ends the longest idle wait, if any.
+    fn evict_oldest(&self) -> bool {
+        match self.lock().pop_first() {
+            Some((_, n)) => {
+                n.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Serves an established connection.
 pub trait Handler: Send + Sync + 'static {
     /// What a connection carries from the handshake loop to its connection loop.
     type Parked: Send + 'static;
@@ -93,7 +168,7 @@ pub trait Handler: Send + Sync + 'static {
         tls: TlsStream,
         peer: SocketAddr,
         phase: Phase<Self::Parked>,
-        stop: watch::Receiver<bool>,
+        ctx: ConnContext,
     ) -> impl Future<Output = Served<Self::Parked>> + Send;
 }
 
@@ -105,6 +180,7 @@ struct Shared<H> {
     /// `stats.open`, shared with the connection guards.
     in_flight: Arc<AtomicUsize>,
     admission: Arc<Admission>,
+    idle: Arc<IdleList>,
 }
 
 /// Binds the listeners, starts the workers and serves until SIGTERM or SIGINT, then drains
@@ -126,6 +202,7 @@ pub fn run<H: Handler>(
         in_flight: stats.open.clone(),
         stats,
         admission: Admission::new(config.limits.clone()),
+        idle: Arc::default(),
     });
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut threads = Vec::new();
@@ -325,7 +402,14 @@ fn handshake_loop<H: Handler>(
                     tokio::select! {
                         r = l.accept() => match r {
                             Ok((tcp, peer)) => {
-                                let open = shared.in_flight.load(Relaxed);
+                                let mut open = shared.in_flight.load(Relaxed);
+                                let max = shared.config.limits.max_connections;
+                                if max > 0 && open >= max && shared.idle.evict_oldest() {
+                                    // The evicted connection closes in a moment; this one
+                                    // takes its place.
+                                    shared.stats.idle_evicted.fetch_add(1, Relaxed);
+                                    open -= 1;
+                                }
                                 let admitted = shared
                                     .admission
                                     .admit(peer, open, handshaking.load(Relaxed));
@@ -410,7 +494,15 @@ async fn handshake<H: Handler>(
     let (tls, parked) = match shared
         .handler
         .clone()
-        .serve(tls, peer, Phase::Handshake, stop)
+        .serve(
+            tls,
+            peer,
+            Phase::Handshake,
+            ConnContext {
+                stop: stop.clone(),
+                idle: Idle(shared.idle.clone()),
+            },
+        )
         .await
     {
         Served::Done => return,
@@ -445,10 +537,15 @@ fn connection_loop<H: Handler>(
                         return;
                     }
                 };
-                let serve = s
-                    .handler
-                    .clone()
-                    .serve(tls, peer, Phase::Moved(parked), stop);
+                let serve = s.handler.clone().serve(
+                    tls,
+                    peer,
+                    Phase::Moved(parked),
+                    ConnContext {
+                        stop,
+                        idle: Idle(s.idle.clone()),
+                    },
+                );
                 contain_panics(&s.stats, async {
                     // Parking is for the handshake loop only; a handler that asks anyway
                     // gets its connection closed.

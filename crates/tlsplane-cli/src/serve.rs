@@ -15,9 +15,8 @@ use anyhow::Context;
 use clap::Args;
 use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions, TlsStream};
 use tlsplane_http::{error_response, parse_request, respond, Body, DocRoot, Limits, Parsed};
-use tokio::sync::watch;
 
-use crate::runtime::{self, Handler, Phase, RuntimeConfig, RuntimeStats, Served};
+use crate::runtime::{self, ConnContext, Handler, Phase, RuntimeConfig, RuntimeStats, Served};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -206,6 +205,7 @@ fn counters(h: &HttpStats, r: &RuntimeStats) -> Vec<(&'static str, u64)> {
         ("http_handshake_errors", r.handshake_errors.load(Relaxed)),
         ("http_io_errors", h.io_errors.load(Relaxed)),
         ("task_panics", r.task_panics.load(Relaxed)),
+        ("idle_evicted", r.idle_evicted.load(Relaxed)),
     ]);
     pairs.extend(r.limits.snapshot());
     pairs
@@ -220,9 +220,9 @@ impl Handler for Serve {
         tls: TlsStream,
         peer: SocketAddr,
         phase: Phase<Vec<u8>>,
-        mut stop: watch::Receiver<bool>,
+        mut ctx: ConnContext,
     ) -> Served<Vec<u8>> {
-        match http_loop(tls, peer, &self, phase, &mut stop).await {
+        match http_loop(tls, peer, &self, phase, &mut ctx).await {
             Ok(served) => served,
             Err(e) => {
                 self.stats.io_errors.fetch_add(1, Relaxed);
@@ -238,7 +238,7 @@ async fn http_loop(
     peer: SocketAddr,
     shared: &Serve,
     phase: Phase<Vec<u8>>,
-    stop: &mut watch::Receiver<bool>,
+    ctx: &mut ConnContext,
 ) -> std::io::Result<Served<Vec<u8>>> {
     let args = &shared.args;
     // Starts small (most request heads are well under 4 KiB; this buffer lives as long as the
@@ -260,7 +260,7 @@ async fn http_loop(
                 mut request,
             }) => {
                 shared.stats.requests.fetch_add(1, Relaxed);
-                if *stop.borrow() {
+                if *ctx.stop.borrow() {
                     // Draining: answer this request with `Connection: close`, then close.
                     request.keep_alive = false;
                 }
@@ -278,7 +278,7 @@ async fn http_loop(
                 buf.copy_within(head_len..used, 0);
                 used -= head_len;
                 deadline = None;
-                if *stop.borrow() && used == 0 {
+                if *ctx.stop.borrow() && used == 0 {
                     // Draining after SIGTERM: the response in flight is done, nothing else
                     // was asked for; end the connection with close_notify now.
                     return tls.shutdown().await.map(|()| Served::Done);
@@ -315,8 +315,24 @@ async fn http_loop(
                         at
                     }
                 };
+                let (stop, idle) = (&mut ctx.stop, &ctx.idle);
+                let read = async {
+                    let read = tokio::time::timeout_at(until, tls.read(&mut buf[used..]));
+                    if in_head {
+                        Some(read.await)
+                    } else {
+                        idle.wait(read).await
+                    }
+                };
                 let read = tokio::select! {
-                    r = tokio::time::timeout_at(until, tls.read(&mut buf[used..])) => r,
+                    r = read => match r {
+                        Some(r) => r,
+                        None => {
+                            // Evicted to make room under --max-connections.
+                            let _ = tls.shutdown().await;
+                            return Ok(Served::Done);
+                        }
+                    },
                     _ = stop.changed(), if used == 0 && !*stop.borrow() => {
                         // Idle keep-alive connection during shutdown: close it now. The peer
                         // may be closing at the same moment (ENOTCONN): not an error of ours.

@@ -142,22 +142,60 @@ fn handshakes_in_progress_are_capped_per_worker() {
 }
 
 #[test]
-fn total_connection_limit() {
+fn total_connection_limit_evicts_the_oldest_idle_connection_then_refuses() {
     let server = Server::builder().arg("--max-connections").arg("2").start();
     let port = server.port();
     let hello = &fixtures::get().hello;
-    let mut held: Vec<TlsClient> = (0..2)
-        .map(|_| TlsClient::connect_version(port, Tls::V13))
-        .collect();
-    assert!(!served_from(SECOND, port), "a 3rd connection was admitted");
-    for c in &mut held {
-        assert_eq!(c.get(&hello.url).status, 200);
-    }
-    for c in held {
-        c.close();
-    }
+    // Two keep-alive connections, idle after a request each; the first is the older.
+    let mut oldest = TlsClient::connect_version(port, Tls::V13);
+    assert_eq!(oldest.get(&hello.url).status, 200);
+    std::thread::sleep(Duration::from_millis(50));
+    let mut newer = TlsClient::connect_version(port, Tls::V13);
+    assert_eq!(newer.get(&hello.url).status, 200);
+    std::thread::sleep(Duration::from_millis(50));
+    // A third client is served: the oldest idle connection makes room.
+    assert!(
+        served_from(SECOND, port),
+        "refused although a connection was idle"
+    );
+    let (_, end) = oldest.read_to_end();
+    assert!(
+        matches!(end, crate::support::client::End::CloseNotify),
+        "the evicted connection should end with close_notify: {end:?}"
+    );
+    assert_eq!(
+        newer.get(&hello.url).status,
+        200,
+        "the newer idle one was closed"
+    );
+
+    // Connections in the middle of a request are not idle: nothing to evict, so refuse.
+    newer.close();
     std::thread::sleep(Duration::from_millis(100));
-    assert!(served_from(SECOND, port));
+    let mut busy: Vec<TlsClient> = (0..2)
+        .map(|_| {
+            let mut c = TlsClient::connect_version(port, Tls::V13);
+            c.write_all(b"GET /hello.txt HTTP/1.1\r\nHost: x\r\n")
+                .expect("part of a head");
+            // Until the server has read it, this connection still looks idle.
+            std::thread::sleep(Duration::from_millis(100));
+            c
+        })
+        .collect();
+    assert!(
+        !served_from(SECOND, port),
+        "admitted past the limit with nobody idle"
+    );
+    for c in &mut busy {
+        c.write_all(b"\r\n").expect("end of head");
+        let (status, _) = c.read_head().expect("response");
+        assert_eq!(
+            status, 200,
+            "a connection in the middle of a request was disturbed"
+        );
+    }
+    drop(busy);
     let stats = server.stop();
+    assert_eq!(stats["idle_evicted"], 1, "{stats:?}");
     assert_eq!(stats["limit_max_connections"], 1, "{stats:?}");
 }
