@@ -47,13 +47,14 @@ impl FromStr for AdminAddr {
     }
 }
 
-/// Counter names (as `--stats` prints them) that share a prefix become one family with a
-/// label: (prefix, family name, label name).
-const FAMILIES: &[(&str, &str, &str)] = &[
-    ("fallback_", "fallbacks", "reason"),
-    ("plane_", "connections_by_plane", "plane"),
-    ("limit_", "limit_refused", "limit"),
-    ("http_responses_", "http_responses", "class"),
+/// Counter names (as `--stats` prints them) that share a prefix become one family: (prefix,
+/// family name, labels). With two labels the rest of the name is split at its first `_`.
+const FAMILIES: &[(&str, &str, &[&str])] = &[
+    ("fallback_", "fallbacks", &["reason"]),
+    ("plane_", "connections_by_plane", &["plane"]),
+    ("limit_", "limit_refused", &["limit"]),
+    ("http_responses_", "http_responses", &["class"]),
+    ("bytes_", "app_bytes", &["direction", "plane"]),
 ];
 
 /// Reads a list of named values at scrape time.
@@ -85,7 +86,7 @@ impl SnapshotCollector {
 impl Collector for SnapshotCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let counters = (self.counters)();
-        for &(prefix, family, label) in FAMILIES {
+        for &(prefix, family, labels) in FAMILIES {
             let members: Vec<_> = counters
                 .iter()
                 .filter_map(|(n, v)| n.strip_prefix(prefix).map(|rest| (rest, *v)))
@@ -93,16 +94,21 @@ impl Collector for SnapshotCollector {
             if members.is_empty() {
                 continue;
             }
-            let help = format!("{family} by {label}");
+            let help = format!("{family} by {}", labels.join(" and "));
             let mut m = encoder.encode_descriptor(
                 family,
                 &help,
                 None,
                 prometheus_client::metrics::MetricType::Counter,
             )?;
-            for (value_label, v) in members {
-                let labels = [(label, value_label)];
-                ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+            for (rest, v) in members {
+                let values: Vec<&str> = if labels.len() == 1 {
+                    vec![rest]
+                } else {
+                    rest.splitn(labels.len(), '_').collect()
+                };
+                let set: Vec<(&str, &str)> = labels.iter().copied().zip(values).collect();
+                ConstCounter::new(v).encode(m.encode_family(&set)?)?;
             }
         }
         for (name, v) in counters
@@ -295,6 +301,7 @@ mod tests {
                     ("fallback_policy", 3),
                     ("fallback_suite", 1),
                     ("limit_client_handshake_rate", 2),
+                    ("bytes_tx_kernel", 9),
                 ]
             },
             || vec![("connections_open", "open", 4)],
@@ -306,6 +313,7 @@ mod tests {
             "tlsplane_fallbacks_total{reason=\"policy\"} 3",
             "tlsplane_fallbacks_total{reason=\"suite\"} 1",
             "tlsplane_limit_refused_total{limit=\"client_handshake_rate\"} 2",
+            "tlsplane_app_bytes_total{direction=\"tx\",plane=\"kernel\"} 9",
             "tlsplane_connections_open 4",
             "# EOF",
         ] {

@@ -63,6 +63,14 @@ counters! {
     aead_limit_closes,
     /// Unexpected post-handshake messages from the peer on the kernel plane.
     kernel_unexpected_messages,
+    /// Application bytes delivered to the application, by plane (decrypted by the kernel or
+    /// by rustls).
+    bytes_rx_kernel,
+    bytes_rx_user,
+    /// Application bytes the application wrote, by plane (encrypted by the kernel, including
+    /// sendfile, or by rustls).
+    bytes_tx_kernel,
+    bytes_tx_user,
 }
 
 /// The process-wide counters.
@@ -73,6 +81,10 @@ pub fn global() -> &'static Stats {
 
 pub(crate) fn bump(c: &AtomicU64) {
     c.fetch_add(1, Relaxed);
+}
+
+pub(crate) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Relaxed);
 }
 
 /// Renders counters as one JSON object (names are identifiers, values integers: no escaping).

@@ -15,7 +15,7 @@ use crate::handshake::{self, Incoming};
 use crate::plane::kernel::KernelPlane;
 use crate::plane::user::UserPlane;
 use crate::plane::{confidentiality_limit, kernel_suite, FallbackReason, PlaneKind};
-use crate::stats::{bump, global};
+use crate::stats::{add, bump, global};
 use crate::Error;
 
 /// What was negotiated, and which plane the connection got.
@@ -260,6 +260,18 @@ impl TlsStream {
     /// Reads decrypted application data. `Ok(0)` is the end of the stream: close_notify or, from
     /// an impolite peer, a bare TCP FIN.
     pub async fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.read_acked(buf).await?;
+        add(
+            match self.info.plane {
+                PlaneKind::Kernel => &global().bytes_rx_kernel,
+                PlaneKind::User => &global().bytes_rx_user,
+            },
+            n as u64,
+        );
+        Ok(n)
+    }
+
+    async fn read_acked(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if !self.ack_before_wait {
             return Self::read_inner(&self.sock, &mut self.plane, &mut self.small, buf).await;
         }
@@ -314,9 +326,21 @@ impl TlsStream {
 
     pub async fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
         match &mut self.plane {
-            Plane::User(u) => u.write_all(&self.sock, data).await,
-            Plane::Kernel(k) => k.write_all(&self.sock, data, false).await,
+            Plane::User(u) => u.write_all(&self.sock, data).await?,
+            Plane::Kernel(k) => k.write_all(&self.sock, data, false).await?,
         }
+        self.count_tx(data.len() as u64);
+        Ok(())
+    }
+
+    fn count_tx(&self, n: u64) {
+        add(
+            match self.info.plane {
+                PlaneKind::Kernel => &global().bytes_tx_kernel,
+                PlaneKind::User => &global().bytes_tx_user,
+            },
+            n,
+        );
     }
 
     /// Sends `prefix` (e.g. response headers) and then `len` bytes of `file` from `offset`.
@@ -330,15 +354,17 @@ impl TlsStream {
         len: u64,
     ) -> io::Result<()> {
         match &mut self.plane {
-            Plane::User(u) => u.write_file(&self.sock, prefix, file, offset, len).await,
+            Plane::User(u) => u.write_file(&self.sock, prefix, file, offset, len).await?,
             Plane::Kernel(k) => {
                 if !prefix.is_empty() {
                     // MSG_MORE keeps the record open so the headers share it with the body.
                     k.write_all(&self.sock, prefix, len > 0).await?;
                 }
-                k.send_file(&self.sock, file, offset, len).await
+                k.send_file(&self.sock, file, offset, len).await?
             }
         }
+        self.count_tx(prefix.len() as u64 + len);
+        Ok(())
     }
 
     /// Ends the connection: close_notify, then the socket is closed. Prefer this over

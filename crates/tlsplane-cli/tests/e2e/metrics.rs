@@ -99,6 +99,13 @@ fn metrics_move_with_traffic_and_agree_with_stats() {
         4
     );
     assert_eq!(moved("tlsplane_handshake_duration_seconds_count{}"), 4.0);
+    let tx = moved("tlsplane_app_bytes_total{direction=tx,plane=user}")
+        + moved("tlsplane_app_bytes_total{direction=tx,plane=kernel}");
+    let hello = fixtures::get().hello.size as f64;
+    assert!(
+        tx >= 3.0 * hello,
+        "application bytes sent moved by {tx}, less than three bodies of {hello}"
+    );
     assert!(after.contains_key("tlsplane_connections_open{}"));
     assert!(after.contains_key("tlsplane_limit_refused_total{limit=client_handshake_rate}"));
 
