@@ -261,9 +261,7 @@ fn bind_all(
 ) -> anyhow::Result<Vec<Vec<std::net::TcpListener>>> {
     // All probes before any bind: our own sockets for one address must not look like
     // another server to the probe of an overlapping one (0.0.0.0:443 and 127.0.0.1:443).
-    for addr in listen.iter().filter(|a| a.port() != 0) {
-        refuse_if_listened(*addr)?;
-    }
+    refuse_taken(listen)?;
     let mut per_worker: Vec<Vec<std::net::TcpListener>> =
         (0..workers).map(|_| Vec::new()).collect();
     for addr in listen {
@@ -278,6 +276,16 @@ fn bind_all(
         }
     }
     Ok(per_worker)
+}
+
+/// Fails if another program already listens on one of these addresses (see
+/// [`refuse_if_listened`]). Products call it first thing, before costly start-up work (the kTLS
+/// probe, certificates); [`run`] checks again right before binding.
+pub fn refuse_taken(listen: &[SocketAddr]) -> anyhow::Result<()> {
+    for addr in listen.iter().filter(|a| a.port() != 0) {
+        refuse_if_listened(*addr)?;
+    }
+    Ok(())
 }
 
 /// Our listeners set SO_REUSEPORT so that each worker has its own socket; the price is that

@@ -112,6 +112,8 @@ struct Serve {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    // Before the kTLS probe and the certificate: a taken port is the cheapest error to find.
+    runtime::refuse_taken(&args.listen)?;
     match tlsplane_sys::raise_nofile_limit() {
         Ok(n) => tracing::debug!(open_files = n, "open-files limit"),
         Err(e) => tracing::warn!(error = %e, "could not raise the open-files limit"),
