@@ -128,8 +128,23 @@ pub fn parse_request(buf: &[u8], limits: &Limits) -> Result<Parsed, HttpError> {
             Ok(Parsed::Complete { head_len, request })
         }
         Err(httparse::Error::TooManyHeaders) => Err(HttpError::TooManyHeaders),
-        Err(httparse::Error::Version) => Err(classify_version(view)),
+        Err(httparse::Error::Version) => match classify_version(view) {
+            Version::Later1x(at) => parse_as_http11(view, at, limits),
+            Version::Other(e) => Err(e),
+        },
         Err(_) => Err(HttpError::BadRequest("malformed request head")),
+    }
+}
+
+/// RFC 9112 §2.3: a request of a later HTTP/1 minor version (HTTP/1.2 ...) is served as
+/// HTTP/1.1. httparse knows only 1.0 and 1.1, so parse a copy whose minor digit, at `at`,
+/// reads 1. Rare, so the copy costs nothing on the usual path.
+fn parse_as_http11(view: &[u8], at: usize, limits: &Limits) -> Result<Parsed, HttpError> {
+    let mut copy = view.to_vec();
+    copy[at] = b'1';
+    match parse_request(&copy, limits)? {
+        Parsed::Complete { head_len, request } => Ok(Parsed::Complete { head_len, request }),
+        Parsed::Incomplete => Ok(Parsed::Incomplete),
     }
 }
 
@@ -162,28 +177,40 @@ fn check_request_line(buf: &[u8], max: usize) -> Result<(), HttpError> {
     }
 }
 
-/// httparse only knows HTTP/1.0 and 1.1; tell a well-formed other version
-/// (505) from garbage (400).
-fn classify_version(buf: &[u8]) -> HttpError {
+enum Version {
+    /// HTTP/1.x with x > 1; the offset of x in the buffer.
+    Later1x(usize),
+    /// Anything else httparse refused: the error to answer with.
+    Other(HttpError),
+}
+
+/// httparse only knows HTTP/1.0 and 1.1. Tell apart a later HTTP/1 minor version (served as
+/// 1.1), a well-formed other major version (505), and garbage, including a request-target
+/// with a space in it (400).
+fn classify_version(buf: &[u8]) -> Version {
     let rest = skip_leading_newlines(buf);
+    let skipped = buf.len() - rest.len();
     let line_end = rest
         .iter()
         .position(|&b| b == b'\r' || b == b'\n')
         .unwrap_or(rest.len());
     let line = &rest[..line_end];
-    let version = match line.iter().rposition(|&b| b == b' ') {
-        Some(sp) => &line[sp + 1..],
-        None => line,
-    };
-    let well_formed = match version.strip_prefix(b"HTTP/") {
-        Some([major]) => major.is_ascii_digit(),
-        Some([major, b'.', minor]) => major.is_ascii_digit() && minor.is_ascii_digit(),
-        _ => false,
-    };
-    if well_formed {
-        HttpError::VersionNotSupported
-    } else {
-        HttpError::BadRequest("malformed HTTP version")
+    let bad = Version::Other(HttpError::BadRequest("malformed request line"));
+    // method SP request-target SP HTTP-version: exactly two spaces.
+    if line.iter().filter(|&&b| b == b' ').count() != 2 {
+        return bad;
+    }
+    let sp = line.iter().rposition(|&b| b == b' ').unwrap_or(0);
+    let version = &line[sp + 1..];
+    match version.strip_prefix(b"HTTP/") {
+        Some([b'1', b'.', minor]) if minor.is_ascii_digit() && *minor > b'1' => {
+            Version::Later1x(skipped + sp + 1 + "HTTP/1.".len())
+        }
+        Some([major]) if major.is_ascii_digit() => Version::Other(HttpError::VersionNotSupported),
+        Some([major, b'.', minor]) if major.is_ascii_digit() && minor.is_ascii_digit() => {
+            Version::Other(HttpError::VersionNotSupported)
+        }
+        _ => Version::Other(HttpError::BadRequest("malformed HTTP version")),
     }
 }
 
@@ -249,6 +276,13 @@ fn build_request(req: &httparse::Request<'_, '_>) -> Result<Request, HttpError> 
         }
     }
 
+    let has_body = transfer_encoding || content_length.is_some_and(|len| len > 0);
+    if has_body && matches!(request.method, Method::Other(_)) {
+        // Answered 405 whatever it carries; the body is never read, so the connection
+        // cannot go on after the answer.
+        request.keep_alive = false;
+        return check_host(request, minor_version, hosts);
+    }
     // Checked before Content-Length: when both are present Transfer-Encoding
     // governs the framing (RFC 9112 §6.3), and we implement none.
     if transfer_encoding {
@@ -257,17 +291,21 @@ fn build_request(req: &httparse::Request<'_, '_>) -> Result<Request, HttpError> 
     if content_length.is_some_and(|len| len > 0) {
         return Err(HttpError::BodyNotAccepted);
     }
+    request.keep_alive = if minor_version >= 1 {
+        !close
+    } else {
+        keep && !close
+    };
+    check_host(request, minor_version, hosts)
+}
+
+fn check_host(request: Request, minor_version: u8, hosts: usize) -> Result<Request, HttpError> {
     if minor_version >= 1 && hosts != 1 {
         return Err(HttpError::BadRequest("HTTP/1.1 needs exactly one Host"));
     }
     if minor_version == 0 && hosts > 1 {
         return Err(HttpError::BadRequest("more than one Host"));
     }
-    request.keep_alive = if minor_version >= 1 {
-        !close
-    } else {
-        keep && !close
-    };
     Ok(request)
 }
 

@@ -187,7 +187,7 @@ fn other_versions_are_505_and_garbage_400() {
     let l = Limits::default();
     assert_eq!(status_of(b"GET / HTTP/2.0\r\nHost: a\r\n\r\n", &l), 505);
     assert_eq!(status_of(b"GET / HTTP/3\r\n\r\n", &l), 505);
-    assert_eq!(status_of(b"GET / HTTP/1.2\r\nHost: a\r\n\r\n", &l), 505);
+    assert_eq!(status_of(b"GET / HTTP/10.1\r\nHost: a\r\n\r\n", &l), 400);
     // Detected before the head is complete.
     assert_eq!(status_of(b"GET / HTTP/2.0\r\n", &l), 505);
     assert_eq!(status_of(b"GET / HTTP/x.y\r\n\r\n", &l), 400);
@@ -229,7 +229,7 @@ fn bodies_are_refused() {
     );
     assert_eq!(status_of(te, &l), 501);
     let te_and_cl =
-        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n";
+        b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n";
     assert_eq!(status_of(te_and_cl, &l), 501);
     assert_eq!(
         status_of(
@@ -240,7 +240,7 @@ fn bodies_are_refused() {
     );
     assert_eq!(
         status_of(
-            b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 99999999999999999999999\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 99999999999999999999999\r\n\r\n",
             &l
         ),
         413
@@ -400,4 +400,74 @@ fn arbitrary_bytes_never_panic() {
             }
         }
     }
+}
+
+#[test]
+fn a_space_inside_the_request_target_is_400_not_505() {
+    let l = Limits::default();
+    assert_eq!(status_of(b"GET /a b HTTP/1.1\r\nHost: a\r\n\r\n", &l), 400);
+    assert_eq!(
+        status_of(b"GET /a b c HTTP/1.1\r\nHost: a\r\n\r\n", &l),
+        400
+    );
+    // Known before the head is complete too.
+    assert_eq!(status_of(b"GET /a b HTTP/1.1\r\n", &l), 400);
+}
+
+#[test]
+fn later_http1_minor_versions_are_served_as_11() {
+    // RFC 9112 §2.3.
+    for line in ["HTTP/1.2", "HTTP/1.9"] {
+        let req = format!("GET /x HTTP/1.1\r\nHost: a\r\n\r\n").replace("HTTP/1.1", line);
+        let (len, r) = complete(req.as_bytes());
+        assert_eq!(len, req.len(), "{line}");
+        assert_eq!(r.minor_version, 1, "{line}");
+        assert_eq!(r.method, Method::Get);
+        assert_eq!(r.target, "/x");
+        assert!(r.keep_alive, "{line}: 1.1 semantics");
+    }
+    // After empty lines, incomplete, and with HTTP/1.1 rules (Host required).
+    assert!(matches!(
+        parse_request(b"\r\nGET / HTTP/1.2\r\nHost: a\r\n", &Limits::default()),
+        Ok(Parsed::Incomplete)
+    ));
+    let (_, r) = complete(b"\r\nGET / HTTP/1.2\r\nHost: a\r\n\r\n");
+    assert_eq!(r.minor_version, 1);
+    assert_eq!(
+        status_of(b"GET / HTTP/1.2\r\n\r\n", &Limits::default()),
+        400
+    );
+    // 1.0 keeps its own semantics; 2.0 and later majors are still 505.
+    let (_, r) = complete(b"GET / HTTP/1.0\r\n\r\n");
+    assert_eq!(r.minor_version, 0);
+    assert!(!r.keep_alive);
+    assert_eq!(
+        status_of(b"GET / HTTP/2.0\r\nHost: a\r\n\r\n", &Limits::default()),
+        505
+    );
+}
+
+#[test]
+fn other_methods_with_a_body_are_complete_requests_that_close() {
+    // The server answers 405 with Allow (README); the body is never read, so no keep-alive.
+    for req in [
+        &b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello"[..],
+        b"PUT /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+    ] {
+        let (_, r) = complete(req);
+        assert!(matches!(r.method, Method::Other(_)));
+        assert!(!r.keep_alive, "{}", String::from_utf8_lossy(req));
+    }
+    // Without a body an other method keeps the connection.
+    let (_, r) = complete(b"DELETE /x HTTP/1.1\r\nHost: a\r\n\r\n");
+    assert!(r.keep_alive);
+    // Smuggling signs are still refused first.
+    assert_eq!(
+        status_of(
+            b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            &Limits::default()
+        ),
+        400
+    );
 }

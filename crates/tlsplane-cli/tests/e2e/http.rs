@@ -261,11 +261,30 @@ fn error_statuses() {
             "GET /sub/ HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".into(),
             vec![403, 404],
         ),
+        // A space inside the target is a malformed request line, not a version problem.
+        (
+            "GET /a b HTTP/1.1\r\nHost: localhost\r\n\r\n".into(),
+            vec![400],
+        ),
+        // Other methods are 405 (with Allow) even with a body, which is never read: the
+        // connection closes after the answer although the client asked for none of that.
+        (
+            "POST /hello.txt HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\n\r\nhello".into(),
+            vec![405],
+        ),
     ];
     for (i, (req, want)) in cases.iter().enumerate() {
         let v = if i % 2 == 0 { Tls::V13 } else { Tls::V12 };
         let (raw, end) = raw_exchange(port, v, req.as_bytes());
         let status = status_of(&raw);
+        if status == 405 {
+            let text = String::from_utf8_lossy(&raw);
+            assert!(
+                text.contains("\r\nallow: GET, HEAD\r\n")
+                    || text.contains("\r\nAllow: GET, HEAD\r\n"),
+                "405 without Allow: {text}"
+            );
+        }
         assert!(
             want.contains(&status),
             "request {:?}: status {status}, want {want:?}",
@@ -314,4 +333,20 @@ fn serve_raises_its_open_files_limit() {
         &fx.hello,
         "after start-up",
     );
+}
+
+/// RFC 9112 §2.3: HTTP/1.2 (a later HTTP/1 minor version) is served as HTTP/1.1.
+#[test]
+fn later_http1_minor_version_is_served_as_11() {
+    let server = Server::start();
+    let hello = &fixtures::get().hello;
+    let req = format!("GET {} HTTP/1.2\r\nHost: localhost\r\n\r\n", hello.url);
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    c.write_all(req.as_bytes()).expect("request");
+    let resp = c.read_response(false).expect("response");
+    assert_file_body(&resp, hello, "HTTP/1.2");
+    // Served with 1.1 semantics: the connection stays open for the next request.
+    assert_eq!(c.get(&hello.url).status, 200);
+    c.close();
+    server.stop();
 }
