@@ -30,6 +30,8 @@ mod limits;
 mod metrics;
 #[path = "e2e/operations.rs"]
 mod operations;
+#[path = "e2e/panics.rs"]
+mod panics;
 #[path = "e2e/shutdown.rs"]
 mod shutdown;
 #[path = "e2e/suites.rs"]

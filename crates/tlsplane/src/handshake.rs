@@ -148,18 +148,31 @@ pub(crate) fn encode_into(
 
 /// Sends whatever rustls queued after a failure (normally the alert telling the peer why), best
 /// effort: the connection is ending anyway.
-pub(crate) async fn flush_alert(conn: &mut UnbufferedServerConnection, sock: &TcpStream) {
+///
+/// rustls must be handed the same buffer as before the failure (minus what it said to
+/// discard): its handshake deframer may still point into it, and an empty slice made it index
+/// out of bounds (a panic from nine bytes of input). Once the alert is encoded nothing more is
+/// asked of it.
+pub(crate) async fn flush_alert(
+    conn: &mut UnbufferedServerConnection,
+    sock: &TcpStream,
+    incoming: &mut Incoming,
+) {
     let mut out = OutBuf::new();
     for _ in 0..4 {
-        let UnbufferedStatus { state, .. } = conn.process_tls_records(&mut []);
-        match state {
-            Ok(ConnectionState::EncodeTlsData(mut s)) => {
-                if encode_into(&mut s, &mut out).is_err() {
-                    break;
-                }
+        let UnbufferedStatus { discard, state } =
+            conn.process_tls_records(&mut incoming.buf[..incoming.used]);
+        let more = match state {
+            Ok(ConnectionState::EncodeTlsData(mut s)) => encode_into(&mut s, &mut out).is_ok(),
+            Ok(ConnectionState::TransmitTlsData(t)) => {
+                t.done();
+                false
             }
-            Ok(ConnectionState::TransmitTlsData(t)) => t.done(),
-            _ => break,
+            _ => false,
+        };
+        incoming.discard(discard);
+        if !more {
+            break;
         }
     }
     if !out.is_empty() {
@@ -204,7 +217,7 @@ pub(crate) async fn drive(
         let next = match state {
             Err(e) => {
                 incoming.discard(discard);
-                flush_alert(conn, sock).await;
+                flush_alert(conn, sock, incoming).await;
                 return Err(Error::Protocol(e));
             }
             Ok(ConnectionState::EncodeTlsData(mut s)) => {
@@ -353,7 +366,7 @@ pub(crate) async fn settle(
             if !out.is_empty() {
                 let _ = write_all(sock, out.filled()).await;
             }
-            flush_alert(conn, sock).await;
+            flush_alert(conn, sock, incoming).await;
             return Err(Error::Protocol(e));
         }
         if stop {
