@@ -418,7 +418,7 @@ fn a_space_inside_the_request_target_is_400_not_505() {
 fn later_http1_minor_versions_are_served_as_11() {
     // RFC 9112 §2.3.
     for line in ["HTTP/1.2", "HTTP/1.9"] {
-        let req = format!("GET /x HTTP/1.1\r\nHost: a\r\n\r\n").replace("HTTP/1.1", line);
+        let req = "GET /x HTTP/1.1\r\nHost: a\r\n\r\n".replace("HTTP/1.1", line);
         let (len, r) = complete(req.as_bytes());
         assert_eq!(len, req.len(), "{line}");
         assert_eq!(r.minor_version, 1, "{line}");
