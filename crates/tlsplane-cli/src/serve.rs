@@ -138,6 +138,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     opts.policy = args.data_plane;
     opts.tls13_tickets = args.tls13_tickets;
     opts.aead_record_limit = args.aead_record_limit;
+    opts.plain_http_response = Some(plain_http_response().into());
     let acceptor = Acceptor::new(opts)?;
     eprintln!(
         "data plane: {} ({})",
@@ -188,6 +189,18 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         eprintln!("tlsplane-stats {}", tlsplane::stats::to_json(&pairs));
     }
     Ok(())
+}
+
+/// The answer to a client that speaks plain HTTP to the TLS port (curl http://...), as nginx
+/// and Go's net/http give, rather than a TLS alert such a client would show as garbage.
+fn plain_http_response() -> Vec<u8> {
+    let body = "This port speaks HTTPS: use https:// instead of http://.\n";
+    format!(
+        "HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
 }
 
 /// Every counter, as `--stats` prints them and `/metrics` exposes them.

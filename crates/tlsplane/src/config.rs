@@ -61,6 +61,10 @@ pub struct ServerOptions {
     /// Records encrypted under one key on the kernel plane before we re-key or close. `None`
     /// uses the suite's confidentiality limit (as rustls would); tests lower it.
     pub aead_record_limit: Option<u64>,
+    /// Bytes to answer with when a client speaks plain HTTP to the TLS port (its first bytes
+    /// are an HTTP method and a space), instead of the alert rustls would send; the product
+    /// chooses them (e.g. a 400 saying to use https). `None`: treat it as any bad record.
+    pub plain_http_response: Option<Arc<[u8]>>,
 }
 
 impl ServerOptions {
@@ -71,6 +75,7 @@ impl ServerOptions {
             alpn: vec![b"http/1.1".to_vec()],
             tls13_tickets: 1,
             aead_record_limit: None,
+            plain_http_response: None,
         }
     }
 }
@@ -126,6 +131,7 @@ pub struct Acceptor {
     pub(crate) policy: DataPlanePolicy,
     pub(crate) kernel: Arc<KernelSupport>,
     pub(crate) aead_record_limit: Option<u64>,
+    pub(crate) plain_http_response: Option<Arc<[u8]>>,
 }
 
 impl Acceptor {
@@ -163,6 +169,7 @@ impl Acceptor {
             policy: opts.policy,
             kernel: Arc::new(kernel),
             aead_record_limit: opts.aead_record_limit,
+            plain_http_response: opts.plain_http_response,
         })
     }
 

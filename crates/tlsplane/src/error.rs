@@ -21,6 +21,9 @@ pub enum Error {
     KernelRequired(&'static str),
     /// Our configuration is unusable (certificate, key, options).
     Config(String),
+    /// The client spoke plain HTTP to the TLS port; it was answered with the configured
+    /// response.
+    PlainHttp,
 }
 
 impl Error {
@@ -28,7 +31,10 @@ impl Error {
     pub fn is_peer_fault(&self) -> bool {
         matches!(
             self,
-            Error::Protocol(_) | Error::PeerAlert(_) | Error::PeerClosedInHandshake
+            Error::Protocol(_)
+                | Error::PeerAlert(_)
+                | Error::PeerClosedInHandshake
+                | Error::PlainHttp
         ) || matches!(self, Error::Io(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::UnexpectedEof | io::ErrorKind::TimedOut))
     }
 }
@@ -46,6 +52,7 @@ impl fmt::Display for Error {
                 write!(f, "kernel data plane required but unavailable: {why}")
             }
             Error::Config(s) => write!(f, "configuration error: {s}"),
+            Error::PlainHttp => f.write_str("plain HTTP on the TLS port (answered, closed)"),
         }
     }
 }

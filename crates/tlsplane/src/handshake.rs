@@ -16,6 +16,7 @@ use rustls::unbuffered::{ConnectionState, EncodeError, UnbufferedStatus};
 use tokio::net::TcpStream;
 
 use crate::buf::OutBuf;
+use crate::stats::{bump, global};
 use crate::Error;
 
 /// TLS record header length.
@@ -184,6 +185,31 @@ pub(crate) async fn flush_alert(
     }
 }
 
+/// Whether a connection's first bytes are an HTTP/1 request line rather than a TLS record: a
+/// method token and a space. A TLS record starts with its content type (20..=24), never with
+/// an uppercase letter, so this never misreads TLS.
+fn is_plain_http(first: &[u8]) -> bool {
+    const METHODS: [&[u8]; 9] = [
+        b"GET ",
+        b"HEAD ",
+        b"POST ",
+        b"PUT ",
+        b"DELETE ",
+        b"OPTIONS ",
+        b"PATCH ",
+        b"CONNECT ",
+        b"TRACE ",
+    ];
+    first.first().is_some_and(u8::is_ascii_uppercase)
+        && METHODS.iter().any(|m| first.starts_with(m))
+}
+
+/// Writes `resp` in the clear and ends the connection (FIN), best effort and bounded.
+async fn answer_plain(sock: &TcpStream, resp: &[u8]) {
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), write_all(sock, resp)).await;
+    let _ = socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write);
+}
+
 /// What [`drive`] leaves for the data plane.
 pub(crate) struct Driven {
     /// TLS output not written yet (see [`drive`]).
@@ -202,9 +228,11 @@ pub(crate) async fn drive(
     conn: &mut UnbufferedServerConnection,
     sock: &TcpStream,
     incoming: &mut Incoming,
+    plain_http_response: Option<&[u8]>,
 ) -> Result<Driven, Error> {
     let mut out = OutBuf::new();
     let mut peer_closed = false;
+    let mut first_read = true;
     loop {
         let UnbufferedStatus { discard, state } =
             conn.process_tls_records(&mut incoming.buf[..incoming.used]);
@@ -280,6 +308,15 @@ pub(crate) async fn drive(
                 }
                 if incoming.read_more(sock).await? == 0 {
                     return Err(Error::PeerClosedInHandshake);
+                }
+                if std::mem::take(&mut first_read) {
+                    if let Some(resp) = plain_http_response {
+                        if is_plain_http(&incoming.buf[..incoming.used]) {
+                            bump(&global().plain_http_requests);
+                            answer_plain(sock, resp).await;
+                            return Err(Error::PlainHttp);
+                        }
+                    }
                 }
             }
             Next::Done => {

@@ -71,6 +71,8 @@ counters! {
     /// sendfile, or by rustls).
     bytes_tx_kernel,
     bytes_tx_user,
+    /// Connections that spoke plain HTTP to the TLS port (answered as the product chose).
+    plain_http_requests,
 }
 
 /// The process-wide counters.

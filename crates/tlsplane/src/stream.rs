@@ -58,7 +58,8 @@ impl Acceptor {
         let started = Instant::now();
         let mut conn = UnbufferedServerConnection::new(self.config.clone())?;
         let mut incoming = Incoming::new();
-        let driven = match handshake::drive(&mut conn, &sock, &mut incoming).await {
+        let plain_http = self.plain_http_response.as_deref();
+        let driven = match handshake::drive(&mut conn, &sock, &mut incoming, plain_http).await {
             Ok(d) => d,
             Err(e) => {
                 bump(&global().handshake_failures);

@@ -342,3 +342,30 @@ fn key_errors_say_what_is_wrong() {
         "mismatched key: {err}"
     );
 }
+
+/// Plain HTTP to the TLS port gets a plain 400 that says to use https (as nginx and Go answer),
+/// counted, then the connection closes; the server goes on serving TLS.
+#[test]
+fn plain_http_on_the_tls_port_gets_a_400_that_says_https() {
+    if !tools::require("curl") {
+        return;
+    }
+    let server = Server::start();
+    let port = server.port();
+    let mut cmd = Command::new("curl");
+    cmd.args(["-sS", "--max-time", "10", "-o", "-", "-w", "\n%{http_code}"])
+        .arg(format!("http://127.0.0.1:{port}/hello.txt"));
+    let out = tools::run(cmd, b"", Duration::from_secs(20));
+    let text = out.stdout_text();
+    assert!(
+        text.ends_with("\n400") && text.contains("https://"),
+        "curl over plain HTTP:\n{}",
+        out.describe()
+    );
+    assert_eq!(
+        fetch(port, Tls::V13, &fixtures::get().hello.url).status,
+        200
+    );
+    let stats = server.stop();
+    assert_eq!(stats["plain_http_requests"], 1, "{stats:?}");
+}
