@@ -222,6 +222,6 @@ mod tests {
         let err = certified_key(vec![a.cert.der().clone()], key)
             .err()
             .unwrap();
-        assert!(err.to_string().contains("do not match"), "{err}");
+        assert!(err.to_string().contains("does not belong"), "{err}");
     }
 }

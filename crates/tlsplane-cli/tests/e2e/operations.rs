@@ -228,6 +228,13 @@ fn second_server_on_a_taken_port_refuses_to_start() {
         .arg(format!("127.0.0.1:{free}"))
         .workers(2)
         .start();
+    // start() returns at the first address's "listening" line; the second may follow later
+    // (a slow guest makes the gap visible).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", free)).is_err() {
+        assert!(Instant::now() < deadline, "nothing listens on {free}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     for _ in 0..10 {
         assert_eq!(fetch(free, Tls::V13, &fx.hello.url).status, 200);
     }
