@@ -28,6 +28,8 @@ mod kernel;
 mod limits;
 #[path = "e2e/metrics.rs"]
 mod metrics;
+#[path = "e2e/mutated_hellos.rs"]
+mod mutated_hellos;
 #[path = "e2e/operations.rs"]
 mod operations;
 #[path = "e2e/panics.rs"]

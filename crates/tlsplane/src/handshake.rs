@@ -158,6 +158,7 @@ pub(crate) async fn flush_alert(
     conn: &mut UnbufferedServerConnection,
     sock: &TcpStream,
     incoming: &mut Incoming,
+    failure: Option<(&rustls::Error, bool)>,
 ) {
     let mut out = OutBuf::new();
     for _ in 0..4 {
@@ -174,6 +175,13 @@ pub(crate) async fn flush_alert(
         incoming.discard(discard);
         if !more {
             break;
+        }
+    }
+    if let (true, Some((e, true))) = (out.is_empty(), failure) {
+        if let Some(desc) = plaintext_alert_for(e) {
+            // Fatal alert, TLS 1.2 record version as every ClientHello reply uses.
+            out.spare(7)[..7].copy_from_slice(&[21, 3, 3, 0, 2, 2, desc]);
+            out.commit(7);
         }
     }
     if !out.is_empty() {
@@ -210,6 +218,28 @@ async fn answer_plain(sock: &TcpStream, resp: &[u8]) {
     let _ = socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write);
 }
 
+/// The alert for a failure rustls reported without queueing one itself, which it does for
+/// some errors its deframer finds (a handshake message claiming more bytes than allowed,
+/// records interleaved with a fragmented handshake message, empty-fragment floods): a
+/// connection closed without a word looks like a network fault to the client. Only used
+/// while nothing has been sent yet, when an alert is a plain 7-byte record (no keys exist, so
+/// nothing here is cryptographic); later ones would need rustls' record layer.
+fn plaintext_alert_for(e: &rustls::Error) -> Option<u8> {
+    use rustls::Error as E;
+    const UNEXPECTED_MESSAGE: u8 = 10;
+    const RECORD_OVERFLOW: u8 = 22;
+    const HANDSHAKE_FAILURE: u8 = 40;
+    const DECODE_ERROR: u8 = 50;
+    match e {
+        E::InvalidMessage(_) => Some(DECODE_ERROR),
+        E::PeerSentOversizedRecord => Some(RECORD_OVERFLOW),
+        E::PeerMisbehaved(_) | E::InappropriateMessage { .. } => Some(UNEXPECTED_MESSAGE),
+        E::InappropriateHandshakeMessage { .. } => Some(UNEXPECTED_MESSAGE),
+        E::PeerIncompatible(_) => Some(HANDSHAKE_FAILURE),
+        _ => None,
+    }
+}
+
 /// What [`drive`] leaves for the data plane.
 pub(crate) struct Driven {
     /// TLS output not written yet (see [`drive`]).
@@ -233,6 +263,8 @@ pub(crate) async fn drive(
     let mut out = OutBuf::new();
     let mut peer_closed = false;
     let mut first_read = true;
+    // Nothing sent or encoded yet: an alert would be a plaintext record.
+    let mut silent = true;
     loop {
         let UnbufferedStatus { discard, state } =
             conn.process_tls_records(&mut incoming.buf[..incoming.used]);
@@ -245,11 +277,13 @@ pub(crate) async fn drive(
         let next = match state {
             Err(e) => {
                 incoming.discard(discard);
-                flush_alert(conn, sock, incoming).await;
+                let plaintext = silent && out.is_empty();
+                flush_alert(conn, sock, incoming, Some((&e, plaintext))).await;
                 return Err(Error::Protocol(e));
             }
             Ok(ConnectionState::EncodeTlsData(mut s)) => {
                 encode_into(&mut s, &mut out)?;
+                silent = false;
                 Next::Continue
             }
             Ok(ConnectionState::TransmitTlsData(t)) => {
@@ -403,7 +437,7 @@ pub(crate) async fn settle(
             if !out.is_empty() {
                 let _ = write_all(sock, out.filled()).await;
             }
-            flush_alert(conn, sock, incoming).await;
+            flush_alert(conn, sock, incoming, None).await;
             return Err(Error::Protocol(e));
         }
         if stop {

@@ -183,7 +183,7 @@ impl UserPlane {
 
     async fn fail(&mut self, sock: &TcpStream, e: rustls::Error) -> io::Error {
         let _ = self.flush(sock).await;
-        flush_alert(&mut self.conn, sock, &mut self.incoming).await;
+        flush_alert(&mut self.conn, sock, &mut self.incoming, None).await;
         Error::Protocol(e).into()
     }
 
