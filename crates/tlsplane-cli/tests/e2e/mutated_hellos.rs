@@ -120,6 +120,9 @@ fn mutated_client_hellos_never_panic_or_hang_the_server() {
         match reply.first() {
             Some(21) => alerts += 1,
             Some(22) => server_hellos += 1,
+            // A reset from the server (it closed with our junk unread) can discard part of
+            // what it sent before; what arrived must still be TLS records.
+            Some(20..=24) => {}
             Some(b) => panic!("case {case}: the reply starts with {b}, not a TLS record"),
             None => silent += 1,
         }
