@@ -3,12 +3,20 @@
 # kernel-plane suite inside QEMU guests whose kernels have kTLS.
 #
 #   scripts/test.sh            all of it
-#   SKIP_VM=1 scripts/test.sh  only the native suite (user plane)
+#   SKIP_VM=1 scripts/test.sh  only the native suite (user plane) and the fuzzing run
+#   SKIP_FUZZ=1 / FUZZ_SECONDS=N  skip the fuzzing run / fuzz for N seconds (default 60)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "== native: unit tests + end-to-end tests with real clients (user plane) =="
 cargo test --release --workspace
+
+if [ "${SKIP_FUZZ:-0}" = 1 ]; then
+	echo "== fuzz: skipped (SKIP_FUZZ=1) =="
+else
+	echo "== fuzz: the TLS driver under libFuzzer for ${FUZZ_SECONDS:-60} s (replays fuzz/regressions/ first) =="
+	scripts/fuzz.sh
+fi
 
 if [ "${SKIP_VM:-0}" = 1 ]; then
 	echo "== kernel plane: skipped (SKIP_VM=1) =="

@@ -152,8 +152,7 @@ pub(crate) fn encode_into(
 ///
 /// rustls must be handed the same buffer as before the failure (minus what it said to
 /// discard): its handshake deframer may still point into it, and an empty slice made it index
-/// out of bounds (a panic from nine bytes of input). Once the alert is encoded nothing more is
-/// asked of it.
+/// out of bounds (a panic from nine bytes of input).
 pub(crate) async fn flush_alert(
     conn: &mut UnbufferedServerConnection,
     sock: &TcpStream,
@@ -161,19 +160,27 @@ pub(crate) async fn flush_alert(
     failure: Option<(&rustls::Error, bool)>,
 ) {
     let mut out = OutBuf::new();
-    for _ in 0..4 {
+    // rustls hands out a queued alert before it looks at the input again, so the first call
+    // that encodes something is the last: asking once more would make it re-read the bad
+    // input and fail (and try to alert) a second time. A call that fails again may have
+    // queued the alert only now; one more call fetches it.
+    for _ in 0..2 {
         let UnbufferedStatus { discard, state } =
             conn.process_tls_records(&mut incoming.buf[..incoming.used]);
-        let more = match state {
-            Ok(ConnectionState::EncodeTlsData(mut s)) => encode_into(&mut s, &mut out).is_ok(),
+        let again = match state {
+            Ok(ConnectionState::EncodeTlsData(mut s)) => {
+                let _ = encode_into(&mut s, &mut out);
+                false
+            }
             Ok(ConnectionState::TransmitTlsData(t)) => {
                 t.done();
                 false
             }
+            Err(_) => true,
             _ => false,
         };
         incoming.discard(discard);
-        if !more {
+        if !again {
             break;
         }
     }

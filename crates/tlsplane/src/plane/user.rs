@@ -51,6 +51,11 @@ pub(crate) struct UserPlane {
     /// The application's next writes are its last before `shutdown` (see
     /// [`TlsStream::final_writes`](crate::TlsStream::final_writes)): send with MSG_MORE.
     final_writes: bool,
+    /// rustls failed: the connection is dead. Asking rustls anything more would make it
+    /// re-read the bad input and fail (and alert) a second time, so later calls get this.
+    failed: Option<rustls::Error>,
+    /// The alert for `failed` went out (see `fail`).
+    alerted: bool,
 }
 
 impl UserPlane {
@@ -71,12 +76,29 @@ impl UserPlane {
             file_buf: Vec::new(),
             peer_closed: settled.peer_closed,
             final_writes: false,
+            failed: None,
+            alerted: false,
         }
     }
 
     /// One step of rustls over what we have buffered. Decrypted data goes to `plain`, TLS
     /// output to `out`; with `send`, up to CHUNK bytes of it are encrypted.
     fn pump(&mut self, send: Option<&[u8]>, close_notify: bool) -> Result<Pumped, rustls::Error> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let r = self.pump_rustls(send, close_notify);
+        if let Err(e) = &r {
+            self.failed = Some(e.clone());
+        }
+        r
+    }
+
+    fn pump_rustls(
+        &mut self,
+        send: Option<&[u8]>,
+        close_notify: bool,
+    ) -> Result<Pumped, rustls::Error> {
         loop {
             let UnbufferedStatus { mut discard, state } = self
                 .conn
@@ -182,6 +204,9 @@ impl UserPlane {
     }
 
     async fn fail(&mut self, sock: &TcpStream, e: rustls::Error) -> io::Error {
+        if std::mem::replace(&mut self.alerted, true) {
+            return Error::Protocol(e).into();
+        }
         let _ = self.flush(sock).await;
         flush_alert(&mut self.conn, sock, &mut self.incoming, None).await;
         Error::Protocol(e).into()
