@@ -12,6 +12,8 @@
 
 mod support;
 
+#[path = "e2e/alerts.rs"]
+mod alerts;
 #[path = "e2e/bad_input.rs"]
 mod bad_input;
 #[path = "e2e/coalesced.rs"]

@@ -160,35 +160,30 @@ pub(crate) async fn flush_alert(
     failure: Option<(&rustls::Error, bool)>,
 ) {
     let mut out = OutBuf::new();
-    // rustls hands out a queued alert before it looks at the input again, so the first call
-    // that encodes something is the last: asking once more would make it re-read the bad
-    // input and fail (and try to alert) a second time. A call that fails again may have
-    // queued the alert only now; one more call fetches it.
-    for _ in 0..2 {
-        let UnbufferedStatus { discard, state } =
-            conn.process_tls_records(&mut incoming.buf[..incoming.used]);
-        let again = match state {
-            Ok(ConnectionState::EncodeTlsData(mut s)) => {
-                let _ = encode_into(&mut s, &mut out);
-                false
-            }
-            Ok(ConnectionState::TransmitTlsData(t)) => {
-                t.done();
-                false
-            }
-            Err(_) => true,
-            _ => false,
-        };
-        incoming.discard(discard);
-        if !again {
-            break;
+    // rustls hands out a queued alert before it looks at the input again, so one call gets
+    // it. Never a second: rustls would re-read the bad input and fail again, and after a
+    // record it decrypted (its sequence number moved on) that failure is a misleading
+    // bad_record_mac.
+    let UnbufferedStatus { discard, state } =
+        conn.process_tls_records(&mut incoming.buf[..incoming.used]);
+    match state {
+        Ok(ConnectionState::EncodeTlsData(mut s)) => {
+            let _ = encode_into(&mut s, &mut out);
         }
+        Ok(ConnectionState::TransmitTlsData(t)) => t.done(),
+        _ => {}
     }
-    if let (true, Some((e, true))) = (out.is_empty(), failure) {
-        if let Some(desc) = plaintext_alert_for(e) {
-            // Fatal alert, TLS 1.2 record version as every ClientHello reply uses.
-            out.spare(7)[..7].copy_from_slice(&[21, 3, 3, 0, 2, 2, desc]);
-            out.commit(7);
+    incoming.discard(discard);
+    if let Some((e, true)) = failure {
+        // The client has seen nothing from us: an alert rustls encrypted (its keys exist once
+        // it built a TLS 1.3 flight) is noise to it. Keep rustls' alert only if it is plain.
+        if out.filled().first() != Some(&21) {
+            out.clear();
+            if let Some(desc) = plaintext_alert_for(e) {
+                // Fatal alert, TLS 1.2 record version as every ClientHello reply uses.
+                out.spare(7)[..7].copy_from_slice(&[21, 3, 3, 0, 2, 2, desc]);
+                out.commit(7);
+            }
         }
     }
     if !out.is_empty() {
@@ -270,7 +265,8 @@ pub(crate) async fn drive(
     let mut out = OutBuf::new();
     let mut peer_closed = false;
     let mut first_read = true;
-    // Nothing sent or encoded yet: an alert would be a plaintext record.
+    // Nothing written to the socket yet: the client has no key, so only a plaintext alert
+    // means anything to it (whatever rustls had encoded for it is dropped with the failure).
     let mut silent = true;
     loop {
         let UnbufferedStatus { discard, state } =
@@ -284,13 +280,16 @@ pub(crate) async fn drive(
         let next = match state {
             Err(e) => {
                 incoming.discard(discard);
-                let plaintext = silent && out.is_empty();
-                flush_alert(conn, sock, incoming, Some((&e, plaintext))).await;
+                if !silent && !out.is_empty() {
+                    // Records rustls already encrypted (a session ticket) precede its alert in
+                    // the key's sequence: the client cannot read the alert without them.
+                    let _ = write_all(sock, out.filled()).await;
+                }
+                flush_alert(conn, sock, incoming, Some((&e, silent))).await;
                 return Err(Error::Protocol(e));
             }
             Ok(ConnectionState::EncodeTlsData(mut s)) => {
                 encode_into(&mut s, &mut out)?;
-                silent = false;
                 Next::Continue
             }
             Ok(ConnectionState::TransmitTlsData(t)) => {
@@ -341,11 +340,13 @@ pub(crate) async fn drive(
             Next::Flush => {
                 write_all(sock, out.filled()).await?;
                 out.clear();
+                silent = false;
             }
             Next::Read => {
                 if !out.is_empty() {
                     write_all(sock, out.filled()).await?;
                     out.clear();
+                    silent = false;
                 }
                 if incoming.read_more(sock).await? == 0 {
                     return Err(Error::PeerClosedInHandshake);

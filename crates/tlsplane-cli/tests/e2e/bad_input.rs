@@ -79,13 +79,20 @@ fn plaintext_http_instead_of_client_hello() {
     sock.write_all(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
         .expect("write");
     let (got, took) = read_until_closed(&mut sock, Duration::from_secs(2));
-    assert_only_alerts(&got);
+    // Answered in kind, as nginx and Go do: a plain 400 that says to use https, then close.
+    let text = String::from_utf8_lossy(&got);
+    assert!(
+        text.starts_with("HTTP/1.1 400 ") && text.contains("https://"),
+        "plaintext HTTP got {text:?}"
+    );
     eprintln!(
-        "plaintext HTTP: {} bytes ({got:?}) then close after {took:?}",
+        "plaintext HTTP: {} bytes then close after {took:?}",
         got.len()
     );
     still_serving(&mut server);
-    handshake_failure_counted(&server.stop());
+    let stats = server.stop();
+    assert_eq!(stats["plain_http_requests"], 1, "{stats:?}");
+    handshake_failure_counted(&stats);
 }
 
 #[test]
