@@ -242,6 +242,16 @@ pub fn raise_nofile_limit() -> io::Result<u64> {
     Ok(lim.rlim_cur)
 }
 
+/// Bytes waiting in a socket's receive queue (`FIONREAD`), without reading them. Unlike a
+/// `recv(MSG_PEEK)`, this does not make kTLS decrypt (and, for a bad record, count a second
+/// decryption error for the read that follows).
+pub fn queued_bytes(sock: BorrowedFd<'_>) -> io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int through the pointer, which is valid and exclusive.
+    cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::FIONREAD, &mut n) })?;
+    Ok(n.max(0) as usize)
+}
+
 /// Sets the nice value of the calling thread only (Linux schedules threads, and
 /// `setpriority(PRIO_PROCESS, tid)` addresses one). Raising it needs no privilege.
 pub fn set_current_thread_nice(nice: i32) -> io::Result<()> {

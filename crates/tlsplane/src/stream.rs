@@ -225,9 +225,9 @@ impl TlsStream {
         &self.info
     }
 
-    /// Whether a read would return at once (data, EOF or an error) rather than wait for the
-    /// peer: input buffered in the record layer, or bytes (or EOF) in the socket. Costs at
-    /// most one non-blocking `recv(MSG_PEEK)`.
+    /// Whether a read would return at once rather than wait for the peer: input buffered in
+    /// the record layer, or bytes in the socket's receive queue. Costs at most one `FIONREAD`
+    /// (a peer's EOF alone does not count: the read that finds it may as well come later).
     pub fn input_pending(&mut self) -> bool {
         let buffered = match &mut self.plane {
             Plane::User(u) => u.has_buffered_input(),
@@ -236,11 +236,8 @@ impl TlsStream {
         if buffered {
             return true;
         }
-        let mut byte = [std::mem::MaybeUninit::<u8>::uninit()];
-        match socket2::SockRef::from(&self.sock).peek(&mut byte) {
-            Ok(_) => true,
-            Err(e) => e.kind() != io::ErrorKind::WouldBlock,
-        }
+        // An error is for the next read to report.
+        tlsplane_sys::queued_bytes(std::os::fd::AsFd::as_fd(&self.sock)).map_or(true, |n| n > 0)
     }
 
     /// The client closed (close_notify) with or right after its Finished: nothing more will
