@@ -51,7 +51,8 @@ pub struct Request {
     pub method: Method,
     /// The raw request-target, still percent-encoded.
     pub target: String,
-    /// 0 for HTTP/1.0, 1 for HTTP/1.1.
+    /// 0 for HTTP/1.0, 1 for HTTP/1.1 and for the later HTTP/1 minor
+    /// versions served as 1.1 (`HTTP/1.2` ...).
     pub minor_version: u8,
     /// Whether the connection may carry another request after this one:
     /// HTTP/1.1 unless `Connection: close`, HTTP/1.0 only with
@@ -93,19 +94,50 @@ const STACK_HEADERS: usize = 64;
 /// `max_request_line` is 414 as soon as that is evident, and more than
 /// `max_head_bytes` without a complete head is 431.
 ///
-/// Requests announcing a body are refused (`Transfer-Encoding`: 501,
+/// `HTTP/1.0` and `HTTP/1.1` are parsed as they are, a later HTTP/1 minor
+/// version (`HTTP/1.2`) as `HTTP/1.1` (RFC 9112 §2.3); another major version
+/// is 505, a malformed request line (a space in the target, a version outside
+/// `HTTP/DIGIT.DIGIT`) 400.
+///
+/// A `GET` or `HEAD` announcing a body is refused (`Transfer-Encoding`: 501,
 /// `Content-Length` > 0: 413), because this server never reads bodies and
-/// could not otherwise find where the next request starts.
+/// could not otherwise find where the next request starts. Any other method
+/// is returned whatever its framing, to be answered 405; if it announces a
+/// body its `keep_alive` is false, since the connection must close after the
+/// answer.
 pub fn parse_request(buf: &[u8], limits: &Limits) -> Result<Parsed, HttpError> {
     // Nothing past max_head_bytes can belong to an acceptable head, so the
     // parser never looks further; this bounds the work per call.
     let view = &buf[..buf.len().min(limits.max_head_bytes)];
     check_request_line(view, limits.max_request_line)?;
+    let parsed = match parse_head(view, limits.max_headers)? {
+        Some(parsed) => parsed,
+        None => match classify_version(view) {
+            Version::Later1x(at) => {
+                // RFC 9112 §2.3: served as HTTP/1.1. httparse knows only 1.0 and 1.1, so parse
+                // a copy whose minor digit reads 1. Rare, so the usual path never copies.
+                let mut copy = view.to_vec();
+                copy[at] = b'1';
+                parse_head(&copy, limits.max_headers)?
+                    .ok_or(HttpError::BadRequest("malformed HTTP version"))?
+            }
+            Version::Unfinished => Parsed::Incomplete,
+            Version::Refused(e) => return Err(e),
+        },
+    };
+    if matches!(parsed, Parsed::Incomplete) && buf.len() > limits.max_head_bytes {
+        return Err(HttpError::HeadTooLarge);
+    }
+    Ok(parsed)
+}
 
+/// httparse on `view`; `Ok(None)` when it refused the HTTP version, which
+/// [`classify_version`] then looks at.
+fn parse_head(view: &[u8], max_headers: usize) -> Result<Option<Parsed>, HttpError> {
     // A header field needs at least 3 bytes ("a:\n"), so more slots than
     // that could never fill; this keeps a huge configured limit from turning
     // into a huge allocation.
-    let slots = limits.max_headers.min(view.len() / 3 + 1);
+    let slots = max_headers.min(view.len() / 3 + 1);
     let mut stack = [httparse::EMPTY_HEADER; STACK_HEADERS];
     let mut heap = Vec::new();
     let headers: &mut [httparse::Header<'_>] = if slots <= STACK_HEADERS {
@@ -116,35 +148,14 @@ pub fn parse_request(buf: &[u8], limits: &Limits) -> Result<Parsed, HttpError> {
     };
     let mut req = httparse::Request::new(headers);
     match req.parse(view) {
-        Ok(httparse::Status::Partial) => {
-            if buf.len() > limits.max_head_bytes {
-                Err(HttpError::HeadTooLarge)
-            } else {
-                Ok(Parsed::Incomplete)
-            }
-        }
+        Ok(httparse::Status::Partial) => Ok(Some(Parsed::Incomplete)),
         Ok(httparse::Status::Complete(head_len)) => {
             let request = build_request(&req)?;
-            Ok(Parsed::Complete { head_len, request })
+            Ok(Some(Parsed::Complete { head_len, request }))
         }
         Err(httparse::Error::TooManyHeaders) => Err(HttpError::TooManyHeaders),
-        Err(httparse::Error::Version) => match classify_version(view) {
-            Version::Later1x(at) => parse_as_http11(view, at, limits),
-            Version::Other(e) => Err(e),
-        },
+        Err(httparse::Error::Version) => Ok(None),
         Err(_) => Err(HttpError::BadRequest("malformed request head")),
-    }
-}
-
-/// RFC 9112 §2.3: a request of a later HTTP/1 minor version (HTTP/1.2 ...) is served as
-/// HTTP/1.1. httparse knows only 1.0 and 1.1, so parse a copy whose minor digit, at `at`,
-/// reads 1. Rare, so the copy costs nothing on the usual path.
-fn parse_as_http11(view: &[u8], at: usize, limits: &Limits) -> Result<Parsed, HttpError> {
-    let mut copy = view.to_vec();
-    copy[at] = b'1';
-    match parse_request(&copy, limits)? {
-        Parsed::Complete { head_len, request } => Ok(Parsed::Complete { head_len, request }),
-        Parsed::Incomplete => Ok(Parsed::Incomplete),
     }
 }
 
@@ -180,13 +191,18 @@ fn check_request_line(buf: &[u8], max: usize) -> Result<(), HttpError> {
 enum Version {
     /// HTTP/1.x with x > 1; the offset of x in the buffer.
     Later1x(usize),
-    /// Anything else httparse refused: the error to answer with.
-    Other(HttpError),
+    /// The line has not ended and could still turn out either way: read more.
+    Unfinished,
+    /// The error to answer with: 505 for another major version, 400 for garbage.
+    Refused(HttpError),
 }
 
-/// httparse only knows HTTP/1.0 and 1.1. Tell apart a later HTTP/1 minor version (served as
-/// 1.1), a well-formed other major version (505), and garbage, including a request-target
-/// with a space in it (400).
+/// httparse only knows HTTP/1.0 and 1.1 and gives up at the first byte that differs. Tell
+/// apart a later HTTP/1 minor version (served as 1.1), a well-formed other major version
+/// (505), and garbage, including a request-target with a space in it (400).
+///
+/// The answer does not depend on how the request was cut into reads: while the line could
+/// still become either (`HTTP/2` may go on as `HTTP/2.0` or as `HTTP/2x`), it waits.
 fn classify_version(buf: &[u8]) -> Version {
     let rest = skip_leading_newlines(buf);
     let skipped = buf.len() - rest.len();
@@ -195,23 +211,50 @@ fn classify_version(buf: &[u8]) -> Version {
         .position(|&b| b == b'\r' || b == b'\n')
         .unwrap_or(rest.len());
     let line = &rest[..line_end];
-    let bad = Version::Other(HttpError::BadRequest("malformed request line"));
-    // method SP request-target SP HTTP-version: exactly two spaces.
+    let bad = Version::Refused(HttpError::BadRequest("malformed request line"));
+    // method SP request-target SP HTTP-version: exactly two spaces, and more bytes never
+    // take a space away.
     if line.iter().filter(|&&b| b == b' ').count() != 2 {
         return bad;
     }
     let sp = line.iter().rposition(|&b| b == b' ').unwrap_or(0);
     let version = &line[sp + 1..];
     match version.strip_prefix(b"HTTP/") {
+        // httparse, on the copy, decides the rest of the line as for HTTP/1.1.
         Some([b'1', b'.', minor]) if minor.is_ascii_digit() && *minor > b'1' => {
-            Version::Later1x(skipped + sp + 1 + "HTTP/1.".len())
+            return Version::Later1x(skipped + sp + 1 + "HTTP/1.".len());
         }
-        Some([major]) if major.is_ascii_digit() => Version::Other(HttpError::VersionNotSupported),
-        Some([major, b'.', minor]) if major.is_ascii_digit() && minor.is_ascii_digit() => {
-            Version::Other(HttpError::VersionNotSupported)
+        // Another major, with its minor or without (HTTP/2 and HTTP/3 are often written
+        // so); "HTTP/1" is not one, it is a malformed version of ours.
+        Some([major] | [major, b'.', b'0'..=b'9']) if major.is_ascii_digit() && *major != b'1' => {
+            // The line must end as any request line: LF or CR LF.
+            return match &rest[line_end..] {
+                [] | [b'\r'] => Version::Unfinished,
+                [b'\n', ..] | [b'\r', b'\n', ..] => {
+                    Version::Refused(HttpError::VersionNotSupported)
+                }
+                _ => bad,
+            };
         }
-        _ => Version::Other(HttpError::BadRequest("malformed HTTP version")),
+        _ => {}
     }
+    if line_end == rest.len() && could_become_version(version) {
+        return Version::Unfinished;
+    }
+    Version::Refused(HttpError::BadRequest("malformed HTTP version"))
+}
+
+/// Whether more bytes could still make `v` read `HTTP/DIGIT` or `HTTP/DIGIT.DIGIT`.
+fn could_become_version(v: &[u8]) -> bool {
+    const SHAPE: &[u8] = b"HTTP/9.9";
+    v.len() <= SHAPE.len()
+        && v.iter().zip(SHAPE).all(|(&b, &s)| {
+            if s == b'9' {
+                b.is_ascii_digit()
+            } else {
+                b == s
+            }
+        })
 }
 
 fn build_request(req: &httparse::Request<'_, '_>) -> Result<Request, HttpError> {

@@ -471,3 +471,112 @@ fn other_methods_with_a_body_are_complete_requests_that_close() {
         400
     );
 }
+
+#[test]
+fn version_boundaries() {
+    // RFC 9112 §2.3: HTTP-version = "HTTP/" DIGIT "." DIGIT. 1.0 and 1.1 as they are, a later
+    // HTTP/1 minor as 1.1, another major 505 (HTTP/2 and HTTP/3 are often written without a
+    // minor), anything outside the grammar 400.
+    let l = Limits::default();
+    let req = |v: &str| format!("GET / {v}\r\nHost: a\r\n\r\n");
+    for (v, minor) in [
+        ("HTTP/1.0", 0),
+        ("HTTP/1.1", 1),
+        ("HTTP/1.2", 1),
+        ("HTTP/1.9", 1),
+    ] {
+        assert_eq!(complete(req(v).as_bytes()).1.minor_version, minor, "{v}");
+    }
+    for v in [
+        "HTTP/0.9", "HTTP/2.0", "HTTP/2", "HTTP/3.0", "HTTP/3", "HTTP/9.9",
+    ] {
+        assert_eq!(status_of(req(v).as_bytes(), &l), 505, "{v}");
+    }
+    // HTTP/1 without its minor is our major, malformed: not a version we cannot speak.
+    for v in [
+        "HTTP/1",
+        "HTTP/1.",
+        "HTTP/10.1",
+        "HTTP/1.10",
+        "HTTP/1.a",
+        "HTTP/2.x",
+        "HTTP/2x",
+        "HTTP/2.0x",
+        "http/1.1",
+        "HTTP/",
+    ] {
+        assert_eq!(status_of(req(v).as_bytes(), &l), 400, "{v}");
+    }
+    // Whatever the version, the line must end like any other request line: a CR must be
+    // followed by LF, as for HTTP/1.1.
+    for v in ["HTTP/1.1", "HTTP/1.2", "HTTP/2.0"] {
+        let bare_cr = format!("GET / {v}\rX\nHost: a\r\n\r\n");
+        assert_eq!(status_of(bare_cr.as_bytes(), &l), 400, "{v} with a bare CR");
+        let trailing_space = format!("GET / {v} \r\nHost: a\r\n\r\n");
+        assert_eq!(
+            status_of(trailing_space.as_bytes(), &l),
+            400,
+            "{v} with a trailing space"
+        );
+    }
+    // HTTP/0.9's request line has no version at all.
+    assert_eq!(status_of(b"GET /index.html\r\n", &l), 400);
+}
+
+/// However a request is cut into reads, an answer given early must be the answer the whole
+/// request gets: no 505 for a line that turns out to be garbage.
+#[test]
+fn early_answers_agree_with_the_whole_request() {
+    let l = Limits::default();
+    for full in [
+        &b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"[..],
+        b"GET / HTTP/1.2\r\nHost: a\r\n\r\n",
+        b"GET / HTTP/1.2x\r\nHost: a\r\n\r\n",
+        b"GET / HTTP/2.0\r\nHost: a\r\n\r\n",
+        b"GET / HTTP/2.0x\r\nHost: a\r\n\r\n",
+        b"GET / HTTP/2.0 x\r\nHost: a\r\n\r\n",
+        b"GET / HTTP/2x\r\nHost: a\r\n\r\n",
+        b"GET / HTTP/20\r\nHost: a\r\n\r\n",
+        b"GET / HTTP/2.0\rX\nHost: a\r\n\r\n",
+        b"GET / HTTP/1\r\nHost: a\r\n\r\n",
+        b"GET /a b HTTP/1.1\r\nHost: a\r\n\r\n",
+        b"POST /x HTTP/1.2\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello",
+    ] {
+        let whole = parse_request(full, &l).map_err(|e| e.status());
+        for cut in 0..full.len() {
+            if let Err(e) = parse_request(&full[..cut], &l) {
+                assert_eq!(
+                    Err(e.status()),
+                    whole,
+                    "{:?} cut after {:?}",
+                    String::from_utf8_lossy(full),
+                    String::from_utf8_lossy(&full[..cut])
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn later_minor_version_heads_over_the_limit_are_431() {
+    // The limit that bounds the caller's buffer holds for a head served as 1.1 too.
+    let limits = Limits {
+        max_head_bytes: 64,
+        ..Limits::default()
+    };
+    for v in ["HTTP/1.1", "HTTP/1.2"] {
+        let mut buf = format!("GET / {v}\r\nHost: a\r\nX: ").into_bytes();
+        buf.resize(65, b'y');
+        assert_eq!(
+            parse_request(&buf, &limits),
+            Err(HttpError::HeadTooLarge),
+            "{v}"
+        );
+        // At exactly the limit it still waits.
+        buf.truncate(64);
+        assert_eq!(parse_request(&buf, &limits), Ok(Parsed::Incomplete), "{v}");
+    }
+    let mut big = b"GET / HTTP/1.2\r\nHost: a\r\nX: ".to_vec();
+    big.resize(17_000, b'y');
+    assert_eq!(status_of(&big, &Limits::default()), 431);
+}
