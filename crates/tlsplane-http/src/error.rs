@@ -13,11 +13,13 @@ pub enum HttpError {
     HeadTooLarge,
     /// The head has more than [`crate::Limits::max_headers`] header fields (431).
     TooManyHeaders,
-    /// The protocol version is well-formed but not HTTP/1.0 or HTTP/1.1 (505).
+    /// The protocol version is well-formed but of another major version than
+    /// HTTP/1 (505). Later HTTP/1 minor versions are served as HTTP/1.1.
     VersionNotSupported,
-    /// The request uses `Transfer-Encoding`, which we do not implement (501).
+    /// A `GET` or `HEAD` uses `Transfer-Encoding`, which we do not implement (501).
     TransferEncodingNotSupported,
-    /// The request announces a body with `Content-Length` > 0; we accept none (413).
+    /// A `GET` or `HEAD` announces a body with `Content-Length` > 0; we accept
+    /// none (413).
     BodyNotAccepted,
     /// The target exists but may not be served (403); the text says why.
     Forbidden(&'static str),

@@ -8,15 +8,24 @@
 //! # Behaviour worth knowing
 //!
 //! * Only `GET` and `HEAD` are served; anything else gets `405` with
-//!   `Allow: GET, HEAD`.
-//! * Requests carrying a body are refused while parsing: `Transfer-Encoding`
-//!   gives `501`, `Content-Length` greater than zero gives `413`. The caller
-//!   should close the connection after either, because the unread body would
-//!   otherwise be taken for the next request.
+//!   `Allow: GET, HEAD`, whatever its framing. If such a request announces a
+//!   body (`Content-Length` > 0 or `Transfer-Encoding`), its
+//!   [`Request::keep_alive`] is false and the `405` says `Connection: close`:
+//!   the body is never read, so it would otherwise be taken for the next
+//!   request.
+//! * A `GET` or `HEAD` carrying a body is refused while parsing:
+//!   `Transfer-Encoding` gives `501`, `Content-Length` greater than zero gives
+//!   `413`. The caller should close the connection after either, for the same
+//!   reason.
 //! * `HTTP/1.1` requests must carry exactly one `Host` header (`400` otherwise),
 //!   as RFC 9112 §3.2 demands of servers.
-//! * Versions other than `HTTP/1.0` and `HTTP/1.1` that are still well-formed
-//!   (`HTTP/2.0`, `HTTP/3`, `HTTP/1.2`) get `505`; garbage gets `400`.
+//! * `HTTP/1.0` and `HTTP/1.1` are served as such, a later HTTP/1 minor version
+//!   (`HTTP/1.2` ... `HTTP/1.9`) as `HTTP/1.1` (RFC 9112 §2.3). Another major
+//!   version, with or without its minor (`HTTP/0.9`, `HTTP/2.0`, `HTTP/3`), gets
+//!   `505`; a request line outside the grammar gets `400`: a space in the
+//!   target, more or fewer than two spaces, `HTTP/1` or `HTTP/10.1` (the version
+//!   is `HTTP/` DIGIT `.` DIGIT), no version at all (an HTTP/0.9-style line).
+//!   The answer does not depend on how the request was split across reads.
 //! * There are no directory listings: a directory without `index.html` is `403`.
 //! * A request-target may be origin-form or absolute-form (`https://host/p`,
 //!   of which only the path is used). `..` segments are resolved lexically and

@@ -685,3 +685,60 @@ fn arbitrary_targets_never_panic_or_escape() {
         assert_ne!(body_bytes(resp), b"SECRET", "{target:?}");
     }
 }
+
+/// Parsing and planning agree on a method other than GET/HEAD: 405 with `Allow` whatever the
+/// request carries, and `Connection: close` when it announces a body, which is never read.
+#[test]
+fn other_methods_with_a_body_get_405_and_close() {
+    let dir = site();
+    let root = root(&dir);
+    for (buf, keep_alive) in [
+        (
+            &b"POST /hello.txt HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello"[..],
+            false,
+        ),
+        (
+            b"PUT /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            false,
+        ),
+        (
+            b"POST /hello.txt HTTP/1.2\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello",
+            false,
+        ),
+        (b"POST /x HTTP/1.0\r\nContent-Length: 1\r\n\r\nx", false),
+        (b"DELETE /hello.txt HTTP/1.1\r\nHost: a\r\n\r\n", true),
+        (
+            b"POST /hello.txt HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n",
+            true,
+        ),
+    ] {
+        let text = String::from_utf8_lossy(buf);
+        let Ok(Parsed::Complete { request, .. }) = parse_request(buf, &Limits::default()) else {
+            panic!("not a complete request: {text:?}");
+        };
+        let resp = respond(&request, &root, now());
+        assert_eq!(resp.status, 405, "{text:?}");
+        assert_eq!(resp.keep_alive, keep_alive, "{text:?}");
+        let h = head(&resp);
+        assert_eq!(h.get("Allow"), Some("GET, HEAD"), "{text:?}");
+        let connection = if keep_alive { "keep-alive" } else { "close" };
+        assert_eq!(h.get("Connection"), Some(connection), "{text:?}");
+    }
+    // GET and HEAD with a body are refused while parsing; the caller closes after the answer.
+    let l = Limits::default();
+    for (buf, status) in [
+        (
+            &b"GET /hello.txt HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello"[..],
+            413,
+        ),
+        (
+            b"HEAD /hello.txt HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n",
+            501,
+        ),
+    ] {
+        let e = parse_request(buf, &l).expect_err("refused");
+        assert_eq!(e.status(), status);
+        let h = head(&error_response(e.status(), false));
+        assert_eq!(h.get("Connection"), Some("close"));
+    }
+}
