@@ -131,6 +131,9 @@ impl Collector for SnapshotCollector {
 pub struct Histograms {
     /// Seconds from accept to the end of the TLS handshake.
     pub handshake: Histogram,
+    /// Seconds from accept to the first byte of the connection's first response (the
+    /// handshake and the first request included: what a new client waits for).
+    pub first_response: Histogram,
 }
 
 impl Default for Histograms {
@@ -138,6 +141,7 @@ impl Default for Histograms {
         Histograms {
             // 50 µs .. ~3.3 s
             handshake: Histogram::new(exponential_buckets(50e-6, 2.0, 17)),
+            first_response: Histogram::new(exponential_buckets(50e-6, 2.0, 17)),
         }
     }
 }
@@ -148,6 +152,11 @@ impl Histograms {
             "handshake_duration_seconds",
             "Time from accept to the end of the TLS handshake",
             self.handshake.clone(),
+        );
+        registry.register(
+            "time_to_first_byte_seconds",
+            "Time from accept to the first byte of the connection's first response",
+            self.first_response.clone(),
         );
     }
 }

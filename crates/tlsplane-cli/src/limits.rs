@@ -24,16 +24,49 @@ pub struct LimitArgs {
     /// Connections open at once from one client address (/32, /64).
     #[arg(long, default_value_t = 0)]
     pub client_max_connections: u32,
-    /// New connections (each a handshake) per second from one client address, sustained.
+    /// Of those, full (not resumed) handshakes at once per worker; the rest of
+    /// --max-handshakes-per-worker is kept for resumptions, so that under overload resumed
+    /// handshakes are still served (default: 3/4 of --max-handshakes-per-worker).
+    #[arg(long)]
+    pub max_full_handshakes_per_worker: Option<usize>,
+    /// Full handshakes per second from one client address, sustained.
     #[arg(long, default_value_t = 0)]
     pub client_handshake_rate: u32,
     /// ... and in a burst (default: the rate).
     #[arg(long)]
     pub client_handshake_burst: Option<u32>,
+    /// Resumed handshakes (a session ticket this server issued) per second from one client
+    /// address; burst = 2 × rate. Counted apart from full handshakes: a resumption costs no
+    /// signature, so it can be allowed more.
+    #[arg(long, default_value_t = 0)]
+    pub client_resumed_rate: u32,
     /// Handshakes per second one client address may leave unfinished (failed, reset or timed
     /// out before Finished) before its new connections are refused; burst = 2 × rate.
     #[arg(long, default_value_t = 0)]
     pub client_incomplete_rate: u32,
+    /// Longest ClientHello accepted, bytes; a longer one gets an illegal_parameter alert from
+    /// its 4-byte header, before it is read.
+    #[arg(long, default_value_t = tlsplane::config::DEFAULT_MAX_CLIENT_HELLO)]
+    pub max_client_hello: usize,
+    /// Seconds a new connection may stay silent before its first byte (0: only the handshake
+    /// timeout applies).
+    #[arg(long, default_value_t = 5.0)]
+    pub first_byte_timeout: f64,
+}
+
+impl LimitArgs {
+    /// The full-handshake share of the per-worker handshake cap (0: none).
+    pub fn max_full_handshakes(&self) -> usize {
+        self.max_full_handshakes_per_worker
+            .unwrap_or(match self.max_handshakes_per_worker {
+                0 => 0,
+                n => (n * 3 / 4).max(1),
+            })
+    }
+
+    pub fn first_byte_timeout(&self) -> Option<Duration> {
+        (self.first_byte_timeout > 0.0).then(|| Duration::from_secs_f64(self.first_byte_timeout))
+    }
 }
 
 /// Why a connection was refused.
@@ -44,6 +77,9 @@ pub enum Refusal {
     ClientConnections,
     ClientHandshakeRate,
     ClientIncomplete,
+    FullHandshakesPerWorker,
+    ClientResumedRate,
+    ClientHelloSize,
 }
 
 /// One counter per [`Refusal`].
@@ -54,6 +90,9 @@ pub struct LimitStats {
     pub client_connections: AtomicU64,
     pub client_handshake_rate: AtomicU64,
     pub client_incomplete: AtomicU64,
+    pub full_handshakes_per_worker: AtomicU64,
+    pub client_resumed_rate: AtomicU64,
+    pub client_hello_size: AtomicU64,
 }
 
 impl LimitStats {
@@ -64,11 +103,14 @@ impl LimitStats {
             Refusal::ClientConnections => &self.client_connections,
             Refusal::ClientHandshakeRate => &self.client_handshake_rate,
             Refusal::ClientIncomplete => &self.client_incomplete,
+            Refusal::FullHandshakesPerWorker => &self.full_handshakes_per_worker,
+            Refusal::ClientResumedRate => &self.client_resumed_rate,
+            Refusal::ClientHelloSize => &self.client_hello_size,
         };
         c.fetch_add(1, Relaxed);
     }
 
-    pub fn snapshot(&self) -> [(&'static str, u64); 5] {
+    pub fn snapshot(&self) -> [(&'static str, u64); 8] {
         [
             ("limit_max_connections", self.max_connections.load(Relaxed)),
             (
@@ -86,6 +128,18 @@ impl LimitStats {
             (
                 "limit_client_incomplete_rate",
                 self.client_incomplete.load(Relaxed),
+            ),
+            (
+                "limit_max_full_handshakes_per_worker",
+                self.full_handshakes_per_worker.load(Relaxed),
+            ),
+            (
+                "limit_client_resumed_rate",
+                self.client_resumed_rate.load(Relaxed),
+            ),
+            (
+                "limit_max_client_hello",
+                self.client_hello_size.load(Relaxed),
             ),
         ]
     }
@@ -150,9 +204,20 @@ impl Bucket {
 #[derive(Debug)]
 struct Client {
     connections: u32,
+    /// Full handshakes.
     handshakes: Bucket,
+    resumed: Bucket,
     incomplete: Bucket,
+    /// When this client last finished a handshake or offered one of our tickets: it may hold
+    /// a ticket, so it may resume (see [`Admission::admit`]).
+    resumer_at: Option<Instant>,
 }
+
+/// A client that finished a handshake or resumed within this long may still resume when its
+/// full-handshake budget is spent, so its ClientHello is read before it is refused; any other
+/// (a flood of canned ClientHellos never finishes one) is refused at accept, which is what
+/// keeps a refusal cheap: no read, no parse.
+const RESUMER_FOR: Duration = Duration::from_secs(10);
 
 /// Beyond this many tracked addresses, idle ones whose buckets have refilled are forgotten.
 const SWEEP_ABOVE: usize = 65_536;
@@ -176,6 +241,53 @@ pub struct Ticket {
 impl Ticket {
     pub fn handshake_done(&mut self) {
         self.handshake_done = true;
+        if let Some(key) = self.key {
+            if let Some(c) = self.admission.lock().get_mut(&key) {
+                c.resumer_at = Some(Instant::now());
+            }
+        }
+    }
+
+    /// Decides on the connection's ClientHello, before any crypto: a full handshake needs a
+    /// place among the worker's `full_in_progress` and a token of its client's full-handshake
+    /// rate, a resumption one of its resumed rate.
+    pub fn on_hello(&mut self, resumption: bool, full_in_progress: usize) -> Result<(), Refusal> {
+        let a = &self.admission.args;
+        let max_full = a.max_full_handshakes();
+        if !resumption && max_full > 0 && full_in_progress >= max_full {
+            // A refusal, not the client's unfinished handshake.
+            self.handshake_done = true;
+            return Err(Refusal::FullHandshakesPerWorker);
+        }
+        let Some(key) = self.key else {
+            return Ok(());
+        };
+        let now = Instant::now();
+        let burst = self.admission.handshake_burst();
+        let mut clients = self.admission.lock();
+        let Some(c) = clients.get_mut(&key) else {
+            return Ok(());
+        };
+        let verdict = if resumption {
+            c.resumer_at = Some(now);
+            let r = a.client_resumed_rate;
+            if r > 0 && !c.resumed.take(r, r * 2, now) {
+                Err(Refusal::ClientResumedRate)
+            } else {
+                Ok(())
+            }
+        } else {
+            let r = a.client_handshake_rate;
+            if r > 0 && !c.handshakes.take(r, burst, now) {
+                Err(Refusal::ClientHandshakeRate)
+            } else {
+                Ok(())
+            }
+        };
+        if verdict.is_err() {
+            self.handshake_done = true;
+        }
+        verdict
     }
 }
 
@@ -199,6 +311,7 @@ impl Admission {
     pub fn new(args: LimitArgs) -> Arc<Self> {
         let per_client = args.client_max_connections > 0
             || args.client_handshake_rate > 0
+            || args.client_resumed_rate > 0
             || args.client_incomplete_rate > 0;
         Arc::new(Admission {
             args,
@@ -249,10 +362,13 @@ impl Admission {
         if clients.len() >= SWEEP_ABOVE && !clients.contains_key(&key) {
             sweep(&mut clients, a, burst, now);
         }
+        let resumed_burst = a.client_resumed_rate * 2;
         let c = clients.entry(key).or_insert_with(|| Client {
             connections: 0,
             handshakes: Bucket::full(burst, now),
+            resumed: Bucket::full(resumed_burst, now),
             incomplete: Bucket::full(inc * 2, now),
+            resumer_at: None,
         });
         if a.client_max_connections > 0 && c.connections >= a.client_max_connections {
             return Err(Refusal::ClientConnections);
@@ -260,7 +376,13 @@ impl Admission {
         if inc > 0 && !c.incomplete.has(inc, inc * 2, now) {
             return Err(Refusal::ClientIncomplete);
         }
-        if rate > 0 && !c.handshakes.take(rate, burst, now) {
+        // The rate tokens are taken at the ClientHello ([`Ticket::on_hello`]), once it is
+        // known whether it resumes; a client with no full-handshake token left that has not
+        // resumed lately is refused here already, before anything is read.
+        let resumer = c
+            .resumer_at
+            .is_some_and(|t| now.saturating_duration_since(t) < RESUMER_FOR);
+        if rate > 0 && !resumer && !c.handshakes.has(rate, burst, now) {
             return Err(Refusal::ClientHandshakeRate);
         }
         c.connections += 1;
@@ -284,11 +406,19 @@ fn sweep(clients: &mut HashMap<ClientKey, Client>, a: &LimitArgs, burst: u32, no
             c.handshakes.refill(a.client_handshake_rate, burst, now);
             c.handshakes.tokens >= burst as f64
         };
+        let q = a.client_resumed_rate;
+        let resumed_full = q == 0 || {
+            c.resumed.refill(q, q * 2, now);
+            c.resumed.tokens >= (q * 2) as f64
+        };
+        let recent = c
+            .resumer_at
+            .is_some_and(|t| now.saturating_duration_since(t) < RESUMER_FOR);
         let inc_full = inc == 0 || {
             c.incomplete.refill(inc, inc * 2, now);
             c.incomplete.tokens >= (inc * 2) as f64
         };
-        !(hs_full && inc_full)
+        !(hs_full && resumed_full && inc_full && !recent)
     });
 }
 
@@ -310,6 +440,10 @@ mod tests {
             client_handshake_rate: 0,
             client_handshake_burst: None,
             client_incomplete_rate: 0,
+            max_full_handshakes_per_worker: None,
+            client_resumed_rate: 0,
+            max_client_hello: 16384,
+            first_byte_timeout: 0.0,
         }
     }
 
@@ -338,16 +472,74 @@ mod tests {
         let adm = Admission::new(a);
         let mut tickets = Vec::new();
         for _ in 0..5 {
-            tickets.push(
-                adm.admit(peer("10.0.0.1:1000"), 0, 0)
-                    .expect("within burst"),
-            );
+            let mut t = adm
+                .admit(peer("10.0.0.1:1000"), 0, 0)
+                .expect("within burst");
+            t.on_hello(false, 0).expect("within burst");
+            tickets.push(t);
         }
         assert_eq!(
             adm.admit(peer("10.0.0.1:1001"), 0, 0).err(),
             Some(Refusal::ClientHandshakeRate)
         );
         assert!(adm.admit(peer("10.0.0.2:1000"), 0, 0).is_ok());
+    }
+
+    #[test]
+    fn resumptions_have_their_own_budget_and_a_resumer_is_heard_out() {
+        let mut a = args();
+        a.client_handshake_rate = 1;
+        a.client_resumed_rate = 1; // burst 2
+        let adm = Admission::new(a);
+        let p = peer("10.0.0.1:1");
+        adm.admit(p, 0, 0).unwrap().on_hello(false, 0).unwrap();
+        // Out of full handshakes, and never resumed: refused at accept.
+        assert_eq!(adm.admit(p, 0, 0).err(), Some(Refusal::ClientHandshakeRate));
+        // A client that finished its handshake (so holds a ticket) is admitted, and refused
+        // only if it asks for a full handshake.
+        let q = peer("10.0.0.2:1");
+        let mut t = adm.admit(q, 0, 0).unwrap();
+        t.on_hello(false, 0).unwrap();
+        t.handshake_done();
+        drop(t);
+        let mut t = adm.admit(q, 0, 0).expect("a resumer is heard out");
+        assert_eq!(t.on_hello(false, 0), Err(Refusal::ClientHandshakeRate));
+        adm.admit(q, 0, 0).unwrap().on_hello(true, 0).unwrap();
+        adm.admit(q, 0, 0).unwrap().on_hello(true, 0).unwrap();
+        assert_eq!(
+            adm.admit(q, 0, 0).unwrap().on_hello(true, 0),
+            Err(Refusal::ClientResumedRate)
+        );
+    }
+
+    #[test]
+    fn full_handshakes_leave_room_for_resumptions() {
+        let mut a = args();
+        a.max_handshakes_per_worker = 8;
+        assert_eq!(a.max_full_handshakes(), 6);
+        a.max_full_handshakes_per_worker = Some(2);
+        let adm = Admission::new(a);
+        let p = peer("10.0.0.1:1");
+        assert!(adm.admit(p, 0, 2).unwrap().on_hello(false, 1).is_ok());
+        assert_eq!(
+            adm.admit(p, 0, 2).unwrap().on_hello(false, 2),
+            Err(Refusal::FullHandshakesPerWorker)
+        );
+        assert!(adm.admit(p, 0, 2).unwrap().on_hello(true, 2).is_ok());
+    }
+
+    #[test]
+    fn refusals_at_the_hello_are_not_incomplete_handshakes() {
+        let mut a = args();
+        a.client_incomplete_rate = 1; // burst 2
+        a.max_full_handshakes_per_worker = Some(1);
+        let adm = Admission::new(a);
+        let p = peer("10.0.0.1:1");
+        for _ in 0..5 {
+            let mut t = adm.admit(p, 0, 0).unwrap();
+            assert!(t.on_hello(false, 1).is_err());
+        }
+        assert!(adm.admit(p, 0, 0).is_ok());
     }
 
     #[test]

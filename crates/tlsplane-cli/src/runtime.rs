@@ -54,6 +54,8 @@ pub struct RuntimeStats {
     pub handshake_errors: AtomicU64,
     /// Handshakes that did not finish within the handshake timeout.
     pub handshake_timeouts: AtomicU64,
+    /// Connections closed because they sent nothing before the first-byte deadline.
+    pub first_byte_timeouts: AtomicU64,
     /// Connection or handshake tasks that panicked (a bug: the network must never cause one).
     pub task_panics: AtomicU64,
     /// Connections refused by a limit, by kind.
@@ -391,8 +393,10 @@ fn handshake_loop<H: Handler>(
     let Some(rt) = current_thread_runtime() else {
         return;
     };
-    // Handshakes of this loop still in progress (connections it handed over no longer count).
+    // Handshakes of this loop still in progress (connections it handed over no longer count),
+    // and of those the ones known to be full handshakes.
     let handshaking = Arc::new(AtomicUsize::new(0));
+    let full = Arc::new(AtomicUsize::new(0));
     rt.block_on(async move {
         let mut accepts = Vec::new();
         for l in listeners {
@@ -404,7 +408,7 @@ fn handshake_loop<H: Handler>(
                 }
             };
             let (shared, to_conn, mut stop) = (shared.clone(), to_conn.clone(), stop.clone());
-            let handshaking = handshaking.clone();
+            let (handshaking, full) = (handshaking.clone(), full.clone());
             accepts.push(tokio::spawn(async move {
                 loop {
                     tokio::select! {
@@ -436,10 +440,11 @@ fn handshake_loop<H: Handler>(
                                 };
                                 let (s, to_conn, stop) = (shared.clone(), to_conn.clone(), stop.clone());
                                 let counted = Counted::new(handshaking.clone());
+                                let full = full.clone();
                                 tokio::spawn(async move {
                                     let _counted = counted;
                                     let stats = s.stats.clone();
-                                    contain_panics(&stats, handshake(tcp, peer, s, guard, to_conn, stop)).await;
+                                    contain_panics(&stats, handshake(tcp, peer, s, guard, full, to_conn, stop)).await;
                                 });
                             }
                             Err(e) => {
@@ -471,34 +476,74 @@ async fn handshake<H: Handler>(
     peer: SocketAddr,
     shared: Arc<Shared<H>>,
     mut guard: Admitted,
+    full: Arc<AtomicUsize>,
     to_conn: mpsc::UnboundedSender<Established<H::Parked>>,
     stop: watch::Receiver<bool>,
 ) {
     shared.stats.connections.fetch_add(1, Relaxed);
-    let tls =
-        match tokio::time::timeout(shared.config.handshake_timeout, shared.acceptor.accept(tcp))
-            .await
-        {
-            Ok(Ok(t)) => {
-                guard.ticket.handshake_done();
-                shared
-                    .stats
-                    .histograms
-                    .handshake
-                    .observe(t.info().handshake_time.as_secs_f64());
-                t
+    // Holds a place among the worker's full handshakes from the ClientHello to the end of the
+    // handshake.
+    let mut full_place = None;
+    let mut refused = None;
+    let mut admit = |hello: &tlsplane::hello::HelloInfo| match guard
+        .ticket
+        .on_hello(hello.resumption, full.load(Relaxed))
+    {
+        Ok(()) => {
+            if !hello.resumption {
+                full_place = Some(Counted::new(full.clone()));
             }
-            Ok(Err(e)) => {
-                shared.stats.handshake_errors.fetch_add(1, Relaxed);
-                tracing::debug!(%peer, error = %e, "handshake failed");
-                return;
+            true
+        }
+        Err(r) => {
+            refused = Some(r);
+            false
+        }
+    };
+    let accepted = tokio::time::timeout(
+        shared.config.handshake_timeout,
+        shared.acceptor.accept_with(tcp, &mut admit),
+    )
+    .await;
+    drop(full_place);
+    let tls = match accepted {
+        Ok(Err(tlsplane::Error::Refused)) => {
+            if let Some(r) = refused {
+                shared.stats.limits.count(r);
+                tracing::debug!(%peer, refusal = ?r, "ClientHello refused by a limit");
             }
-            Err(_) => {
-                shared.stats.handshake_timeouts.fetch_add(1, Relaxed);
-                tracing::debug!(%peer, "handshake timed out");
-                return;
-            }
-        };
+            return;
+        }
+        Ok(Err(tlsplane::Error::FirstByteTimeout)) => {
+            shared.stats.first_byte_timeouts.fetch_add(1, Relaxed);
+            tracing::debug!(%peer, "nothing received before the first-byte deadline");
+            return;
+        }
+        Ok(Err(e @ tlsplane::Error::ClientHelloTooLarge(_))) => {
+            shared.stats.limits.count(limits::Refusal::ClientHelloSize);
+            tracing::debug!(%peer, error = %e, "ClientHello refused");
+            return;
+        }
+        Ok(Ok(t)) => {
+            guard.ticket.handshake_done();
+            shared
+                .stats
+                .histograms
+                .handshake
+                .observe(t.info().handshake_time.as_secs_f64());
+            t
+        }
+        Ok(Err(e)) => {
+            shared.stats.handshake_errors.fetch_add(1, Relaxed);
+            tracing::debug!(%peer, error = %e, "handshake failed");
+            return;
+        }
+        Err(_) => {
+            shared.stats.handshake_timeouts.fetch_add(1, Relaxed);
+            tracing::debug!(%peer, "handshake timed out");
+            return;
+        }
+    };
     let (tls, parked) = match shared
         .handler
         .clone()

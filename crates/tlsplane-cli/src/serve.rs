@@ -109,6 +109,16 @@ struct Serve {
     args: ServeArgs,
     limits: Limits,
     stats: HttpStats,
+    /// Time to the first byte of a connection's first response (shared with /metrics).
+    ttfb: prometheus_client::metrics::histogram::Histogram,
+}
+
+/// A keep-alive connection between requests, as it moves to the connection loop.
+pub struct Parked {
+    /// The request buffer (empty: a connection parks only between requests).
+    buf: Vec<u8>,
+    /// It has had a response already (its time to first byte is recorded).
+    responded: bool,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -139,6 +149,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     opts.tls13_tickets = args.tls13_tickets;
     opts.aead_record_limit = args.aead_record_limit;
     opts.plain_http_response = Some(plain_http_response().into());
+    opts.max_client_hello = args.limits.max_client_hello;
+    opts.first_byte_timeout = args.limits.first_byte_timeout();
     let acceptor = Acceptor::new(opts)?;
     eprintln!(
         "data plane: {} ({})",
@@ -165,6 +177,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         limits: Limits::default(),
         stats: HttpStats::default(),
         args: args.clone(),
+        ttfb: runtime_stats.histograms.first_response.clone(),
     });
     if let Some(addr) = &args.admin {
         let mut registry = prometheus_client::registry::Registry::with_prefix("tlsplane");
@@ -221,22 +234,22 @@ fn counters(h: &HttpStats, r: &RuntimeStats) -> Vec<(&'static str, u64)> {
         ("http_io_errors", h.io_errors.load(Relaxed)),
         ("task_panics", r.task_panics.load(Relaxed)),
         ("idle_evicted", r.idle_evicted.load(Relaxed)),
+        ("first_byte_timeouts", r.first_byte_timeouts.load(Relaxed)),
     ]);
     pairs.extend(r.limits.snapshot());
     pairs
 }
 
 impl Handler for Serve {
-    /// The request buffer (empty: a connection parks only between requests).
-    type Parked = Vec<u8>;
+    type Parked = Parked;
 
     async fn serve(
         self: Arc<Self>,
         tls: TlsStream,
         peer: SocketAddr,
-        phase: Phase<Vec<u8>>,
+        phase: Phase<Parked>,
         mut ctx: ConnContext,
-    ) -> Served<Vec<u8>> {
+    ) -> Served<Parked> {
         match http_loop(tls, peer, &self, phase, &mut ctx).await {
             Ok(served) => served,
             Err(e) => {
@@ -252,16 +265,16 @@ async fn http_loop(
     mut tls: TlsStream,
     peer: SocketAddr,
     shared: &Serve,
-    phase: Phase<Vec<u8>>,
+    phase: Phase<Parked>,
     ctx: &mut ConnContext,
-) -> std::io::Result<Served<Vec<u8>>> {
+) -> std::io::Result<Served<Parked>> {
     let args = &shared.args;
     // Starts small (most request heads are well under 4 KiB; this buffer lives as long as the
     // connection) and grows up to the head limit only for a request that needs it.
     let max_buf = shared.limits.max_head_bytes + 1024;
-    let (mut buf, park_when_idle) = match phase {
-        Phase::Handshake => (vec![0u8; max_buf.min(4096)], true),
-        Phase::Moved(buf) => (buf, false),
+    let (mut buf, park_when_idle, mut responded) = match phase {
+        Phase::Handshake => (vec![0u8; max_buf.min(4096)], true, false),
+        Phase::Moved(p) => (p.buf, false, p.responded),
     };
     let mut used = 0usize;
     // The deadline of what we are waiting for: the first byte of a request (idle timeout) or,
@@ -283,6 +296,11 @@ async fn http_loop(
                 count_status(&shared.stats, resp.status);
                 if args.access_log {
                     tracing::info!(%peer, method = ?request.method, target = %request.target, status = resp.status, plane = ?tls.plane(), "request");
+                }
+                if !std::mem::replace(&mut responded, true) {
+                    shared
+                        .ttfb
+                        .observe(tls.info().accepted_at.elapsed().as_secs_f64());
                 }
                 if !resp.keep_alive {
                     return send_last_response(&mut tls, &resp)
@@ -314,7 +332,7 @@ async fn http_loop(
                 if park_when_idle && used == 0 && !tls.input_pending() {
                     // Between requests with nothing to read: wait on a connection loop, not
                     // on the handshake loop.
-                    return Ok(Served::Park(tls, buf));
+                    return Ok(Served::Park(tls, Parked { buf, responded }));
                 }
                 let in_head = used > 0;
                 let until = match deadline {

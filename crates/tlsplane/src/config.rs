@@ -65,7 +65,26 @@ pub struct ServerOptions {
     /// are an HTTP method and a space), instead of the alert rustls would send; the product
     /// chooses them (e.g. a 400 saying to use https). `None`: treat it as any bad record.
     pub plain_http_response: Option<Arc<[u8]>>,
+    /// Longest ClientHello accepted (its handshake message, bytes); a longer one is refused
+    /// from its header with an illegal_parameter alert, before it is read or parsed.
+    pub max_client_hello: usize,
+    /// How long a new connection may stay silent before its first byte; `None`: only the
+    /// caller's handshake deadline applies.
+    pub first_byte_timeout: Option<std::time::Duration>,
+    /// KeyUpdate messages a peer may send per second on the kernel plane (burst: as many),
+    /// where each costs two setsockopt calls and a key schedule step; beyond it the
+    /// connection ends with an unexpected_message alert (a KeyUpdate storm crashed HAProxy
+    /// with kTLS, haproxy#3450). 0: unlimited. On the user plane rustls applies its own rule
+    /// (at most 32 KeyUpdate requests without application data in between).
+    pub key_updates_per_second: u32,
 }
+
+/// The default KeyUpdate rate: GnuTLS allows 8 per second.
+pub const DEFAULT_KEY_UPDATES_PER_SECOND: u32 = 8;
+
+/// The default ClientHello cap: one full record. Browsers send 0.5-2 KB (~1.5 KB with an
+/// X25519MLKEM768 key share); rustls itself would take up to 64 KiB.
+pub const DEFAULT_MAX_CLIENT_HELLO: usize = 16384;
 
 impl ServerOptions {
     pub fn new(cert: Arc<CertifiedKey>) -> Self {
@@ -76,6 +95,9 @@ impl ServerOptions {
             tls13_tickets: 1,
             aead_record_limit: None,
             plain_http_response: None,
+            max_client_hello: DEFAULT_MAX_CLIENT_HELLO,
+            first_byte_timeout: None,
+            key_updates_per_second: DEFAULT_KEY_UPDATES_PER_SECOND,
         }
     }
 }
@@ -132,6 +154,9 @@ pub struct Acceptor {
     pub(crate) kernel: Arc<KernelSupport>,
     pub(crate) aead_record_limit: Option<u64>,
     pub(crate) plain_http_response: Option<Arc<[u8]>>,
+    pub(crate) max_client_hello: usize,
+    pub(crate) first_byte_timeout: Option<std::time::Duration>,
+    pub(crate) key_updates_per_second: u32,
 }
 
 impl Acceptor {
@@ -170,6 +195,9 @@ impl Acceptor {
             kernel: Arc::new(kernel),
             aead_record_limit: opts.aead_record_limit,
             plain_http_response: opts.plain_http_response,
+            max_client_hello: opts.max_client_hello,
+            first_byte_timeout: opts.first_byte_timeout,
+            key_updates_per_second: opts.key_updates_per_second,
         })
     }
 

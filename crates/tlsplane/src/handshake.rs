@@ -16,6 +16,7 @@ use rustls::unbuffered::{ConnectionState, EncodeError, UnbufferedStatus};
 use tokio::net::TcpStream;
 
 use crate::buf::OutBuf;
+use crate::hello::{self, HelloInfo, Peek};
 use crate::stats::{bump, global};
 use crate::Error;
 
@@ -242,6 +243,64 @@ fn plaintext_alert_for(e: &rustls::Error) -> Option<u8> {
     }
 }
 
+/// What decides, before any crypto, whether a connection's handshake goes ahead.
+pub(crate) struct Gate<'a> {
+    /// See `ServerOptions::plain_http_response`.
+    pub(crate) plain_http_response: Option<&'a [u8]>,
+    /// See `ServerOptions::max_client_hello`.
+    pub(crate) max_client_hello: usize,
+    /// See `ServerOptions::first_byte_timeout`.
+    pub(crate) first_byte_timeout: Option<std::time::Duration>,
+    pub(crate) ticketer: &'a dyn rustls::server::ProducesTickets,
+    /// The caller's admission decision on the ClientHello (true: go ahead).
+    pub(crate) admit: &'a mut (dyn FnMut(&HelloInfo) -> bool + Send),
+}
+
+const ALERT_ILLEGAL_PARAMETER: u8 = 47;
+
+/// Before rustls sees the connection's first bytes (so before its ECDHE and signature): reads
+/// until the ClientHello is whole, refuses one over the size cap (from its header, without
+/// reading the rest) and asks the caller whether to go ahead. Input that is no ClientHello is
+/// left to rustls to reject.
+async fn admit_hello(
+    sock: &TcpStream,
+    incoming: &mut Incoming,
+    gate: &mut Gate<'_>,
+) -> Result<(), Error> {
+    loop {
+        match hello::peek(
+            &incoming.buf[..incoming.used],
+            gate.max_client_hello,
+            gate.ticketer,
+        ) {
+            Peek::More => {
+                if incoming.read_more(sock).await? == 0 {
+                    return Err(Error::PeerClosedInHandshake);
+                }
+            }
+            Peek::TooLarge(len) => {
+                let alert = [21, 3, 3, 0, 2, 2, ALERT_ILLEGAL_PARAMETER];
+                let _ = tokio::time::timeout(
+                    std::time::Duration::from_secs(1),
+                    write_all(sock, &alert),
+                )
+                .await;
+                return Err(Error::ClientHelloTooLarge(len));
+            }
+            Peek::Hello(info) => {
+                if !(gate.admit)(&info) {
+                    // Refused like a connection at accept: a reset, no TLS reply at all.
+                    let _ =
+                        socket2::SockRef::from(sock).set_linger(Some(std::time::Duration::ZERO));
+                    return Err(Error::Refused);
+                }
+                return Ok(());
+            }
+            Peek::NotHello => return Ok(()),
+        }
+    }
+}
+
 /// What [`drive`] leaves for the data plane.
 pub(crate) struct Driven {
     /// TLS output not written yet (see [`drive`]).
@@ -260,7 +319,7 @@ pub(crate) async fn drive(
     conn: &mut UnbufferedServerConnection,
     sock: &TcpStream,
     incoming: &mut Incoming,
-    plain_http_response: Option<&[u8]>,
+    mut gate: Gate<'_>,
 ) -> Result<Driven, Error> {
     let mut out = OutBuf::new();
     let mut peer_closed = false;
@@ -348,17 +407,27 @@ pub(crate) async fn drive(
                     out.clear();
                     silent = false;
                 }
-                if incoming.read_more(sock).await? == 0 {
-                    return Err(Error::PeerClosedInHandshake);
-                }
                 if std::mem::take(&mut first_read) {
-                    if let Some(resp) = plain_http_response {
+                    let read = incoming.read_more(sock);
+                    let n = match gate.first_byte_timeout {
+                        Some(t) => tokio::time::timeout(t, read)
+                            .await
+                            .map_err(|_| Error::FirstByteTimeout)??,
+                        None => read.await?,
+                    };
+                    if n == 0 {
+                        return Err(Error::PeerClosedInHandshake);
+                    }
+                    if let Some(resp) = gate.plain_http_response {
                         if is_plain_http(&incoming.buf[..incoming.used]) {
                             bump(&global().plain_http_requests);
                             answer_plain(sock, resp).await;
                             return Err(Error::PlainHttp);
                         }
                     }
+                    admit_hello(sock, incoming, &mut gate).await?;
+                } else if incoming.read_more(sock).await? == 0 {
+                    return Err(Error::PeerClosedInHandshake);
                 }
             }
             Next::Done => {

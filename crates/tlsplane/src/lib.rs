@@ -15,6 +15,7 @@ pub mod cert;
 pub mod config;
 pub mod error;
 mod handshake;
+pub mod hello;
 pub mod plane;
 pub mod probe;
 pub mod stats;

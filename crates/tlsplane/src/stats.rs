@@ -57,6 +57,11 @@ counters! {
     key_updates,
     /// KeyUpdate received on a kernel without TLS 1.3 rekey: connection ended cleanly.
     key_update_unsupported,
+    /// Connections ended because the peer sent KeyUpdates faster than allowed (kernel plane).
+    limit_key_updates,
+    /// Renegotiation attempts (a TLS 1.2 ClientHello after the handshake) refused on the
+    /// kernel plane; on the user plane rustls refuses them itself.
+    renegotiations_refused,
     /// Connections re-keyed (TLS 1.3) because the AEAD confidentiality limit came near.
     aead_limit_rekeys,
     /// Connections closed because the AEAD limit came near and re-keying was impossible.

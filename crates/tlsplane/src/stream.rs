@@ -12,6 +12,7 @@ use tokio::net::TcpStream;
 use crate::buf::Pending;
 use crate::config::{Acceptor, DataPlanePolicy};
 use crate::handshake::{self, Incoming};
+use crate::hello::HelloInfo;
 use crate::plane::kernel::KernelPlane;
 use crate::plane::user::UserPlane;
 use crate::plane::{confidentiality_limit, kernel_suite, FallbackReason, PlaneKind};
@@ -29,6 +30,9 @@ pub struct ConnectionInfo {
     /// Set when the connection is on the user plane for a reason other than being asked to.
     pub fallback: Option<FallbackReason>,
     pub handshake_time: std::time::Duration,
+    /// When the handshake began (the connection was handed to the acceptor): the start of
+    /// what a new client waits for.
+    pub accepted_at: Instant,
 }
 
 enum Plane {
@@ -55,12 +59,31 @@ impl Acceptor {
     /// Time limits are the caller's (wrap in `tokio::time::timeout`); on a peer error an alert
     /// has been sent where TLS allows it.
     pub async fn accept(&self, sock: TcpStream) -> Result<TlsStream, Error> {
+        self.accept_with(sock, &mut |_| true).await
+    }
+
+    /// As [`Acceptor::accept`], with an admission check: once the whole ClientHello is in,
+    /// and before rustls spends any crypto on it, `admit` sees what it offers (size, a
+    /// resumable ticket of ours) and may refuse it (the connection is then reset and
+    /// [`Error::Refused`] returned). Not called for input that is no ClientHello.
+    pub async fn accept_with(
+        &self,
+        sock: TcpStream,
+        admit: &mut (dyn FnMut(&HelloInfo) -> bool + Send),
+    ) -> Result<TlsStream, Error> {
         let started = Instant::now();
         let mut conn = UnbufferedServerConnection::new(self.config.clone())?;
         let mut incoming = Incoming::new();
-        let plain_http = self.plain_http_response.as_deref();
-        let driven = match handshake::drive(&mut conn, &sock, &mut incoming, plain_http).await {
+        let gate = handshake::Gate {
+            plain_http_response: self.plain_http_response.as_deref(),
+            max_client_hello: self.max_client_hello,
+            first_byte_timeout: self.first_byte_timeout,
+            ticketer: self.config.ticketer.as_ref(),
+            admit,
+        };
+        let driven = match handshake::drive(&mut conn, &sock, &mut incoming, gate).await {
             Ok(d) => d,
+            Err(Error::Refused) => return Err(Error::Refused),
             Err(e) => {
                 bump(&global().handshake_failures);
                 if e.is_peer_fault() {
@@ -88,6 +111,7 @@ impl Acceptor {
             plane: PlaneKind::User,
             fallback: None,
             handshake_time: std::time::Duration::ZERO,
+            accepted_at: started,
         };
 
         let kernel = kernel_suite(version, suite);
@@ -127,8 +151,11 @@ impl Acceptor {
                     // Records rustls encrypted itself must precede anything the kernel sends.
                     handshake::write_all(&sock, deferred.filled()).await?;
                 }
-                match KernelPlane::install(conn, &sock, v, limit, self.kernel.tls13_rekey, settled)
-                {
+                let rekey = crate::plane::kernel::Rekey {
+                    supported: self.kernel.tls13_rekey,
+                    key_updates_per_second: self.key_updates_per_second,
+                };
+                match KernelPlane::install(conn, &sock, v, limit, rekey, settled) {
                     Ok(k) => {
                         bump(&global().plane_kernel);
                         info.plane = PlaneKind::Kernel;

@@ -107,6 +107,52 @@ fn client_key_update() {
     }
 }
 
+/// A KeyUpdate storm: 12 KeyUpdate requests in one write, then a request. On the kernel
+/// plane each costs two setsockopt calls and a key schedule step (a storm crashed HAProxy with
+/// kTLS), so it allows 8 a second and ends the connection with unexpected_message at the 9th;
+/// kernels that cannot re-key end it cleanly at the first. rustls (user plane) honours up to
+/// 32 without application data in between.
+#[test]
+fn key_update_storm_is_cut_off_on_the_kernel_plane() {
+    let fx = fixtures::get();
+    let server = Server::start();
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    assert_file_body(&c.get(&fx.hello.url), &fx.hello, "before the storm");
+    for _ in 0..12 {
+        c.conn.refresh_traffic_keys().expect("queueing a KeyUpdate");
+    }
+    c.write_all(&get_request(&fx.text.url, "Connection: close\r\n"))
+        .expect("request after the storm");
+    let response = c.read_response(false);
+    let (_, end) = c.read_to_end();
+    let rekeys = server
+        .stderr_lines()
+        .iter()
+        .any(|l| l.starts_with("data plane:") && l.contains("TLS 1.3 rekey yes"));
+    let stats = server.stop();
+    match (mode(), rekeys) {
+        (Mode::User, _) => {
+            assert_file_body(&response.expect("response"), &fx.text, "after the storm");
+            assert_eq!(stats["limit_key_updates"], 0, "{stats:?}");
+        }
+        (Mode::Kernel, true) => {
+            assert!(response.is_err(), "the storm was answered: {stats:?}");
+            assert!(
+                matches!(end, End::Alert(rustls::AlertDescription::UnexpectedMessage))
+                    || format!("{:?}", response.as_ref().err()).contains("UnexpectedMessage"),
+                "expected unexpected_message: {end:?} / {:?}",
+                response.err()
+            );
+            assert_eq!(stats["limit_key_updates"], 1, "{stats:?}");
+            assert_eq!(stats["key_updates"], 8, "8 KeyUpdates allowed: {stats:?}");
+        }
+        (Mode::Kernel, false) => {
+            assert_eq!(stats["key_update_unsupported"], 1, "{stats:?}");
+            assert_eq!(stats["limit_key_updates"], 0, "{stats:?}");
+        }
+    }
+}
+
 /// Server records under each key, from the client's view of inbound records after the
 /// handshake. TLS 1.3 KeyUpdate records are recognised by size: a 5-byte handshake message
 /// + content type + 16-byte tag = 22 bytes, which no response record here has.

@@ -199,3 +199,174 @@ fn total_connection_limit_evicts_the_oldest_idle_connection_then_refuses() {
     assert_eq!(stats["idle_evicted"], 1, "{stats:?}");
     assert_eq!(stats["limit_max_connections"], 1, "{stats:?}");
 }
+
+/// A TLS 1.3 client that keeps its session tickets between connections.
+fn resuming_client() -> std::sync::Arc<rustls::ClientConfig> {
+    ClientOpts::version(Tls::V13).config()
+}
+
+/// A handshake + GET with `config`; `Some(resumed)` when served, `None` when refused.
+fn get_with(port: u16, config: &std::sync::Arc<rustls::ClientConfig>) -> Option<bool> {
+    let mut c = TlsClient::over(tcp_connect(port), config.clone());
+    c.handshake().ok()?;
+    let resumed = c.conn.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
+    let ok = c.get(&fixtures::get().hello.url).status == 200;
+    c.close();
+    ok.then_some(resumed)
+}
+
+#[test]
+fn full_and_resumed_handshakes_have_separate_client_rates() {
+    let server = Server::builder()
+        .arg("--client-handshake-rate")
+        .arg("1")
+        .arg("--client-handshake-burst")
+        .arg("2")
+        .arg("--client-resumed-rate")
+        .arg("1")
+        .start();
+    let port = server.port();
+    let started = std::time::Instant::now();
+    let config = resuming_client();
+    assert_eq!(
+        get_with(port, &config),
+        Some(false),
+        "the first is a full handshake"
+    );
+    // Resumptions draw on their own budget (burst 2), not on the full handshakes'.
+    assert_eq!(get_with(port, &config), Some(true));
+    assert_eq!(get_with(port, &config), Some(true));
+    assert_eq!(
+        get_with(port, &config),
+        None,
+        "a 3rd resumption within the burst"
+    );
+    // One full handshake is left of its burst; the next is refused (at its ClientHello: this
+    // client has resumed lately, so it is heard out).
+    assert_eq!(get_with(port, &resuming_client()), Some(false));
+    assert_eq!(get_with(port, &resuming_client()), None);
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "too slow for the budgets to hold still (1/s): {:?}",
+        started.elapsed()
+    );
+    assert!(served_from(SECOND, port), "another address was refused");
+    let stats = server.stop();
+    assert_eq!(stats["limit_client_resumed_rate"], 1, "{stats:?}");
+    assert_eq!(stats["limit_client_handshake_rate"], 1, "{stats:?}");
+    assert_eq!(stats["handshakes_resumed"], 2, "{stats:?}");
+    assert_eq!(
+        stats["handshakes"], 5,
+        "refusals must cost no handshake: {stats:?}"
+    );
+}
+
+#[test]
+fn resumptions_are_served_while_full_handshakes_fill_the_worker() {
+    let server = Server::builder()
+        .workers(1)
+        .arg("--max-handshakes-per-worker")
+        .arg("8")
+        .arg("--max-full-handshakes-per-worker")
+        .arg("2")
+        .start();
+    let port = server.port();
+    let config = resuming_client();
+    assert_eq!(get_with(port, &config), Some(false));
+    // Two full handshakes that stall after the server's flight hold the full places.
+    let stalled: Vec<TlsClient> = (0..2)
+        .map(|_| {
+            let mut c = TlsClient::new(port, ClientOpts::version(Tls::V13).config());
+            c.flush_tls().expect("ClientHello");
+            c.read_tls_once().expect("the server's flight");
+            c
+        })
+        .collect();
+    assert_eq!(
+        get_with(port, &resuming_client()),
+        None,
+        "a 3rd full handshake was served"
+    );
+    assert_eq!(
+        get_with(port, &config),
+        Some(true),
+        "a resumption must be served while full handshakes fill the worker"
+    );
+    drop(stalled);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        get_with(port, &resuming_client()),
+        Some(false),
+        "places not freed"
+    );
+    let stats = server.stop();
+    assert_eq!(
+        stats["limit_max_full_handshakes_per_worker"], 1,
+        "{stats:?}"
+    );
+    assert_eq!(stats["handshakes_resumed"], 1, "{stats:?}");
+}
+
+#[test]
+fn oversized_client_hello_gets_illegal_parameter_from_its_header() {
+    let server = Server::builder()
+        .arg("--max-client-hello")
+        .arg("4096")
+        .start();
+    let port = server.port();
+    let mut s = tcp_connect(port);
+    // A handshake record whose ClientHello claims 5,000 bytes; only its start is sent.
+    s.write_all(&[22, 3, 1, 0, 9, 1, 0, 0x13, 0x88, 3, 3, 0, 0, 0])
+        .expect("send");
+    let mut reply = Vec::new();
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let _ = s.read_to_end(&mut reply);
+    assert_eq!(
+        reply,
+        [21, 3, 3, 0, 2, 2, 47],
+        "expected an illegal_parameter alert at once"
+    );
+    // A real ClientHello (~1.5 KB with its X25519MLKEM768 key share) is served.
+    assert!(served_from(FIRST, port));
+    let stats = server.stop();
+    assert_eq!(stats["limit_max_client_hello"], 1, "{stats:?}");
+}
+
+#[test]
+fn first_byte_deadline_closes_silent_connections_only() {
+    let server = Server::builder()
+        .arg("--first-byte-timeout")
+        .arg("0.5")
+        .arg("--handshake-timeout")
+        .arg("10")
+        .start();
+    let port = server.port();
+    let started = std::time::Instant::now();
+    let mut silent = tcp_connect(port);
+    let mut talking = tcp_connect(port);
+    // A first byte in time: from then on only the handshake deadline applies.
+    talking.write_all(&[22, 3, 1]).expect("send");
+    let mut buf = [0u8; 16];
+    let n = silent.read(&mut buf).unwrap_or(0);
+    assert_eq!(n, 0, "the silent connection got bytes");
+    let closed_after = started.elapsed();
+    assert!(
+        (Duration::from_millis(400)..Duration::from_secs(3)).contains(&closed_after),
+        "silent connection closed after {closed_after:?}, expected about 0.5 s"
+    );
+    talking
+        .set_read_timeout(Some(Duration::from_millis(700)))
+        .expect("timeout");
+    let e = talking.read(&mut buf).expect_err("still open");
+    assert!(
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+        "the connection that spoke was closed: {e}"
+    );
+    drop(talking);
+    let stats = server.stop();
+    assert_eq!(stats["first_byte_timeouts"], 1, "{stats:?}");
+}

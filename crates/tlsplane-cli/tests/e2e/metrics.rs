@@ -99,6 +99,13 @@ fn metrics_move_with_traffic_and_agree_with_stats() {
         4
     );
     assert_eq!(moved("tlsplane_handshake_duration_seconds_count{}"), 4.0);
+    // Every connection had one first response (a keep-alive one counts once).
+    assert_eq!(moved("tlsplane_time_to_first_byte_seconds_count{}"), 4.0);
+    assert!(
+        moved("tlsplane_time_to_first_byte_seconds_sum{}")
+            >= moved("tlsplane_handshake_duration_seconds_sum{}"),
+        "the first byte cannot come before the end of the handshake"
+    );
     let tx = moved("tlsplane_app_bytes_total{direction=tx,plane=user}")
         + moved("tlsplane_app_bytes_total{direction=tx,plane=kernel}");
     let hello = fixtures::get().hello.size as f64;

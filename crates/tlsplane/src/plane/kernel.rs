@@ -78,13 +78,47 @@ pub(crate) fn tls12_gcm_kernel_nonce_start(base: u64, used: u64) -> u64 {
     (base | mask).wrapping_add(1)
 }
 
+/// What the kernel plane may do about KeyUpdate.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Rekey {
+    /// The kernel can replace TLS 1.3 keys (Linux 6.14+).
+    pub(crate) supported: bool,
+    /// See `ServerOptions::key_updates_per_second`.
+    pub(crate) key_updates_per_second: u32,
+}
+
+/// A token bucket of KeyUpdates: `rate` a second, at most `rate` at once.
+struct KeyUpdateBudget {
+    tokens: f64,
+    at: std::time::Instant,
+}
+
+impl KeyUpdateBudget {
+    fn take(&mut self, rate: u32) -> bool {
+        if rate == 0 {
+            return true;
+        }
+        let now = std::time::Instant::now();
+        let dt = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + dt * rate as f64).min(rate as f64);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 pub(crate) struct KernelPlane {
     kconn: KernelConnection<ServerConnectionData>,
     version: TlsVersion,
     /// Upper bound of records encrypted by the kernel under the current TX key.
     tx_records: u64,
     tx_limit: u64,
-    rekey: bool,
+    rekey: Rekey,
+    key_updates: KeyUpdateBudget,
     read_closed: bool,
     write_closed: bool,
     /// Application data rustls decrypted before the hand-off; delivered before the kernel's.
@@ -100,7 +134,7 @@ impl KernelPlane {
         sock: &TcpStream,
         version: TlsVersion,
         tx_limit: u64,
-        rekey: bool,
+        rekey: Rekey,
         settled: crate::handshake::Settled,
     ) -> Result<Self, Error> {
         let (secrets, kconn) = conn.dangerous_into_kernel_connection()?;
@@ -117,6 +151,10 @@ impl KernelPlane {
             tx_records,
             tx_limit,
             rekey,
+            key_updates: KeyUpdateBudget {
+                tokens: rekey.key_updates_per_second as f64,
+                at: std::time::Instant::now(),
+            },
             read_closed: settled.peer_closed,
             write_closed: false,
             early: Pending::from_vec(settled.plain),
@@ -232,6 +270,7 @@ impl KernelPlane {
                 (1, TlsVersion::Tls12) => {
                     // A renegotiating ClientHello: refused, as rustls refuses it.
                     bump(&global().kernel_unexpected_messages);
+                    bump(&global().renegotiations_refused);
                     return Err(self
                         .fail(sock, ALERT_NO_RENEGOTIATION, "renegotiation refused")
                         .await);
@@ -252,7 +291,17 @@ impl KernelPlane {
     }
 
     async fn on_key_update(&mut self, sock: &TcpStream, update_requested: bool) -> io::Result<()> {
-        if !self.rekey {
+        if !self.key_updates.take(self.rekey.key_updates_per_second) {
+            bump(&global().limit_key_updates);
+            return Err(self
+                .fail(
+                    sock,
+                    ALERT_UNEXPECTED_MESSAGE,
+                    "KeyUpdate rate limit exceeded",
+                )
+                .await);
+        }
+        if !self.rekey.supported {
             // Linux < 6.14 would go on decrypting with the old key and fail; end cleanly now.
             bump(&global().key_update_unsupported);
             let _ = self.send_alert(sock, ALERT_CLOSE_NOTIFY).await;
@@ -334,7 +383,7 @@ impl KernelPlane {
                 let budget = (remaining - 2).saturating_mul(MAX_FRAGMENT);
                 return Ok(want.min(usize::try_from(budget).unwrap_or(usize::MAX)));
             }
-            if self.version == TlsVersion::Tls13 && self.rekey {
+            if self.version == TlsVersion::Tls13 && self.rekey.supported {
                 self.update_tx(sock).await?;
                 bump(&global().aead_limit_rekeys);
             } else {
