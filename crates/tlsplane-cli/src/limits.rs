@@ -24,6 +24,12 @@ pub struct LimitArgs {
     /// Connections open at once from one client address (/32, /64).
     #[arg(long, default_value_t = 0)]
     pub client_max_connections: u32,
+    /// At --max-handshakes-per-worker, a new connection takes the place of the oldest
+    /// handshake in progress that has not sent a whole ClientHello yet (silent or trickling:
+    /// slowloris; no crypto spent on it), else of the oldest past its ClientHello if that
+    /// began at least this many seconds ago; otherwise it is refused. 0: only the former.
+    #[arg(long, default_value_t = 1.0)]
+    pub handshake_evict_after: f64,
     /// Of those, full (not resumed) handshakes at once per worker; the rest of
     /// --max-handshakes-per-worker is kept for resumptions, so that under overload resumed
     /// handshakes are still served (default: 3/4 of --max-handshakes-per-worker).
@@ -62,6 +68,11 @@ impl LimitArgs {
                 0 => 0,
                 n => (n * 3 / 4).max(1),
             })
+    }
+
+    pub fn handshake_evict_after(&self) -> Option<Duration> {
+        (self.handshake_evict_after > 0.0)
+            .then(|| Duration::from_secs_f64(self.handshake_evict_after))
     }
 
     pub fn first_byte_timeout(&self) -> Option<Duration> {
@@ -444,6 +455,7 @@ mod tests {
             client_resumed_rate: 0,
             max_client_hello: 16384,
             first_byte_timeout: 0.0,
+            handshake_evict_after: 0.0,
         }
     }
 

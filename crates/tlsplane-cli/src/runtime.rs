@@ -24,7 +24,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use futures_util::FutureExt;
@@ -64,6 +64,8 @@ pub struct RuntimeStats {
     pub open: Arc<AtomicUsize>,
     /// Idle keep-alive connections closed to make room under --max-connections.
     pub idle_evicted: AtomicU64,
+    /// Handshakes in progress closed to make room under --max-handshakes-per-worker.
+    pub handshakes_evicted: AtomicU64,
     pub histograms: crate::admin::Histograms,
 }
 
@@ -111,51 +113,82 @@ impl Idle {
     }
 }
 
-/// Connections waiting for their client's next request, oldest first.
+/// Waits that may be ended to make room for a new connection, oldest first: idle keep-alive
+/// connections (one list per server), handshakes in progress (one per handshake loop).
 #[derive(Default)]
-struct IdleList {
+struct EvictionList {
     next: std::sync::atomic::AtomicU64,
-    waiting: std::sync::Mutex<std::collections::BTreeMap<u64, Arc<tokio::sync::Notify>>>,
+    waiting: std::sync::Mutex<std::collections::BTreeMap<u64, (Instant, Arc<tokio::sync::Notify>)>>,
 }
 
-struct IdleEntry<'a> {
-    list: &'a IdleList,
+type IdleList = EvictionList;
+
+/// A place in an [`EvictionList`]; `notify` fires when it is evicted. Leaves the list when
+/// dropped.
+struct EvictionEntry {
+    list: Arc<EvictionList>,
     seq: u64,
     notify: Arc<tokio::sync::Notify>,
 }
 
-impl Drop for IdleEntry<'_> {
+impl EvictionEntry {
+    /// Moves to `list`, keeping its age and its notification.
+    fn move_to(&mut self, list: &Arc<EvictionList>) {
+        let Some(at) = self.list.lock().remove(&self.seq).map(|(at, _)| at) else {
+            return; // evicted already: the notification is pending
+        };
+        let seq = list.next.fetch_add(1, Relaxed);
+        list.lock().insert(seq, (at, self.notify.clone()));
+        self.list = list.clone();
+        self.seq = seq;
+    }
+}
+
+impl Drop for EvictionEntry {
     fn drop(&mut self) {
         self.list.lock().remove(&self.seq);
     }
 }
 
-impl IdleList {
+impl EvictionList {
     fn lock(
         &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u64, Arc<tokio::sync::Notify>>> {
+    ) -> std::sync::MutexGuard<
+        '_,
+        std::collections::BTreeMap<u64, (Instant, Arc<tokio::sync::Notify>)>,
+    > {
         self.waiting.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn enter(&self) -> IdleEntry<'_> {
+    fn enter(self: &Arc<Self>) -> EvictionEntry {
         let seq = self.next.fetch_add(1, Relaxed);
         let notify = Arc::new(tokio::sync::Notify::new());
-        self.lock().insert(seq, notify.clone());
-        IdleEntry {
-            list: self,
+        self.lock().insert(seq, (Instant::now(), notify.clone()));
+        EvictionEntry {
+            list: self.clone(),
             seq,
             notify,
         }
     }
 
-    /// Ends the longest idle wait, if any.
+    /// Ends the oldest wait, if any.
     fn evict_oldest(&self) -> bool {
-        match self.lock().pop_first() {
-            Some((_, n)) => {
-                n.notify_one();
+        self.evict_oldest_older_than(Duration::ZERO)
+    }
+
+    /// Ends the oldest wait if it began at least `age` ago.
+    fn evict_oldest_older_than(&self, age: Duration) -> bool {
+        let mut waiting = self.lock();
+        match waiting.first_key_value() {
+            Some((_, (since, _))) if since.elapsed() >= age => {
+                if let Some((_, (_, n))) = waiting.pop_first() {
+                    // notify_one stores a permit: the entry's owner sees it even if it is not
+                    // waiting at this very moment.
+                    n.notify_one();
+                }
                 true
             }
-            None => false,
+            _ => false,
         }
     }
 }
@@ -397,6 +430,10 @@ fn handshake_loop<H: Handler>(
     // and of those the ones known to be full handshakes.
     let handshaking = Arc::new(AtomicUsize::new(0));
     let full = Arc::new(AtomicUsize::new(0));
+    // Its handshakes in progress, by stage: before a whole ClientHello (no crypto spent yet),
+    // and after.
+    let pre_hello = Arc::new(EvictionList::default());
+    let post_hello = Arc::new(EvictionList::default());
     rt.block_on(async move {
         let mut accepts = Vec::new();
         for l in listeners {
@@ -408,7 +445,12 @@ fn handshake_loop<H: Handler>(
                 }
             };
             let (shared, to_conn, mut stop) = (shared.clone(), to_conn.clone(), stop.clone());
-            let (handshaking, full) = (handshaking.clone(), full.clone());
+            let (handshaking, full, pre_hello, post_hello) = (
+                handshaking.clone(),
+                full.clone(),
+                pre_hello.clone(),
+                post_hello.clone(),
+            );
             accepts.push(tokio::spawn(async move {
                 loop {
                     tokio::select! {
@@ -422,9 +464,20 @@ fn handshake_loop<H: Handler>(
                                     shared.stats.idle_evicted.fetch_add(1, Relaxed);
                                     open -= 1;
                                 }
-                                let admitted = shared
-                                    .admission
-                                    .admit(peer, open, handshaking.load(Relaxed));
+                                let mut hs = handshaking.load(Relaxed);
+                                let cap = shared.config.limits.max_handshakes_per_worker;
+                                if cap > 0
+                                    && hs >= cap
+                                    && (pre_hello.evict_oldest()
+                                        || shared.config.limits.handshake_evict_after().is_some_and(|age| post_hello.evict_oldest_older_than(age)))
+                                {
+                                    // A connection that has not sent its ClientHello gives way
+                                    // (silent or trickling: slowloris), else one stuck past
+                                    // it for long; else this connection is refused.
+                                    shared.stats.handshakes_evicted.fetch_add(1, Relaxed);
+                                    hs -= 1;
+                                }
+                                let admitted = shared.admission.admit(peer, open, hs);
                                 let ticket = match admitted {
                                     Ok(t) => t,
                                     Err(refusal) => {
@@ -440,11 +493,28 @@ fn handshake_loop<H: Handler>(
                                 };
                                 let (s, to_conn, stop) = (shared.clone(), to_conn.clone(), stop.clone());
                                 let counted = Counted::new(handshaking.clone());
+                                let entry = pre_hello.enter();
+                                let post_hello = post_hello.clone();
                                 let full = full.clone();
                                 tokio::spawn(async move {
                                     let _counted = counted;
+                                    s.stats.connections.fetch_add(1, Relaxed);
+                                    // Until its first byte a connection costs only this small
+                                    // task: the handshake's state (~6 KB) is allocated after.
+                                    if !first_byte(&tcp, peer, &s, &entry.notify).await {
+                                        return;
+                                    }
                                     let stats = s.stats.clone();
-                                    contain_panics(&stats, handshake(tcp, peer, s, guard, full, to_conn, stop)).await;
+                                    // Boxed twice: the handshake's state is freed before
+                                    // the handler's is allocated.
+                                    contain_panics(&stats, Box::pin(async move {
+                                        let mut guard = guard;
+                                        let Some(tls) = Box::pin(handshake(tcp, peer, &s, &mut guard, full, entry, post_hello)).await else {
+                                            return;
+                                        };
+                                        serve_first(tls, peer, s, guard, to_conn, stop).await;
+                                    }))
+                                    .await;
                                 });
                             }
                             Err(e) => {
@@ -471,16 +541,48 @@ fn handshake_loop<H: Handler>(
     });
 }
 
+/// Waits for a new connection's first byte (or its end) within the first-byte deadline;
+/// false: the connection is done (counted when the deadline passed).
+async fn first_byte<H: Handler>(
+    tcp: &tokio::net::TcpStream,
+    peer: SocketAddr,
+    shared: &Shared<H>,
+    evicted: &tokio::sync::Notify,
+) -> bool {
+    // A peek, not `readable()`: that may report a fresh socket readable with nothing in it
+    // (tokio documents false positives), which made every silent connection take the
+    // handshake's full state at once.
+    let mut byte = [0u8; 1];
+    let limit = shared.config.limits.first_byte_timeout();
+    let wait = async {
+        match limit {
+            Some(limit) => tokio::time::timeout(limit, tcp.peek(&mut byte)).await,
+            None => Ok(tcp.peek(&mut byte).await),
+        }
+    };
+    tokio::select! {
+        r = wait => match r {
+            Ok(r) => r.is_ok(),
+            Err(_) => {
+                shared.stats.first_byte_timeouts.fetch_add(1, Relaxed);
+                tracing::debug!(%peer, "nothing received before the first-byte deadline");
+                false
+            }
+        },
+        _ = evicted.notified() => false,
+    }
+}
+
 async fn handshake<H: Handler>(
     tcp: tokio::net::TcpStream,
     peer: SocketAddr,
-    shared: Arc<Shared<H>>,
-    mut guard: Admitted,
+    shared: &Shared<H>,
+    guard: &mut Admitted,
     full: Arc<AtomicUsize>,
-    to_conn: mpsc::UnboundedSender<Established<H::Parked>>,
-    stop: watch::Receiver<bool>,
-) {
-    shared.stats.connections.fetch_add(1, Relaxed);
+    mut in_progress: EvictionEntry,
+    post_hello: Arc<EvictionList>,
+) -> Option<TlsStream> {
+    let evicted = in_progress.notify.clone();
     // Holds a place among the worker's full handshakes from the ClientHello to the end of the
     // handshake.
     let mut full_place = None;
@@ -493,6 +595,7 @@ async fn handshake<H: Handler>(
             if !hello.resumption {
                 full_place = Some(Counted::new(full.clone()));
             }
+            in_progress.move_to(&post_hello);
             true
         }
         Err(r) => {
@@ -500,11 +603,16 @@ async fn handshake<H: Handler>(
             false
         }
     };
-    let accepted = tokio::time::timeout(
+    let accept = tokio::time::timeout(
         shared.config.handshake_timeout,
         shared.acceptor.accept_with(tcp, &mut admit),
-    )
-    .await;
+    );
+    let accepted = tokio::select! {
+        r = accept => r,
+        // Evicted to make room (counted where it was decided): the connection closes.
+        _ = evicted.notified() => return None,
+    };
+    drop(in_progress);
     drop(full_place);
     let tls = match accepted {
         Ok(Err(tlsplane::Error::Refused)) => {
@@ -512,17 +620,12 @@ async fn handshake<H: Handler>(
                 shared.stats.limits.count(r);
                 tracing::debug!(%peer, refusal = ?r, "ClientHello refused by a limit");
             }
-            return;
-        }
-        Ok(Err(tlsplane::Error::FirstByteTimeout)) => {
-            shared.stats.first_byte_timeouts.fetch_add(1, Relaxed);
-            tracing::debug!(%peer, "nothing received before the first-byte deadline");
-            return;
+            return None;
         }
         Ok(Err(e @ tlsplane::Error::ClientHelloTooLarge(_))) => {
             shared.stats.limits.count(limits::Refusal::ClientHelloSize);
             tracing::debug!(%peer, error = %e, "ClientHello refused");
-            return;
+            return None;
         }
         Ok(Ok(t)) => {
             guard.ticket.handshake_done();
@@ -536,28 +639,37 @@ async fn handshake<H: Handler>(
         Ok(Err(e)) => {
             shared.stats.handshake_errors.fetch_add(1, Relaxed);
             tracing::debug!(%peer, error = %e, "handshake failed");
-            return;
+            return None;
         }
         Err(_) => {
             shared.stats.handshake_timeouts.fetch_add(1, Relaxed);
             tracing::debug!(%peer, "handshake timed out");
-            return;
+            return None;
         }
     };
-    let (tls, parked) = match shared
-        .handler
-        .clone()
-        .serve(
-            tls,
-            peer,
-            Phase::Handshake,
-            ConnContext {
-                stop: stop.clone(),
-                idle: Idle(shared.idle.clone()),
-            },
-        )
-        .await
-    {
+    Some(tls)
+}
+
+/// The handler's first turn with an established connection, on the handshake loop, then the
+/// hand-off to the connection loop if it parks.
+async fn serve_first<H: Handler>(
+    tls: TlsStream,
+    peer: SocketAddr,
+    shared: Arc<Shared<H>>,
+    guard: Admitted,
+    to_conn: mpsc::UnboundedSender<Established<H::Parked>>,
+    stop: watch::Receiver<bool>,
+) {
+    let serve = shared.handler.clone().serve(
+        tls,
+        peer,
+        Phase::Handshake,
+        ConnContext {
+            stop,
+            idle: Idle(shared.idle.clone()),
+        },
+    );
+    let (tls, parked) = match Box::pin(serve).await {
         Served::Done => return,
         Served::Park(tls, parked) => (tls, parked),
     };
@@ -599,9 +711,11 @@ fn connection_loop<H: Handler>(
                         idle: Idle(s.idle.clone()),
                     },
                 );
+                // Boxed: inline, the serve future sat in this task twice over (~28 KB per
+                // connection, measured); parking is for the handshake loop only, so a handler
+                // that asks anyway gets its connection closed.
+                let serve = Box::pin(serve);
                 contain_panics(&s.stats, async {
-                    // Parking is for the handshake loop only; a handler that asks anyway
-                    // gets its connection closed.
                     let _ = serve.await;
                 })
                 .await;

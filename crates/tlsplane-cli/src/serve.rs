@@ -150,7 +150,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     opts.aead_record_limit = args.aead_record_limit;
     opts.plain_http_response = Some(plain_http_response().into());
     opts.max_client_hello = args.limits.max_client_hello;
-    opts.first_byte_timeout = args.limits.first_byte_timeout();
     let acceptor = Acceptor::new(opts)?;
     eprintln!(
         "data plane: {} ({})",
@@ -235,6 +234,7 @@ fn counters(h: &HttpStats, r: &RuntimeStats) -> Vec<(&'static str, u64)> {
         ("task_panics", r.task_panics.load(Relaxed)),
         ("idle_evicted", r.idle_evicted.load(Relaxed)),
         ("first_byte_timeouts", r.first_byte_timeouts.load(Relaxed)),
+        ("handshakes_evicted", r.handshakes_evicted.load(Relaxed)),
     ]);
     pairs.extend(r.limits.snapshot());
     pairs
@@ -269,11 +269,12 @@ async fn http_loop(
     ctx: &mut ConnContext,
 ) -> std::io::Result<Served<Parked>> {
     let args = &shared.args;
-    // Starts small (most request heads are well under 4 KiB; this buffer lives as long as the
-    // connection) and grows up to the head limit only for a request that needs it.
+    // Starts small (most request heads are well under 1 KiB, nginx's client_header_buffer_size
+    // too; this buffer lives as long as the connection) and grows up to the head limit only
+    // for a request that needs it.
     let max_buf = shared.limits.max_head_bytes + 1024;
     let (mut buf, park_when_idle, mut responded) = match phase {
-        Phase::Handshake => (vec![0u8; max_buf.min(4096)], true, false),
+        Phase::Handshake => (vec![0u8; max_buf.min(1024)], true, false),
         Phase::Moved(p) => (p.buf, false, p.responded),
     };
     let mut used = 0usize;
@@ -303,11 +304,11 @@ async fn http_loop(
                         .observe(tls.info().accepted_at.elapsed().as_secs_f64());
                 }
                 if !resp.keep_alive {
-                    return send_last_response(&mut tls, &resp)
+                    return Box::pin(send_last_response(&mut tls, &resp))
                         .await
                         .map(|()| Served::Done);
                 }
-                send_response(&mut tls, &resp).await?;
+                Box::pin(send_response(&mut tls, &resp)).await?;
                 buf.copy_within(head_len..used, 0);
                 used -= head_len;
                 deadline = None;
@@ -325,7 +326,7 @@ async fn http_loop(
                     // parse_request enforces the head limit before this can happen; be safe.
                     let resp = error_response(431, false);
                     count_status(&shared.stats, 431);
-                    return send_last_response(&mut tls, &resp)
+                    return Box::pin(send_last_response(&mut tls, &resp))
                         .await
                         .map(|()| Served::Done);
                 }
@@ -386,7 +387,7 @@ async fn http_loop(
                         if used > 0 {
                             let resp = error_response(408, false);
                             tls.final_writes();
-                            let _ = send_response(&mut tls, &resp).await;
+                            let _ = Box::pin(send_response(&mut tls, &resp)).await;
                         }
                         return tls.shutdown().await.map(|()| Served::Done);
                     }
@@ -401,7 +402,7 @@ async fn http_loop(
                 if args.access_log {
                     tracing::info!(%peer, status, error = %e, "bad request");
                 }
-                return send_last_response(&mut tls, &error_response(status, false))
+                return Box::pin(send_last_response(&mut tls, &error_response(status, false)))
                     .await
                     .map(|()| Served::Done);
             }
@@ -430,6 +431,8 @@ async fn send_last_response(
     tls.shutdown().await
 }
 
+/// (Callers box this future: its state, several KB for a file, is needed only while sending,
+/// and inline it would make every idle keep-alive connection's task that large.)
 async fn send_response(tls: &mut TlsStream, resp: &tlsplane_http::Response) -> std::io::Result<()> {
     match &resp.body {
         Body::Empty => tls.write_all(&resp.head).await,

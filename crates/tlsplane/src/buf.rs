@@ -73,6 +73,13 @@ impl Pending {
         self.pos >= self.end
     }
 
+    /// Frees the allocation if nothing is pending.
+    pub(crate) fn release(&mut self) {
+        if self.is_empty() {
+            *self = Self::default();
+        }
+    }
+
     pub(crate) fn extend(&mut self, data: &[u8]) {
         if self.is_empty() {
             self.pos = 0;

@@ -32,11 +32,23 @@ pub(crate) struct Incoming {
     pub(crate) used: usize,
 }
 
+/// Input buffer size to start with: a ClientHello (~1.5 KB with a post-quantum key share) or
+/// a request record fits.
+const INCOMING_START: usize = 4096;
+
 impl Incoming {
     pub(crate) fn new() -> Self {
         Self {
-            buf: vec![0; 4096],
+            buf: vec![0; INCOMING_START],
             used: 0,
+        }
+    }
+
+    /// Frees the buffer while nothing is in it (an idle connection); [`Incoming::read_more`]
+    /// allocates again once the peer sends.
+    pub(crate) fn release(&mut self) {
+        if self.used == 0 {
+            self.buf = Vec::new();
         }
     }
 
@@ -84,6 +96,11 @@ impl Incoming {
 
     /// Greedy read for the user plane, where nothing is handed to the kernel.
     pub(crate) async fn read_more(&mut self, sock: &TcpStream) -> io::Result<usize> {
+        if self.buf.is_empty() {
+            // Released while idle: allocate only once there is something to read.
+            sock.readable().await?;
+            self.buf = vec![0; INCOMING_START];
+        }
         // Grow in steps: a fresh 37 KB zero-filled buffer per connection showed up in
         // handshake profiles (memset and page faults) although a ClientHello fits in 4 KB.
         if self.buf.len() - self.used < 1024 {
@@ -258,6 +275,34 @@ pub(crate) struct Gate<'a> {
 
 const ALERT_ILLEGAL_PARAMETER: u8 = 47;
 
+/// The first step of a handshake, before rustls exists for the connection (a connection that
+/// trickles or never completes its ClientHello costs only the input buffer): the first read
+/// (within the first-byte deadline), the plain-HTTP answer, then [`admit_hello`].
+pub(crate) async fn receive_hello(
+    sock: &TcpStream,
+    incoming: &mut Incoming,
+    mut gate: Gate<'_>,
+) -> Result<(), Error> {
+    let read = incoming.read_more(sock);
+    let n = match gate.first_byte_timeout {
+        Some(t) => tokio::time::timeout(t, read)
+            .await
+            .map_err(|_| Error::FirstByteTimeout)??,
+        None => read.await?,
+    };
+    if n == 0 {
+        return Err(Error::PeerClosedInHandshake);
+    }
+    if let Some(resp) = gate.plain_http_response {
+        if is_plain_http(&incoming.buf[..incoming.used]) {
+            bump(&global().plain_http_requests);
+            answer_plain(sock, resp).await;
+            return Err(Error::PlainHttp);
+        }
+    }
+    admit_hello(sock, incoming, &mut gate).await
+}
+
 /// Before rustls sees the connection's first bytes (so before its ECDHE and signature): reads
 /// until the ClientHello is whole, refuses one over the size cap (from its header, without
 /// reading the rest) and asks the caller whether to go ahead. Input that is no ClientHello is
@@ -319,11 +364,9 @@ pub(crate) async fn drive(
     conn: &mut UnbufferedServerConnection,
     sock: &TcpStream,
     incoming: &mut Incoming,
-    mut gate: Gate<'_>,
 ) -> Result<Driven, Error> {
     let mut out = OutBuf::new();
     let mut peer_closed = false;
-    let mut first_read = true;
     // Nothing written to the socket yet: the client has no key, so only a plaintext alert
     // means anything to it (whatever rustls had encoded for it is dropped with the failure).
     let mut silent = true;
@@ -407,26 +450,7 @@ pub(crate) async fn drive(
                     out.clear();
                     silent = false;
                 }
-                if std::mem::take(&mut first_read) {
-                    let read = incoming.read_more(sock);
-                    let n = match gate.first_byte_timeout {
-                        Some(t) => tokio::time::timeout(t, read)
-                            .await
-                            .map_err(|_| Error::FirstByteTimeout)??,
-                        None => read.await?,
-                    };
-                    if n == 0 {
-                        return Err(Error::PeerClosedInHandshake);
-                    }
-                    if let Some(resp) = gate.plain_http_response {
-                        if is_plain_http(&incoming.buf[..incoming.used]) {
-                            bump(&global().plain_http_requests);
-                            answer_plain(sock, resp).await;
-                            return Err(Error::PlainHttp);
-                        }
-                    }
-                    admit_hello(sock, incoming, &mut gate).await?;
-                } else if incoming.read_more(sock).await? == 0 {
+                if incoming.read_more(sock).await? == 0 {
                     return Err(Error::PeerClosedInHandshake);
                 }
             }

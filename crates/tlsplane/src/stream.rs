@@ -72,7 +72,6 @@ impl Acceptor {
         admit: &mut (dyn FnMut(&HelloInfo) -> bool + Send),
     ) -> Result<TlsStream, Error> {
         let started = Instant::now();
-        let mut conn = UnbufferedServerConnection::new(self.config.clone())?;
         let mut incoming = Incoming::new();
         let gate = handshake::Gate {
             plain_http_response: self.plain_http_response.as_deref(),
@@ -81,17 +80,23 @@ impl Acceptor {
             ticketer: self.config.ticketer.as_ref(),
             admit,
         };
-        let driven = match handshake::drive(&mut conn, &sock, &mut incoming, gate).await {
-            Ok(d) => d,
-            Err(Error::Refused) => return Err(Error::Refused),
-            Err(e) => {
+        let failed = |e: Error| {
+            if !matches!(e, Error::Refused) {
                 bump(&global().handshake_failures);
                 if e.is_peer_fault() {
                     bump(&global().handshake_peer_errors);
                 }
-                return Err(e);
             }
+            e
         };
+        handshake::receive_hello(&sock, &mut incoming, gate)
+            .await
+            .map_err(failed)?;
+        // Only now, with a whole ClientHello admitted, does the connection cost a rustls state.
+        let mut conn = UnbufferedServerConnection::new(self.config.clone())?;
+        let driven = handshake::drive(&mut conn, &sock, &mut incoming)
+            .await
+            .map_err(failed)?;
         bump(&global().handshakes);
         let resumed = conn.handshake_kind() == Some(HandshakeKind::Resumed);
         if resumed {

@@ -125,10 +125,22 @@ fn handshakes_in_progress_are_capped_per_worker() {
     let server = Server::builder()
         .arg("--max-handshakes-per-worker")
         .arg("2")
+        .arg("--max-full-handshakes-per-worker")
+        .arg("2")
+        .arg("--handshake-evict-after")
+        .arg("0")
         .start();
     let port = server.port();
-    // Two connections that stay in their handshake (nothing sent).
-    let idle: Vec<_> = (0..2).map(|_| tcp_connect(port)).collect();
+    // Two connections that stay in their handshake past the ClientHello (they never send
+    // their Finished): they do not give way (see slow_handshakes_give_way_...).
+    let idle: Vec<TlsClient> = (0..2)
+        .map(|_| {
+            let mut c = TlsClient::new(port, ClientOpts::version(Tls::V13).config());
+            c.flush_tls().expect("ClientHello");
+            c.read_tls_once().expect("the server's flight");
+            c
+        })
+        .collect();
     std::thread::sleep(Duration::from_millis(200));
     assert!(!served_from(SECOND, port), "a 3rd handshake was admitted");
     drop(idle);
@@ -369,4 +381,76 @@ fn first_byte_deadline_closes_silent_connections_only() {
     drop(talking);
     let stats = server.stop();
     assert_eq!(stats["first_byte_timeouts"], 1, "{stats:?}");
+}
+
+#[test]
+fn slow_handshakes_give_way_to_new_connections_at_the_cap() {
+    let server = Server::builder()
+        .workers(1)
+        .arg("--max-handshakes-per-worker")
+        .arg("2")
+        .arg("--max-full-handshakes-per-worker")
+        .arg("2")
+        .arg("--handshake-evict-after")
+        .arg("0.5")
+        .start();
+    let port = server.port();
+    let mut buf = [0u8; 8];
+    // Before their ClientHello is whole (nothing sent; a record header), handshakes give way
+    // at once, oldest first.
+    let mut silent = tcp_connect(port);
+    std::thread::sleep(Duration::from_millis(50));
+    let mut partial = tcp_connect(port);
+    partial.write_all(&[22, 3, 1]).expect("send");
+    std::thread::sleep(Duration::from_millis(50));
+    silent
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    partial
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    assert!(
+        served_from(SECOND, port),
+        "a silent connection kept a client out"
+    );
+    assert_eq!(
+        silent.read(&mut buf).ok(),
+        Some(0),
+        "the oldest should be closed"
+    );
+    // The cap is full again with a newer silent connection: now the partial one is oldest.
+    let newer = tcp_connect(port);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        served_from(SECOND, port),
+        "a partial ClientHello kept a client out"
+    );
+    assert_eq!(
+        partial.read(&mut buf).ok(),
+        Some(0),
+        "the partial one should be closed"
+    );
+    drop(newer);
+    std::thread::sleep(Duration::from_millis(100));
+
+    // Past their ClientHello (the server spent its crypto), they give way only once older
+    // than --handshake-evict-after.
+    let stalled: Vec<TlsClient> = (0..2)
+        .map(|_| {
+            let mut c = TlsClient::new(port, ClientOpts::version(Tls::V13).config());
+            c.flush_tls().expect("ClientHello");
+            c.read_tls_once().expect("the server's flight");
+            c
+        })
+        .collect();
+    assert!(!served_from(SECOND, port), "a young handshake was evicted");
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(
+        served_from(SECOND, port),
+        "an old stalled handshake kept a client out"
+    );
+    drop(stalled);
+    let stats = server.stop();
+    assert_eq!(stats["handshakes_evicted"], 3, "{stats:?}");
+    assert_eq!(stats["limit_max_handshakes_per_worker"], 1, "{stats:?}");
 }

@@ -249,6 +249,12 @@ impl UserPlane {
                     if !self.plain.is_empty() {
                         continue;
                     }
+                    // About to wait for the peer with nothing buffered: an idle connection
+                    // keeps no buffers (as OpenSSL's SSL_MODE_RELEASE_BUFFERS, which nginx
+                    // sets); they are allocated again when the peer sends.
+                    self.incoming.release();
+                    self.out.release_if_larger(0);
+                    self.plain.release();
                     if self.incoming.read_more(sock).await? == 0 {
                         // TCP EOF without close_notify: the peer is gone; report EOF like
                         // other servers do, rather than an error for every impolite client.
