@@ -351,7 +351,9 @@ async fn http_loop(
                 };
                 let (stop, idle) = (&mut ctx.stop, &ctx.idle);
                 let read = async {
-                    let read = tokio::time::timeout_at(until, tls.read(&mut buf[used..]));
+                    // Boxed: the read's state (~4 KB with the planes' alert paths) would
+                    // otherwise sit in every connection's task, idle or not.
+                    let read = tokio::time::timeout_at(until, Box::pin(tls.read(&mut buf[used..])));
                     if in_head {
                         Some(read.await)
                     } else {

@@ -302,32 +302,30 @@ impl TlsStream {
     }
 
     async fn read_acked(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if !self.ack_before_wait {
-            return Self::read_inner(&self.sock, &mut self.plane, &mut self.small, buf).await;
-        }
         // A TLS 1.3 server sends nothing after the client's Finished (the session ticket waits
         // to ride with the first response), so nothing acknowledges that Finished but a delayed
         // ACK, and a client without TCP_NODELAY holds its request back until it comes (Nagle):
         // ~40 ms before every first response. When the request is not here yet, acknowledge at
         // once. A client that sent its request with the Finished costs nothing here.
-        self.ack_before_wait = false;
-        let sock = socket2::SockRef::from(&self.sock);
+        let ack = std::mem::take(&mut self.ack_before_wait);
+        // One read future for both cases: it is the largest part of an idle connection's state.
         let mut read = std::pin::pin!(Self::read_inner(
             &self.sock,
             &mut self.plane,
             &mut self.small,
             buf
         ));
-        let first = std::future::poll_fn(|cx| std::task::Poll::Ready(read.as_mut().poll(cx))).await;
-        match first {
-            std::task::Poll::Ready(r) => r,
-            std::task::Poll::Pending => {
-                if let Err(e) = sock.set_quickack(true) {
-                    tracing::debug!(error = %e, "TCP_QUICKACK failed");
-                }
-                read.await
+        if ack {
+            let first =
+                std::future::poll_fn(|cx| std::task::Poll::Ready(read.as_mut().poll(cx))).await;
+            if let std::task::Poll::Ready(r) = first {
+                return r;
+            }
+            if let Err(e) = socket2::SockRef::from(&self.sock).set_quickack(true) {
+                tracing::debug!(error = %e, "TCP_QUICKACK failed");
             }
         }
+        read.await
     }
 
     async fn read_inner(

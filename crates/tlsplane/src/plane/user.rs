@@ -255,6 +255,7 @@ impl UserPlane {
                     self.incoming.release();
                     self.out.release_if_larger(0);
                     self.plain.release();
+                    self.file_buf = Vec::new();
                     if self.incoming.read_more(sock).await? == 0 {
                         // TCP EOF without close_notify: the peer is gone; report EOF like
                         // other servers do, rather than an error for every impolite client.
