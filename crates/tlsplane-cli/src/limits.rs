@@ -18,7 +18,8 @@ pub struct LimitArgs {
     /// Connections open at once, all workers together (0: only the open-files limit).
     #[arg(long, default_value_t = 0)]
     pub max_connections: usize,
-    /// Handshakes in progress at once per worker; more are refused (bounds a flood's memory).
+    /// Handshakes in progress at once per worker (bounds a flood's memory); beyond it a
+    /// new connection evicts a slow handshake (--handshake-evict-after) or is refused.
     #[arg(long, default_value_t = 1024)]
     pub max_handshakes_per_worker: usize,
     /// Connections open at once from one client address (/32, /64).
@@ -54,6 +55,11 @@ pub struct LimitArgs {
     /// its 4-byte header, before it is read.
     #[arg(long, default_value_t = tlsplane::config::DEFAULT_MAX_CLIENT_HELLO)]
     pub max_client_hello: usize,
+    /// KeyUpdate messages a connection may send per second on the kernel plane (burst as
+    /// many); beyond it the connection ends with unexpected_message (0: unlimited). On the
+    /// user plane rustls allows 32 in a row without application data.
+    #[arg(long, default_value_t = tlsplane::config::DEFAULT_KEY_UPDATES_PER_SECOND)]
+    pub key_updates_per_second: u32,
     /// Seconds a new connection may stay silent before its first byte (0: only the handshake
     /// timeout applies).
     #[arg(long, default_value_t = 5.0)]
@@ -456,6 +462,7 @@ mod tests {
             max_client_hello: 16384,
             first_byte_timeout: 0.0,
             handshake_evict_after: 0.0,
+            key_updates_per_second: 8,
         }
     }
 

@@ -150,6 +150,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     opts.aead_record_limit = args.aead_record_limit;
     opts.plain_http_response = Some(plain_http_response().into());
     opts.max_client_hello = args.limits.max_client_hello;
+    opts.key_updates_per_second = args.limits.key_updates_per_second;
     let acceptor = Acceptor::new(opts)?;
     eprintln!(
         "data plane: {} ({})",
