@@ -440,7 +440,7 @@ fn sweep(clients: &mut HashMap<ClientKey, Client>, a: &LimitArgs, burst: u32, no
 }
 
 /// Closes a refused connection with a reset: no FIN handshake, no TIME_WAIT on our side.
-pub fn reset(tcp: tokio::net::TcpStream) {
+pub fn reset(tcp: std::net::TcpStream) {
     let _ = socket2::SockRef::from(&tcp).set_linger(Some(Duration::ZERO));
     drop(tcp);
 }

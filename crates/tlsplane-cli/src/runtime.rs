@@ -437,7 +437,7 @@ fn handshake_loop<H: Handler>(
     rt.block_on(async move {
         let mut accepts = Vec::new();
         for l in listeners {
-            let l = match tokio::net::TcpListener::from_std(l) {
+            let l = match tlsplane_sys::async_listener(l) {
                 Ok(l) => l,
                 Err(e) => {
                     tracing::error!(error = %e, "listener registration failed");
@@ -454,7 +454,7 @@ fn handshake_loop<H: Handler>(
             accepts.push(tokio::spawn(async move {
                 loop {
                     tokio::select! {
-                        r = l.accept() => match r {
+                        r = accept_unregistered(&l) => match r {
                             Ok((tcp, peer)) => {
                                 let mut open = shared.in_flight.load(Relaxed);
                                 let max = shared.config.limits.max_connections;
@@ -498,6 +498,16 @@ fn handshake_loop<H: Handler>(
                                 let full = full.clone();
                                 tokio::spawn(async move {
                                     let _counted = counted;
+                                    let tcp = match tcp
+                                        .set_nonblocking(true)
+                                        .and_then(|()| tokio::net::TcpStream::from_std(tcp))
+                                    {
+                                        Ok(t) => t,
+                                        Err(e) => {
+                                            tracing::debug!(%peer, error = %e, "connection registration failed");
+                                            return;
+                                        }
+                                    };
                                     s.stats.connections.fetch_add(1, Relaxed);
                                     // Until its first byte a connection costs only this small
                                     // task: the handshake's state (~6 KB) is allocated after.
@@ -539,6 +549,20 @@ fn handshake_loop<H: Handler>(
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     });
+}
+
+/// accept(2) without registering the new socket with the event loop: a connection refused by
+/// a limit then costs accept and close only (tokio's accept registers the socket, and dropping
+/// it deregisters it: two epoll_ctl calls more per refusal).
+async fn accept_unregistered(
+    l: &tokio::io::unix::AsyncFd<std::net::TcpListener>,
+) -> std::io::Result<(std::net::TcpStream, SocketAddr)> {
+    loop {
+        let mut ready = l.readable().await?;
+        if let Ok(r) = ready.try_io(|l| l.get_ref().accept()) {
+            return r;
+        }
+    }
 }
 
 /// Waits for a new connection's first byte (or its end) within the first-byte deadline;

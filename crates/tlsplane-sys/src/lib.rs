@@ -394,6 +394,19 @@ pub fn send_more(sock: BorrowedFd<'_>, data: &[u8]) -> io::Result<usize> {
     })
 }
 
+/// Registers a listening socket with the current tokio runtime (call it inside one) for
+/// readiness only, so that connections can be accepted without being registered themselves:
+/// a connection refused by a limit then costs accept(2) and close(2), not two epoll_ctl calls
+/// more, as with `tokio::net::TcpListener::accept`.
+pub fn async_listener(
+    l: std::net::TcpListener,
+) -> io::Result<tokio::io::unix::AsyncFd<std::net::TcpListener>> {
+    l.set_nonblocking(true)?;
+    // SAFETY: the AsyncFd takes ownership of `l`; its descriptor stays open and refers to the
+    // same socket until the AsyncFd drops it, which deregisters it first.
+    unsafe { tokio::io::unix::AsyncFd::register(l) }.map_err(|e| e.into_parts().1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
