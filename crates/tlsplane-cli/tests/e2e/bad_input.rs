@@ -203,3 +203,52 @@ fn slow_header_times_out() {
     let stats = server.stop();
     assert_eq!(stats["http_timeouts"], 1, "{stats:?}");
 }
+
+/// A TLS 1.2 client asking to renegotiate (`openssl s_client`'s `R` command) is refused with
+/// no_renegotiation on either plane: rustls answers the first request with the warning and
+/// ends the connection at a second; the kernel plane ends it at once and counts it.
+#[test]
+fn renegotiation_is_refused() {
+    if !crate::support::tools::require("openssl") {
+        return;
+    }
+    let server = Server::start();
+    // s_client obeys `R` only without -ign_eof, and exits at the end of its input: keep that
+    // open until it is done (at most 10 s).
+    let mut child = std::process::Command::new("openssl")
+        .args([
+            "s_client",
+            "-connect",
+            &format!("127.0.0.1:{}", server.port()),
+            "-tls1_2",
+            "-servername",
+            "localhost",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("openssl s_client");
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(b"R\n").expect("R");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().expect("try_wait").is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(stdin);
+    let out = child.wait_with_output().expect("s_client output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("RENEGOTIATING"), "{text}");
+    assert!(
+        text.contains("no renegotiation"),
+        "the client should be told no_renegotiation:\n{text}"
+    );
+    let stats = server.stop();
+    if crate::support::mode() == crate::support::Mode::Kernel {
+        assert_eq!(stats["renegotiations_refused"], 1, "{stats:?}");
+    }
+}
