@@ -186,11 +186,24 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         registry.register_collector(Box::new(crate::admin::SnapshotCollector::new(
             move || counters(&s.stats, &r),
             move || {
-                vec![(
-                    "connections_open",
-                    "Connections accepted and not yet closed",
-                    open.load(Relaxed) as i64,
-                )]
+                let by_plane = tlsplane::stats::open_by_plane();
+                vec![
+                    (
+                        "connections_open",
+                        "Connections accepted and not yet closed",
+                        open.load(Relaxed) as i64,
+                    ),
+                    (
+                        "connections_open_kernel_plane",
+                        "Established connections whose records the kernel encrypts",
+                        by_plane.kernel.load(Relaxed),
+                    ),
+                    (
+                        "connections_open_user_plane",
+                        "Established connections on the user-space record layer",
+                        by_plane.user.load(Relaxed),
+                    ),
+                ]
             },
         )));
         runtime_stats.histograms.register(&mut registry);

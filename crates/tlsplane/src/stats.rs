@@ -80,6 +80,42 @@ counters! {
     plain_http_requests,
 }
 
+/// Connections open now, by plane: gauges (they go down), apart from the counters.
+#[derive(Default)]
+pub struct OpenByPlane {
+    pub kernel: std::sync::atomic::AtomicI64,
+    pub user: std::sync::atomic::AtomicI64,
+}
+
+/// The process-wide open-connection gauges.
+pub fn open_by_plane() -> &'static OpenByPlane {
+    static OPEN: std::sync::OnceLock<OpenByPlane> = std::sync::OnceLock::new();
+    OPEN.get_or_init(OpenByPlane::default)
+}
+
+/// An established connection's place in [`open_by_plane`], left when it drops.
+pub(crate) struct OpenGuard(crate::PlaneKind);
+
+impl OpenGuard {
+    pub(crate) fn new(plane: crate::PlaneKind) -> Self {
+        Self::gauge(plane).fetch_add(1, Relaxed);
+        OpenGuard(plane)
+    }
+
+    fn gauge(plane: crate::PlaneKind) -> &'static std::sync::atomic::AtomicI64 {
+        match plane {
+            crate::PlaneKind::Kernel => &open_by_plane().kernel,
+            crate::PlaneKind::User => &open_by_plane().user,
+        }
+    }
+}
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        Self::gauge(self.0).fetch_sub(1, Relaxed);
+    }
+}
+
 /// The process-wide counters.
 pub fn global() -> &'static Stats {
     static STATS: std::sync::OnceLock<Stats> = std::sync::OnceLock::new();

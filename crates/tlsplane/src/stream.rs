@@ -44,6 +44,8 @@ enum Plane {
 pub struct TlsStream {
     sock: TcpStream,
     plane: Plane,
+    /// Counts it in `stats::open_by_plane` while it lives.
+    _open: crate::stats::OpenGuard,
     info: ConnectionInfo,
     /// For reads into caller buffers too small to hold a control record (kernel plane).
     small: Pending,
@@ -200,6 +202,7 @@ impl Acceptor {
         Ok(TlsStream {
             sock,
             plane,
+            _open: crate::stats::OpenGuard::new(info.plane),
             ack_before_wait: version == ProtocolVersion::TLSv1_3 && !driven.peer_closed,
             peer_closed: driven.peer_closed,
             info,
@@ -213,6 +216,7 @@ impl Acceptor {
 pub struct DetachedTlsStream {
     sock: std::net::TcpStream,
     plane: Plane,
+    _open: crate::stats::OpenGuard,
     info: ConnectionInfo,
     small: Pending,
     ack_before_wait: bool,
@@ -230,6 +234,7 @@ impl DetachedTlsStream {
         Ok(TlsStream {
             sock: TcpStream::from_std(self.sock)?,
             plane: self.plane,
+            _open: self._open,
             info: self.info,
             small: self.small,
             ack_before_wait: self.ack_before_wait,
@@ -246,6 +251,7 @@ impl TlsStream {
         Ok(DetachedTlsStream {
             sock: self.sock.into_std()?,
             plane: self.plane,
+            _open: self._open,
             info: self.info,
             small: self.small,
             ack_before_wait: self.ack_before_wait,

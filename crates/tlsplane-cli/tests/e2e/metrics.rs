@@ -86,6 +86,13 @@ fn metrics_move_with_traffic_and_agree_with_stats() {
     }
     let mut c = TlsClient::connect_version(port, Tls::V12);
     assert_eq!(c.get("/no-such-file").status, 404);
+    // While it is open, it is one of the connections open on its plane.
+    let during = scrape(py, &url);
+    let open = |m: &serde_json::Map<String, serde_json::Value>| {
+        value(m, "tlsplane_connections_open_kernel_plane{}")
+            + value(m, "tlsplane_connections_open_user_plane{}")
+    };
+    assert_eq!(open(&during), 1.0, "one established connection open");
     c.close();
 
     let after = scrape(py, &url);
