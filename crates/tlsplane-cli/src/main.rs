@@ -3,6 +3,7 @@
 
 mod admin;
 mod limits;
+mod lobby;
 mod runtime;
 mod serve;
 

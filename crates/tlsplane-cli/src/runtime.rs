@@ -171,6 +171,11 @@ impl EvictionList {
         }
     }
 
+    /// When the oldest wait began.
+    fn oldest_since(&self) -> Option<Instant> {
+        self.lock().first_key_value().map(|(_, (at, _))| *at)
+    }
+
     /// Ends the oldest wait, if any.
     fn evict_oldest(&self) -> bool {
         self.evict_oldest_older_than(Duration::ZERO)
@@ -412,6 +417,82 @@ struct Admitted {
     ticket: Ticket,
 }
 
+/// An admitted connection on its way to its handshake: its guards.
+struct Arriving {
+    peer: SocketAddr,
+    guard: Admitted,
+    /// Its place among the loop's handshakes in progress.
+    counted: Counted,
+}
+
+/// What a handshake loop needs to give a connection its handshake task.
+struct HandshakeStart<H: Handler> {
+    shared: Arc<Shared<H>>,
+    to_conn: mpsc::UnboundedSender<Established<H::Parked>>,
+    stop: watch::Receiver<bool>,
+    full: Arc<AtomicUsize>,
+    pre_hello: Arc<EvictionList>,
+    post_hello: Arc<EvictionList>,
+}
+
+impl<H: Handler> HandshakeStart<H> {
+    /// Spawns the task of a connection whose first byte (or end) has arrived.
+    fn start(&self, tcp: std::net::TcpStream, a: Arriving) {
+        let (s, to_conn, stop) = (self.shared.clone(), self.to_conn.clone(), self.stop.clone());
+        let entry = self.pre_hello.enter();
+        let (post_hello, full) = (self.post_hello.clone(), self.full.clone());
+        tokio::spawn(async move {
+            let Arriving {
+                peer,
+                mut guard,
+                counted,
+            } = a;
+            let _counted = counted;
+            let tcp = match tokio::net::TcpStream::from_std(tcp) {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "connection registration failed");
+                    return;
+                }
+            };
+            let stats = s.stats.clone();
+            // The handshake's state is boxed and freed before the handler's is allocated.
+            contain_panics(&stats, async move {
+                let Some(tls) = Box::pin(handshake(
+                    tcp, peer, &s, &mut guard, full, entry, post_hello,
+                ))
+                .await
+                else {
+                    return;
+                };
+                serve_first(tls, peer, s, guard, to_conn, stop).await;
+            })
+            .await;
+        });
+    }
+}
+
+/// Closes the oldest connection that has not sent a whole ClientHello: silent (in the lobby)
+/// or part-way (its handshake task waiting for the rest), whichever arrived first.
+fn evict_oldest_unspoken(lobby: &crate::lobby::Lobby<Arriving>, pre_hello: &EvictionList) -> bool {
+    match (lobby.oldest_since(), pre_hello.oldest_since()) {
+        (Some(a), Some(b)) if b < a => pre_hello.evict_oldest(),
+        (Some(_), _) => lobby.evict_oldest(),
+        (None, _) => pre_hello.evict_oldest(),
+    }
+}
+
+/// Whether a just-accepted connection has sent something (or ended) already: then it goes
+/// straight to its handshake, else to the lobby. `None`: it failed (drop it).
+fn spoke_already(tcp: &std::net::TcpStream) -> Option<bool> {
+    tcp.set_nonblocking(true).ok()?;
+    match tcp.peek(&mut [0u8; 1]) {
+        Ok(_) => Some(true),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Some(false),
+        Err(_) => None,
+    }
+}
+
 fn handshake_loop<H: Handler>(
     listeners: Vec<std::net::TcpListener>,
     to_conn: mpsc::UnboundedSender<Established<H::Parked>>,
@@ -426,15 +507,42 @@ fn handshake_loop<H: Handler>(
     let Some(rt) = current_thread_runtime() else {
         return;
     };
-    // Handshakes of this loop still in progress (connections it handed over no longer count),
-    // and of those the ones known to be full handshakes.
+    // Handshakes of this loop still in progress, from accept (connections it handed over no
+    // longer count).
     let handshaking = Arc::new(AtomicUsize::new(0));
-    let full = Arc::new(AtomicUsize::new(0));
-    // Its handshakes in progress, by stage: before a whole ClientHello (no crypto spent yet),
-    // and after.
-    let pre_hello = Arc::new(EvictionList::default());
-    let post_hello = Arc::new(EvictionList::default());
+    let starter = Arc::new(HandshakeStart {
+        shared: shared.clone(),
+        to_conn,
+        stop: stop.clone(),
+        // Of those, the ones known to be full handshakes.
+        full: Arc::new(AtomicUsize::new(0)),
+        // By stage: past the first byte but before a whole ClientHello (no crypto spent yet),
+        // and after it. Before the first byte they wait in the lobby.
+        pre_hello: Arc::new(EvictionList::default()),
+        post_hello: Arc::new(EvictionList::default()),
+    });
     rt.block_on(async move {
+        let (lobby, poll) = match crate::lobby::Lobby::<Arriving>::new()
+            .and_then(|(l, p)| Ok((l, tlsplane_sys::async_epoll(p)?)))
+        {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot create the lobby's epoll instance");
+                return;
+            }
+        };
+        let watcher = {
+            let (starter, stats) = (starter.clone(), shared.stats.clone());
+            tokio::spawn(lobby.clone().watch(
+                poll,
+                shared.config.limits.first_byte_timeout(),
+                move |tcp, a| starter.start(tcp, a),
+                move |n| {
+                    stats.first_byte_timeouts.fetch_add(n as u64, Relaxed);
+                },
+                stop.clone(),
+            ))
+        };
         let mut accepts = Vec::new();
         for l in listeners {
             let l = match tlsplane_sys::async_listener(l) {
@@ -444,13 +552,9 @@ fn handshake_loop<H: Handler>(
                     continue;
                 }
             };
-            let (shared, to_conn, mut stop) = (shared.clone(), to_conn.clone(), stop.clone());
-            let (handshaking, full, pre_hello, post_hello) = (
-                handshaking.clone(),
-                full.clone(),
-                pre_hello.clone(),
-                post_hello.clone(),
-            );
+            let (shared, starter, lobby, mut stop) =
+                (shared.clone(), starter.clone(), lobby.clone(), stop.clone());
+            let handshaking = handshaking.clone();
             accepts.push(tokio::spawn(async move {
                 loop {
                     tokio::select! {
@@ -468,17 +572,16 @@ fn handshake_loop<H: Handler>(
                                 let cap = shared.config.limits.max_handshakes_per_worker;
                                 if cap > 0
                                     && hs >= cap
-                                    && (pre_hello.evict_oldest()
-                                        || shared.config.limits.handshake_evict_after().is_some_and(|age| post_hello.evict_oldest_older_than(age)))
+                                    && (evict_oldest_unspoken(&lobby, &starter.pre_hello)
+                                        || shared.config.limits.handshake_evict_after().is_some_and(|age| starter.post_hello.evict_oldest_older_than(age)))
                                 {
-                                    // A connection that has not sent its ClientHello gives way
-                                    // (silent or trickling: slowloris), else one stuck past
-                                    // it for long; else this connection is refused.
+                                    // A connection that has not sent a whole ClientHello gives
+                                    // way (silent or trickling: slowloris), else one stuck
+                                    // past it for long; else this connection is refused.
                                     shared.stats.handshakes_evicted.fetch_add(1, Relaxed);
                                     hs -= 1;
                                 }
-                                let admitted = shared.admission.admit(peer, open, hs);
-                                let ticket = match admitted {
+                                let ticket = match shared.admission.admit(peer, open, hs) {
                                     Ok(t) => t,
                                     Err(refusal) => {
                                         shared.stats.limits.count(refusal);
@@ -487,45 +590,24 @@ fn handshake_loop<H: Handler>(
                                         continue;
                                     }
                                 };
-                                let guard = Admitted {
-                                    _in_flight: Counted::new(shared.in_flight.clone()),
-                                    ticket,
+                                shared.stats.connections.fetch_add(1, Relaxed);
+                                let arriving = Arriving {
+                                    peer,
+                                    guard: Admitted {
+                                        _in_flight: Counted::new(shared.in_flight.clone()),
+                                        ticket,
+                                    },
+                                    counted: Counted::new(handshaking.clone()),
                                 };
-                                let (s, to_conn, stop) = (shared.clone(), to_conn.clone(), stop.clone());
-                                let counted = Counted::new(handshaking.clone());
-                                let entry = pre_hello.enter();
-                                let post_hello = post_hello.clone();
-                                let full = full.clone();
-                                tokio::spawn(async move {
-                                    let _counted = counted;
-                                    let tcp = match tcp
-                                        .set_nonblocking(true)
-                                        .and_then(|()| tokio::net::TcpStream::from_std(tcp))
-                                    {
-                                        Ok(t) => t,
-                                        Err(e) => {
-                                            tracing::debug!(%peer, error = %e, "connection registration failed");
-                                            return;
+                                match spoke_already(&tcp) {
+                                    Some(true) => starter.start(tcp, arriving),
+                                    Some(false) => {
+                                        if let Err(e) = lobby.enter(tcp, arriving) {
+                                            tracing::debug!(%peer, error = %e, "lobby registration failed");
                                         }
-                                    };
-                                    s.stats.connections.fetch_add(1, Relaxed);
-                                    // Until its first byte a connection costs only this small
-                                    // task: the handshake's state (~6 KB) is allocated after.
-                                    if !first_byte(&tcp, peer, &s, &entry.notify).await {
-                                        return;
                                     }
-                                    let stats = s.stats.clone();
-                                    // Boxed twice: the handshake's state is freed before
-                                    // the handler's is allocated.
-                                    contain_panics(&stats, Box::pin(async move {
-                                        let mut guard = guard;
-                                        let Some(tls) = Box::pin(handshake(tcp, peer, &s, &mut guard, full, entry, post_hello)).await else {
-                                            return;
-                                        };
-                                        serve_first(tls, peer, s, guard, to_conn, stop).await;
-                                    }))
-                                    .await;
-                                });
+                                    None => {}
+                                }
                             }
                             Err(e) => {
                                 // EMFILE and friends: back off instead of spinning.
@@ -538,10 +620,11 @@ fn handshake_loop<H: Handler>(
                 }
             }));
         }
-        drop(to_conn);
+        drop(starter);
         for a in accepts {
             let _ = a.await;
         }
+        let _ = watcher.await;
         // Listeners are closed; handshakes in progress still finish (or time out) and go to
         // the connection loop, which drains them.
         let deadline = tokio::time::Instant::now() + shared.config.handshake_timeout;
@@ -562,38 +645,6 @@ async fn accept_unregistered(
         if let Ok(r) = ready.try_io(|l| l.get_ref().accept()) {
             return r;
         }
-    }
-}
-
-/// Waits for a new connection's first byte (or its end) within the first-byte deadline;
-/// false: the connection is done (counted when the deadline passed).
-async fn first_byte<H: Handler>(
-    tcp: &tokio::net::TcpStream,
-    peer: SocketAddr,
-    shared: &Shared<H>,
-    evicted: &tokio::sync::Notify,
-) -> bool {
-    // A peek, not `readable()`: that may report a fresh socket readable with nothing in it
-    // (tokio documents false positives), which made every silent connection take the
-    // handshake's full state at once.
-    let mut byte = [0u8; 1];
-    let limit = shared.config.limits.first_byte_timeout();
-    let wait = async {
-        match limit {
-            Some(limit) => tokio::time::timeout(limit, tcp.peek(&mut byte)).await,
-            None => Ok(tcp.peek(&mut byte).await),
-        }
-    };
-    tokio::select! {
-        r = wait => match r {
-            Ok(r) => r.is_ok(),
-            Err(_) => {
-                shared.stats.first_byte_timeouts.fetch_add(1, Relaxed);
-                tracing::debug!(%peer, "nothing received before the first-byte deadline");
-                false
-            }
-        },
-        _ = evicted.notified() => false,
     }
 }
 

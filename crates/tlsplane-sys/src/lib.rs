@@ -407,6 +407,15 @@ pub fn async_listener(
     unsafe { tokio::io::unix::AsyncFd::register(l) }.map_err(|e| e.into_parts().1)
 }
 
+/// Registers a mio epoll instance with the current tokio runtime (call it inside one): the
+/// instance's descriptor turns readable when a socket registered in it has an event. Lets one
+/// task watch many sockets that have no tokio registration of their own.
+pub fn async_epoll(poll: mio::Poll) -> io::Result<tokio::io::unix::AsyncFd<mio::Poll>> {
+    // SAFETY: the AsyncFd takes ownership of `poll`; its epoll descriptor stays open and refers
+    // to the same instance until the AsyncFd drops it, which deregisters it first.
+    unsafe { tokio::io::unix::AsyncFd::register(poll) }.map_err(|e| e.into_parts().1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
