@@ -9,7 +9,7 @@
 //! ([`Lobby::evict_oldest`]); or when its first-byte deadline passes. Both of the latter close
 //! it (it has been sent nothing).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
@@ -21,13 +21,30 @@ use mio::{Events, Interest, Token};
 struct Waiting<W> {
     sock: TcpStream,
     item: W,
+    /// Tells this entry from earlier ones in the same slot (see `Token`).
+    generation: u32,
 }
 
+/// Slots rather than a map: 10,000 silent connections are the case this exists for, and a
+/// hash map at that size carries twice the room it uses.
 struct Inner<W> {
-    waiting: HashMap<usize, Waiting<W>>,
-    /// Tokens by arrival (some may have left already): for deadlines and eviction.
-    order: VecDeque<(Instant, usize)>,
-    next: usize,
+    slots: Vec<Option<Waiting<W>>>,
+    free: Vec<u32>,
+    /// Arrival order (entries may have left already; the generation tells): for deadlines and
+    /// eviction.
+    order: VecDeque<(Instant, u64)>,
+    generation: u32,
+}
+
+/// A waiting connection's name, for mio and `order`: slot and generation.
+fn token(slot: u32, generation: u32) -> u64 {
+    (u64::from(generation) << 32) | u64::from(slot)
+}
+
+impl<W> Inner<W> {
+    fn contains(&self, t: u64) -> bool {
+        matches!(self.slots.get(t as u32 as usize), Some(Some(w)) if w.generation == (t >> 32) as u32)
+    }
 }
 
 /// The connections of one handshake loop that wait for their first byte. `W` is what each
@@ -44,9 +61,10 @@ impl<W> Lobby<W> {
         let registry = poll.registry().try_clone()?;
         let lobby = Lobby {
             inner: Mutex::new(Inner {
-                waiting: HashMap::new(),
+                slots: Vec::new(),
+                free: Vec::new(),
                 order: VecDeque::new(),
-                next: 0,
+                generation: 0,
             }),
             registry,
         };
@@ -60,20 +78,40 @@ impl<W> Lobby<W> {
     /// Puts a connection (non-blocking) in the lobby; on failure it is closed.
     pub fn enter(&self, sock: TcpStream, item: W) -> std::io::Result<()> {
         let mut inner = self.lock();
-        let token = inner.next;
-        inner.next = inner.next.wrapping_add(1);
-        self.registry.register(
+        inner.generation = inner.generation.wrapping_add(1);
+        let generation = inner.generation;
+        let slot = match inner.free.pop() {
+            Some(s) => s,
+            None => {
+                inner.slots.push(None);
+                (inner.slots.len() - 1) as u32
+            }
+        };
+        let t = token(slot, generation);
+        if let Err(e) = self.registry.register(
             &mut SourceFd(&sock.as_raw_fd()),
-            Token(token),
+            Token(t as usize),
             Interest::READABLE,
-        )?;
-        inner.waiting.insert(token, Waiting { sock, item });
-        inner.order.push_back((Instant::now(), token));
+        ) {
+            inner.free.push(slot);
+            return Err(e);
+        }
+        inner.slots[slot as usize] = Some(Waiting {
+            sock,
+            item,
+            generation,
+        });
+        inner.order.push_back((Instant::now(), t));
         Ok(())
     }
 
-    fn take(&self, inner: &mut Inner<W>, token: usize) -> Option<(TcpStream, W)> {
-        let w = inner.waiting.remove(&token)?;
+    fn take(&self, inner: &mut Inner<W>, t: u64) -> Option<(TcpStream, W)> {
+        if !inner.contains(t) {
+            return None;
+        }
+        let slot = t as u32;
+        let w = inner.slots[slot as usize].take()?;
+        inner.free.push(slot);
         let _ = self.registry.deregister(&mut SourceFd(&w.sock.as_raw_fd()));
         Some((w.sock, w.item))
     }
@@ -81,8 +119,8 @@ impl<W> Lobby<W> {
     /// When the connection that has waited longest arrived.
     pub fn oldest_since(&self) -> Option<Instant> {
         let mut inner = self.lock();
-        while let Some(&(at, token)) = inner.order.front() {
-            if inner.waiting.contains_key(&token) {
+        while let Some(&(at, t)) = inner.order.front() {
+            if inner.contains(t) {
                 return Some(at);
             }
             inner.order.pop_front();
@@ -93,8 +131,8 @@ impl<W> Lobby<W> {
     /// Closes the connection that has waited longest, if any.
     pub fn evict_oldest(&self) -> bool {
         let mut inner = self.lock();
-        while let Some((_, token)) = inner.order.pop_front() {
-            if let Some((sock, item)) = self.take(&mut inner, token) {
+        while let Some((_, t)) = inner.order.pop_front() {
+            if let Some((sock, item)) = self.take(&mut inner, t) {
                 drop(inner);
                 drop((sock, item));
                 return true;
@@ -108,8 +146,8 @@ impl<W> Lobby<W> {
         let mut closed = Vec::new();
         {
             let mut inner = self.lock();
-            while let Some(&(at, token)) = inner.order.front() {
-                if !inner.waiting.contains_key(&token) {
+            while let Some(&(at, t)) = inner.order.front() {
+                if !inner.contains(t) {
                     inner.order.pop_front();
                     continue;
                 }
@@ -117,7 +155,7 @@ impl<W> Lobby<W> {
                     break;
                 }
                 inner.order.pop_front();
-                closed.extend(self.take(&mut inner, token));
+                closed.extend(self.take(&mut inner, t));
             }
         }
         closed.len()
@@ -138,7 +176,7 @@ impl<W> Lobby<W> {
             any = true;
             let taken = {
                 let mut inner = self.lock();
-                self.take(&mut inner, ev.token().0)
+                self.take(&mut inner, ev.token().0 as u64)
             };
             if let Some((sock, item)) = taken {
                 ready(sock, item);
@@ -196,9 +234,63 @@ impl<W> Lobby<W> {
         }
         // Shutting down: whoever has not spoken yet is closed.
         let mut inner = self.lock();
-        let tokens: Vec<usize> = inner.waiting.keys().copied().collect();
-        for t in tokens {
+        let left: Vec<u64> = inner.order.iter().map(|&(_, t)| t).collect();
+        for t in left {
             drop(self.take(&mut inner, t));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::net::TcpListener;
+
+    /// A connected pair: (server side, client side).
+    fn pair(l: &TcpListener) -> (TcpStream, TcpStream) {
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        s.set_nonblocking(true).unwrap();
+        (s, c)
+    }
+
+    fn closed(c: &mut TcpStream) -> bool {
+        c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        matches!(c.read(&mut [0u8; 1]), Ok(0))
+    }
+
+    #[test]
+    fn evicts_oldest_first_and_a_reused_slot_is_not_mistaken_for_its_old_entry() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let (lobby, _poll) = Lobby::<u32>::new().unwrap();
+        let (s1, mut c1) = pair(&l);
+        let (s2, mut c2) = pair(&l);
+        lobby.enter(s1, 1).unwrap();
+        lobby.enter(s2, 2).unwrap();
+        assert!(lobby.evict_oldest());
+        assert!(closed(&mut c1), "the oldest goes first");
+        // Slot 0 is free again; a third connection takes it. The second is still the oldest.
+        let (s3, mut c3) = pair(&l);
+        lobby.enter(s3, 3).unwrap();
+        assert!(lobby.evict_oldest());
+        assert!(closed(&mut c2));
+        assert!(lobby.evict_oldest());
+        assert!(closed(&mut c3));
+        assert!(!lobby.evict_oldest(), "empty");
+    }
+
+    #[test]
+    fn expires_only_those_past_the_deadline() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let (lobby, _poll) = Lobby::<u32>::new().unwrap();
+        let (s1, mut c1) = pair(&l);
+        lobby.enter(s1, 1).unwrap();
+        std::thread::sleep(Duration::from_millis(60));
+        let (s2, _c2) = pair(&l);
+        lobby.enter(s2, 2).unwrap();
+        assert_eq!(lobby.expire(Duration::from_millis(50)), 1);
+        assert!(closed(&mut c1));
+        assert!(lobby.oldest_since().is_some(), "the younger one stays");
     }
 }
