@@ -30,6 +30,14 @@ fn response_or_clean_close(c: &mut TlsClient) -> Outcome {
     }
 }
 
+/// What the server said at start-up: whether this kernel can re-key TLS 1.3 (Linux >= 6.14).
+fn kernel_rekeys(server: &Server) -> bool {
+    server
+        .stderr_lines()
+        .iter()
+        .any(|l| l.starts_with("data plane:") && l.contains("TLS 1.3 rekey yes"))
+}
+
 #[test]
 fn client_key_update() {
     let fx = fixtures::get();
@@ -64,10 +72,7 @@ fn client_key_update() {
     }
     // The server says at start-up whether this kernel can re-key TLS 1.3 (Linux >= 6.14); the
     // outcome must follow from it, not merely be one of the two acceptable ones.
-    let kernel_rekeys = server
-        .stderr_lines()
-        .iter()
-        .any(|l| l.starts_with("data plane:") && l.contains("TLS 1.3 rekey yes"));
+    let kernel_rekeys = kernel_rekeys(&server);
     let stats = server.stop();
     if mode() == Mode::Kernel {
         eprintln!("kernel can re-key TLS 1.3: {kernel_rekeys}");
@@ -125,10 +130,7 @@ fn key_update_storm_is_cut_off_on_the_kernel_plane() {
         .expect("request after the storm");
     let response = c.read_response(false);
     let (_, end) = c.read_to_end();
-    let rekeys = server
-        .stderr_lines()
-        .iter()
-        .any(|l| l.starts_with("data plane:") && l.contains("TLS 1.3 rekey yes"));
+    let rekeys = kernel_rekeys(&server);
     let stats = server.stop();
     match (mode(), rekeys) {
         (Mode::User, _) => {

@@ -12,6 +12,15 @@ use crate::support::{fixtures, Server};
 const FIRST: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 1);
 const SECOND: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 
+/// A full TLS 1.3 handshake that stalls after the server's flight (it never sends its
+/// Finished): it holds a place among the server's full handshakes in progress.
+fn stalled_full_handshake(port: u16) -> TlsClient {
+    let mut c = TlsClient::new(port, ClientOpts::version(Tls::V13).config());
+    c.flush_tls().expect("ClientHello");
+    c.read_tls_once().expect("the server's flight");
+    c
+}
+
 /// A full handshake + GET from `source`; false if the server refused the connection.
 fn served_from(source: Ipv4Addr, port: u16) -> bool {
     let Ok(sock) = tcp_connect_from(source, port) else {
@@ -133,14 +142,7 @@ fn handshakes_in_progress_are_capped_per_worker() {
     let port = server.port();
     // Two connections that stay in their handshake past the ClientHello (they never send
     // their Finished): they do not give way (see slow_handshakes_give_way_...).
-    let idle: Vec<TlsClient> = (0..2)
-        .map(|_| {
-            let mut c = TlsClient::new(port, ClientOpts::version(Tls::V13).config());
-            c.flush_tls().expect("ClientHello");
-            c.read_tls_once().expect("the server's flight");
-            c
-        })
-        .collect();
+    let idle: Vec<TlsClient> = (0..2).map(|_| stalled_full_handshake(port)).collect();
     std::thread::sleep(Duration::from_millis(200));
     assert!(!served_from(SECOND, port), "a 3rd handshake was admitted");
     drop(idle);
@@ -286,14 +288,7 @@ fn resumptions_are_served_while_full_handshakes_fill_the_worker() {
     let config = resuming_client();
     assert_eq!(get_with(port, &config), Some(false));
     // Two full handshakes that stall after the server's flight hold the full places.
-    let stalled: Vec<TlsClient> = (0..2)
-        .map(|_| {
-            let mut c = TlsClient::new(port, ClientOpts::version(Tls::V13).config());
-            c.flush_tls().expect("ClientHello");
-            c.read_tls_once().expect("the server's flight");
-            c
-        })
-        .collect();
+    let stalled: Vec<TlsClient> = (0..2).map(|_| stalled_full_handshake(port)).collect();
     assert_eq!(
         get_with(port, &resuming_client()),
         None,
@@ -435,14 +430,7 @@ fn slow_handshakes_give_way_to_new_connections_at_the_cap() {
 
     // Past their ClientHello (the server spent its crypto), they give way only once older
     // than --handshake-evict-after.
-    let stalled: Vec<TlsClient> = (0..2)
-        .map(|_| {
-            let mut c = TlsClient::new(port, ClientOpts::version(Tls::V13).config());
-            c.flush_tls().expect("ClientHello");
-            c.read_tls_once().expect("the server's flight");
-            c
-        })
-        .collect();
+    let stalled: Vec<TlsClient> = (0..2).map(|_| stalled_full_handshake(port)).collect();
     assert!(!served_from(SECOND, port), "a young handshake was evicted");
     std::thread::sleep(Duration::from_millis(600));
     assert!(
