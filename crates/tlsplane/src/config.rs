@@ -68,9 +68,6 @@ pub struct ServerOptions {
     /// Longest ClientHello accepted (its handshake message, bytes); a longer one is refused
     /// from its header with an illegal_parameter alert, before it is read or parsed.
     pub max_client_hello: usize,
-    /// How long a new connection may stay silent before its first byte; `None`: only the
-    /// caller's handshake deadline applies.
-    pub first_byte_timeout: Option<std::time::Duration>,
     /// KeyUpdate messages a peer may send per second on the kernel plane (burst: as many),
     /// where each costs two setsockopt calls and a key schedule step; beyond it the
     /// connection ends with an unexpected_message alert (a KeyUpdate storm crashed HAProxy
@@ -96,7 +93,6 @@ impl ServerOptions {
             aead_record_limit: None,
             plain_http_response: None,
             max_client_hello: DEFAULT_MAX_CLIENT_HELLO,
-            first_byte_timeout: None,
             key_updates_per_second: DEFAULT_KEY_UPDATES_PER_SECOND,
         }
     }
@@ -155,7 +151,6 @@ pub struct Acceptor {
     pub(crate) aead_record_limit: Option<u64>,
     pub(crate) plain_http_response: Option<Arc<[u8]>>,
     pub(crate) max_client_hello: usize,
-    pub(crate) first_byte_timeout: Option<std::time::Duration>,
     pub(crate) key_updates_per_second: u32,
 }
 
@@ -196,7 +191,6 @@ impl Acceptor {
             aead_record_limit: opts.aead_record_limit,
             plain_http_response: opts.plain_http_response,
             max_client_hello: opts.max_client_hello,
-            first_byte_timeout: opts.first_byte_timeout,
             key_updates_per_second: opts.key_updates_per_second,
         })
     }

@@ -24,8 +24,6 @@ pub enum Error {
     /// The client spoke plain HTTP to the TLS port; it was answered with the configured
     /// response.
     PlainHttp,
-    /// The client sent nothing within the first-byte deadline.
-    FirstByteTimeout,
     /// The ClientHello is longer than the configured cap (its length as claimed); it was
     /// answered with an illegal_parameter alert without being read.
     ClientHelloTooLarge(usize),
@@ -43,7 +41,6 @@ impl Error {
                 | Error::PeerAlert(_)
                 | Error::PeerClosedInHandshake
                 | Error::PlainHttp
-                | Error::FirstByteTimeout
                 | Error::ClientHelloTooLarge(_)
         ) || matches!(self, Error::Io(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::UnexpectedEof | io::ErrorKind::TimedOut))
     }
@@ -63,9 +60,6 @@ impl fmt::Display for Error {
             }
             Error::Config(s) => write!(f, "configuration error: {s}"),
             Error::PlainHttp => f.write_str("plain HTTP on the TLS port (answered, closed)"),
-            Error::FirstByteTimeout => {
-                f.write_str("the client sent nothing before the first-byte deadline")
-            }
             Error::ClientHelloTooLarge(n) => {
                 write!(f, "ClientHello of {n} bytes is over the size cap")
             }

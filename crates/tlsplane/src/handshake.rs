@@ -266,8 +266,6 @@ pub(crate) struct Gate<'a> {
     pub(crate) plain_http_response: Option<&'a [u8]>,
     /// See `ServerOptions::max_client_hello`.
     pub(crate) max_client_hello: usize,
-    /// See `ServerOptions::first_byte_timeout`.
-    pub(crate) first_byte_timeout: Option<std::time::Duration>,
     pub(crate) ticketer: &'a dyn rustls::server::ProducesTickets,
     /// The caller's admission decision on the ClientHello (true: go ahead).
     pub(crate) admit: &'a mut (dyn FnMut(&HelloInfo) -> bool + Send),
@@ -276,21 +274,15 @@ pub(crate) struct Gate<'a> {
 const ALERT_ILLEGAL_PARAMETER: u8 = 47;
 
 /// The first step of a handshake, before rustls exists for the connection (a connection that
-/// trickles or never completes its ClientHello costs only the input buffer): the first read
-/// (within the first-byte deadline), the plain-HTTP answer, then [`admit_hello`].
+/// trickles or never completes its ClientHello costs only the input buffer): the first read,
+/// the plain-HTTP answer, then [`admit_hello`]. (A deadline for the first byte is the
+/// caller's: the runtime keeps silent connections in its lobby until then.)
 pub(crate) async fn receive_hello(
     sock: &TcpStream,
     incoming: &mut Incoming,
     mut gate: Gate<'_>,
 ) -> Result<(), Error> {
-    let read = incoming.read_more(sock);
-    let n = match gate.first_byte_timeout {
-        Some(t) => tokio::time::timeout(t, read)
-            .await
-            .map_err(|_| Error::FirstByteTimeout)??,
-        None => read.await?,
-    };
-    if n == 0 {
+    if incoming.read_more(sock).await? == 0 {
         return Err(Error::PeerClosedInHandshake);
     }
     if let Some(resp) = gate.plain_http_response {

@@ -78,7 +78,6 @@ impl Acceptor {
         let gate = handshake::Gate {
             plain_http_response: self.plain_http_response.as_deref(),
             max_client_hello: self.max_client_hello,
-            first_byte_timeout: self.first_byte_timeout,
             ticketer: self.config.ticketer.as_ref(),
             admit,
         };
