@@ -67,6 +67,23 @@ pub struct Request {
     pub range: Option<String>,
     /// `If-Range`.
     pub if_range: Option<String>,
+    /// `Host`, as sent (at most one is accepted).
+    pub host: Option<String>,
+}
+
+impl Request {
+    /// The host name of the `Host` field, without its port (and without the brackets of an
+    /// IPv6 literal); `None` without a `Host`.
+    pub fn host_name(&self) -> Option<&str> {
+        let h = self.host.as_deref()?;
+        if let Some(rest) = h.strip_prefix('[') {
+            return rest.split_once(']').map(|(ip, _)| ip);
+        }
+        Some(match h.rsplit_once(':') {
+            Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+            _ => h,
+        })
+    }
 }
 
 /// Outcome of [`parse_request`] on the bytes received so far.
@@ -286,6 +303,7 @@ fn build_request(req: &httparse::Request<'_, '_>) -> Result<Request, HttpError> 
         if_modified_since: None,
         range: None,
         if_range: None,
+        host: None,
     };
 
     for h in req.headers.iter() {
@@ -299,6 +317,7 @@ fn build_request(req: &httparse::Request<'_, '_>) -> Result<Request, HttpError> 
             }
         } else if name.eq_ignore_ascii_case(b"host") {
             hosts += 1;
+            request.host = Some(String::from_utf8_lossy(value).into_owned());
         } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             transfer_encoding = true;
         } else if name.eq_ignore_ascii_case(b"content-length") {

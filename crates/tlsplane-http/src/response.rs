@@ -53,6 +53,7 @@ pub fn reason_phrase(status: u16) -> &'static str {
         413 => "Content Too Large",
         414 => "URI Too Long",
         416 => "Range Not Satisfiable",
+        421 => "Misdirected Request",
         431 => "Request Header Fields Too Large",
         500 => "Internal Server Error",
         501 => "Not Implemented",

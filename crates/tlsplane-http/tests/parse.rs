@@ -580,3 +580,17 @@ fn later_minor_version_heads_over_the_limit_are_431() {
     big.resize(17_000, b'y');
     assert_eq!(status_of(&big, &Limits::default()), 431);
 }
+
+#[test]
+fn host_name_drops_the_port_and_ipv6_brackets() {
+    let host = |h: &str| {
+        let buf = format!("GET / HTTP/1.1\r\nHost: {h}\r\n\r\n");
+        complete(buf.as_bytes()).1.host_name().map(str::to_owned)
+    };
+    assert_eq!(host("Example.com:8443").as_deref(), Some("Example.com"));
+    assert_eq!(host("example.com").as_deref(), Some("example.com"));
+    assert_eq!(host("[::1]:8443").as_deref(), Some("::1"));
+    assert_eq!(host("127.0.0.1:1").as_deref(), Some("127.0.0.1"));
+    let (_, r) = complete(b"GET / HTTP/1.0\r\n\r\n");
+    assert_eq!(r.host_name(), None);
+}

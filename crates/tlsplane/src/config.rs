@@ -6,11 +6,12 @@ use std::sync::Arc;
 
 use rustls::crypto::aws_lc_rs::{self as provider, cipher_suite as cs, kx_group};
 use rustls::crypto::CryptoProvider;
-use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::server::{ProducesTickets, StoresServerSessions};
 use rustls::sign::CertifiedKey;
 use rustls::ServerConfig;
 
 use crate::probe::KernelSupport;
+use crate::sites::{SiteCerts, SiteNames, UnknownName};
 use crate::Error;
 
 /// Where application records should be encrypted.
@@ -49,13 +50,39 @@ impl fmt::Display for DataPlanePolicy {
     }
 }
 
+/// One site's TLS: its certificates and what it negotiates. Which site a connection is for is
+/// decided by [`ServerOptions::names`].
+#[derive(Clone, Debug)]
+pub struct SiteTls {
+    /// One chain per key type (e.g. ECDSA and RSA), most preferred first: see `sites::SiteCerts`.
+    pub certs: Vec<Arc<CertifiedKey>>,
+    /// ALPN protocols offered, most preferred first.
+    pub alpn: Vec<Vec<u8>>,
+    /// TLS versions accepted.
+    pub versions: Vec<&'static rustls::SupportedProtocolVersion>,
+}
+
+impl SiteTls {
+    /// A site with these certificates, HTTP/1.1 by ALPN, TLS 1.3 and 1.2.
+    pub fn new(certs: Vec<Arc<CertifiedKey>>) -> Self {
+        Self {
+            certs,
+            alpn: vec![b"http/1.1".to_vec()],
+            versions: vec![&rustls::version::TLS13, &rustls::version::TLS12],
+        }
+    }
+}
+
 /// What a server needs to accept TLS connections.
 #[derive(Clone)]
 pub struct ServerOptions {
-    pub cert: Arc<CertifiedKey>,
+    /// The sites, by number (see `names`).
+    pub sites: Vec<SiteTls>,
+    /// Which site a server name is for (and the default site).
+    pub names: Arc<SiteNames>,
+    /// A ClientHello for no site (and no default site): see [`UnknownName`].
+    pub unknown_name: UnknownName,
     pub policy: DataPlanePolicy,
-    /// ALPN protocols offered, most preferred first.
-    pub alpn: Vec<Vec<u8>>,
     /// TLS 1.3 tickets sent after each full handshake (0 disables TLS 1.3 resumption).
     pub tls13_tickets: usize,
     /// Records encrypted under one key on the kernel plane before we re-key or close. `None`
@@ -84,11 +111,13 @@ pub const DEFAULT_KEY_UPDATES_PER_SECOND: u32 = 8;
 pub const DEFAULT_MAX_CLIENT_HELLO: usize = 16384;
 
 impl ServerOptions {
+    /// One site, the default for every name, with this certificate.
     pub fn new(cert: Arc<CertifiedKey>) -> Self {
         Self {
-            cert,
+            sites: vec![SiteTls::new(vec![cert])],
+            names: Arc::new(SiteNames::new(&[Vec::new()], Some(0)).expect("no names, no clash")),
+            unknown_name: UnknownName::default(),
             policy: DataPlanePolicy::Auto,
-            alpn: vec![b"http/1.1".to_vec()],
             tls13_tickets: 1,
             aead_record_limit: None,
             plain_http_response: None,
@@ -129,23 +158,19 @@ pub fn crypto_provider() -> CryptoProvider {
     }
 }
 
-/// Serves one certificate whatever the SNI (the common single-site case).
-#[derive(Debug)]
-struct CertStore {
-    default: Arc<CertifiedKey>,
-}
-
-impl ResolvesServerCert for CertStore {
-    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.default.clone())
-    }
-}
-
-/// Accepts TLS connections: holds the rustls configuration, the policy and what the kernel can
-/// do. Cheap to share between workers (`Arc` inside).
+/// Accepts TLS connections: holds each site's rustls configuration, the policy and what the
+/// kernel can do. Cheap to share between workers (`Arc` inside).
 #[derive(Clone)]
 pub struct Acceptor {
-    pub(crate) config: Arc<ServerConfig>,
+    /// One rustls configuration per site, by site number.
+    pub(crate) sites: Arc<[Arc<ServerConfig>]>,
+    pub(crate) names: Arc<SiteNames>,
+    pub(crate) unknown_name: UnknownName,
+    /// Shared by every site and kept across reloads, so that tickets issued before a reload
+    /// still resume after it.
+    pub(crate) ticketer: Arc<dyn ProducesTickets>,
+    /// TLS 1.2 session-ID resumption state, shared as the ticketer is.
+    session_storage: Arc<dyn StoresServerSessions + Send + Sync>,
     pub(crate) policy: DataPlanePolicy,
     pub(crate) kernel: Arc<KernelSupport>,
     pub(crate) aead_record_limit: Option<u64>,
@@ -168,26 +193,73 @@ impl Acceptor {
 
     /// As [`Acceptor::new`] with an explicit kernel capability set (tests, forced fallbacks).
     pub fn with_kernel_support(opts: ServerOptions, kernel: KernelSupport) -> Result<Self, Error> {
+        let ticketer = provider::Ticketer::new().map_err(|e| Error::Config(e.to_string()))?;
+        let session_storage = rustls::server::ServerSessionMemoryCache::new(4096);
+        Self::build(opts, Arc::new(kernel), ticketer, session_storage)
+    }
+
+    /// A new acceptor for a reloaded configuration: new sites and options, the same session
+    /// ticket keys and session cache (clients resume across the reload), and the same kernel
+    /// probe unless the data-plane policy changed.
+    pub fn reload(&self, opts: ServerOptions) -> Result<Self, Error> {
+        let kernel = if opts.policy == self.policy {
+            self.kernel.clone()
+        } else {
+            Arc::new(match opts.policy {
+                DataPlanePolicy::User => KernelSupport::disabled("data plane set to user"),
+                _ => KernelSupport::probe(),
+            })
+        };
+        Self::build(
+            opts,
+            kernel,
+            self.ticketer.clone(),
+            self.session_storage.clone(),
+        )
+    }
+
+    fn build(
+        opts: ServerOptions,
+        kernel: Arc<KernelSupport>,
+        ticketer: Arc<dyn ProducesTickets>,
+        session_storage: Arc<dyn StoresServerSessions + Send + Sync>,
+    ) -> Result<Self, Error> {
         if opts.policy == DataPlanePolicy::Kernel && !kernel.ulp {
             return Err(Error::Config(format!(
                 "--data-plane kernel: this kernel cannot offload TLS ({}); use --data-plane auto or user, or load the `tls` module",
                 kernel.reason
             )));
         }
-        let mut config = ServerConfig::builder_with_provider(Arc::new(crypto_provider()))
-            .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
-            .map_err(|e| Error::Config(e.to_string()))?
-            .with_no_client_auth()
-            .with_cert_resolver(Arc::new(CertStore { default: opts.cert }));
-        config.alpn_protocols = opts.alpn;
-        config.enable_secret_extraction = true;
-        config.ignore_client_order = true;
-        config.send_tls13_tickets = opts.tls13_tickets;
-        config.ticketer = provider::Ticketer::new().map_err(|e| Error::Config(e.to_string()))?;
+        if opts.sites.is_empty() {
+            return Err(Error::Config("no site to serve".into()));
+        }
+        let provider = Arc::new(crypto_provider());
+        let mut sites = Vec::with_capacity(opts.sites.len());
+        for (i, site) in opts.sites.into_iter().enumerate() {
+            if site.certs.is_empty() {
+                return Err(Error::Config(format!("site #{} has no certificate", i + 1)));
+            }
+            let mut config = ServerConfig::builder_with_provider(provider.clone())
+                .with_protocol_versions(&site.versions)
+                .map_err(|e| Error::Config(format!("site #{}: {e}", i + 1)))?
+                .with_no_client_auth()
+                .with_cert_resolver(Arc::new(SiteCerts { certs: site.certs }));
+            config.alpn_protocols = site.alpn;
+            config.enable_secret_extraction = true;
+            config.ignore_client_order = true;
+            config.send_tls13_tickets = opts.tls13_tickets;
+            config.ticketer = ticketer.clone();
+            config.session_storage = session_storage.clone();
+            sites.push(Arc::new(config));
+        }
         Ok(Self {
-            config: Arc::new(config),
+            sites: sites.into(),
+            names: opts.names,
+            unknown_name: opts.unknown_name,
+            ticketer,
+            session_storage,
             policy: opts.policy,
-            kernel: Arc::new(kernel),
+            kernel,
             aead_record_limit: opts.aead_record_limit,
             plain_http_response: opts.plain_http_response,
             max_client_hello: opts.max_client_hello,
@@ -202,5 +274,10 @@ impl Acceptor {
     /// What the kernel was found to support at start-up.
     pub fn kernel_support(&self) -> &KernelSupport {
         &self.kernel
+    }
+
+    /// Which site a server name is for, as the ClientHello's SNI is matched.
+    pub fn names(&self) -> &Arc<SiteNames> {
+        &self.names
     }
 }

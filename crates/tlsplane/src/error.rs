@@ -30,6 +30,9 @@ pub enum Error {
     /// The caller's admission check refused the ClientHello (a limit); the connection was
     /// reset without a reply.
     Refused,
+    /// The ClientHello names no site this server has (or names none, and there is no default
+    /// site); it was refused with an unrecognized_name alert or a reset, as configured.
+    UnknownServerName(Option<String>),
 }
 
 impl Error {
@@ -42,6 +45,7 @@ impl Error {
                 | Error::PeerClosedInHandshake
                 | Error::PlainHttp
                 | Error::ClientHelloTooLarge(_)
+                | Error::UnknownServerName(_)
         ) || matches!(self, Error::Io(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::UnexpectedEof | io::ErrorKind::TimedOut))
     }
 }
@@ -64,6 +68,10 @@ impl fmt::Display for Error {
                 write!(f, "ClientHello of {n} bytes is over the size cap")
             }
             Error::Refused => f.write_str("refused by an admission limit at the ClientHello"),
+            Error::UnknownServerName(Some(n)) => write!(f, "no site for server name {n:?}"),
+            Error::UnknownServerName(None) => {
+                f.write_str("no server name (SNI) sent and no default site")
+            }
         }
     }
 }

@@ -272,6 +272,7 @@ pub(crate) struct Gate<'a> {
 }
 
 const ALERT_ILLEGAL_PARAMETER: u8 = 47;
+pub(crate) const ALERT_UNRECOGNIZED_NAME: u8 = 112;
 
 /// The first step of a handshake, before rustls exists for the connection (a connection that
 /// trickles or never completes its ClientHello costs only the input buffer): the first read,
@@ -281,7 +282,7 @@ pub(crate) async fn receive_hello(
     sock: &TcpStream,
     incoming: &mut Incoming,
     mut gate: Gate<'_>,
-) -> Result<(), Error> {
+) -> Result<Option<HelloInfo>, Error> {
     if incoming.read_more(sock).await? == 0 {
         return Err(Error::PeerClosedInHandshake);
     }
@@ -298,12 +299,12 @@ pub(crate) async fn receive_hello(
 /// Before rustls sees the connection's first bytes (so before its ECDHE and signature): reads
 /// until the ClientHello is whole, refuses one over the size cap (from its header, without
 /// reading the rest) and asks the caller whether to go ahead. Input that is no ClientHello is
-/// left to rustls to reject.
+/// left to rustls to reject (`None`).
 async fn admit_hello(
     sock: &TcpStream,
     incoming: &mut Incoming,
     gate: &mut Gate<'_>,
-) -> Result<(), Error> {
+) -> Result<Option<HelloInfo>, Error> {
     loop {
         match hello::peek(
             &incoming.buf[..incoming.used],
@@ -316,26 +317,32 @@ async fn admit_hello(
                 }
             }
             Peek::TooLarge(len) => {
-                let alert = [21, 3, 3, 0, 2, 2, ALERT_ILLEGAL_PARAMETER];
-                let _ = tokio::time::timeout(
-                    std::time::Duration::from_secs(1),
-                    write_all(sock, &alert),
-                )
-                .await;
+                plaintext_alert(sock, ALERT_ILLEGAL_PARAMETER).await;
                 return Err(Error::ClientHelloTooLarge(len));
             }
             Peek::Hello(info) => {
                 if !(gate.admit)(&info) {
                     // Refused like a connection at accept: a reset, no TLS reply at all.
-                    let _ =
-                        socket2::SockRef::from(sock).set_linger(Some(std::time::Duration::ZERO));
+                    reset_on_close(sock);
                     return Err(Error::Refused);
                 }
-                return Ok(());
+                return Ok(Some(info));
             }
-            Peek::NotHello => return Ok(()),
+            Peek::NotHello => return Ok(None),
         }
     }
+}
+
+/// A fatal alert in a plaintext record, for a ClientHello refused before rustls has seen it
+/// (the client has no key yet). Bounded in time: the connection is closing anyway.
+pub(crate) async fn plaintext_alert(sock: &TcpStream, description: u8) {
+    let alert = [21, 3, 3, 0, 2, 2, description];
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), write_all(sock, &alert)).await;
+}
+
+/// Makes the coming close a reset (linger 0): no reply, no TIME_WAIT.
+pub(crate) fn reset_on_close(sock: &TcpStream) {
+    let _ = socket2::SockRef::from(sock).set_linger(Some(std::time::Duration::ZERO));
 }
 
 /// What [`drive`] leaves for the data plane.

@@ -1,5 +1,5 @@
-//! A look at the ClientHello before rustls spends any crypto on it: its size, and whether it
-//! carries a session ticket this server issued. Admission needs both before the ECDHE and the
+//! A look at the ClientHello before rustls spends any crypto on it: its size, its server name
+//! (which site it is for), and whether it carries a session ticket this server issued. Admission needs both before the ECDHE and the
 //! signature (a flood is cheap only if refusing it is cheaper), and rustls decides on a
 //! resumption inside the same call that does that crypto, so it cannot tell us in time.
 //!
@@ -10,7 +10,7 @@
 use rustls::server::ProducesTickets;
 
 /// What a ClientHello tells before the server answers it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HelloInfo {
     /// Length of the handshake message (its body, as its header says).
     pub len: usize,
@@ -19,6 +19,9 @@ pub struct HelloInfo {
     /// binder or the ticket's age is wrong (then the handshake fails, still without a
     /// signature). Session-ID resumption (TLS 1.2 without tickets) counts as full.
     pub resumption: bool,
+    /// The host name it asks for (SNI), lowercased, when it sends one that is plain ASCII
+    /// (rustls validates it afterwards).
+    pub server_name: Option<String>,
 }
 
 /// What the buffered bytes are, so far.
@@ -36,6 +39,7 @@ pub(crate) enum Peek {
 
 const CT_HANDSHAKE: u8 = 22;
 const HS_CLIENT_HELLO: u8 = 1;
+const EXT_SERVER_NAME: u16 = 0;
 const EXT_SESSION_TICKET: u16 = 35;
 const EXT_PRE_SHARED_KEY: u16 = 41;
 
@@ -66,9 +70,11 @@ pub(crate) fn peek(buf: &[u8], max_len: usize, ticketer: &dyn ProducesTickets) -
                 return Peek::TooLarge(len);
             }
             if msg.len() >= 4 + len {
+                let ext = Extensions::find(&msg[4..4 + len]).unwrap_or_default();
                 return Peek::Hello(HelloInfo {
                     len,
-                    resumption: offers_our_ticket(&msg[4..4 + len], ticketer),
+                    resumption: ext.ticket.is_some_and(|t| ticketer.decrypt(t).is_some()),
+                    server_name: ext.server_name.and_then(host_name),
                 });
             }
         }
@@ -116,34 +122,63 @@ impl<'a> Reader<'a> {
     }
 }
 
-fn offers_our_ticket(body: &[u8], ticketer: &dyn ProducesTickets) -> bool {
-    ticket_offered(body).is_some_and(|t| ticketer.decrypt(t).is_some())
+/// What the ClientHello's extensions offer, as far as admission and site choice care.
+#[derive(Default)]
+struct Extensions<'a> {
+    /// The first ticket offered: the first PSK identity (TLS 1.3), else a non-empty
+    /// SessionTicket extension (TLS 1.2).
+    ticket: Option<&'a [u8]>,
+    /// The first host_name of the server_name extension.
+    server_name: Option<&'a [u8]>,
 }
 
-/// The first ticket the hello offers: the first PSK identity (TLS 1.3), else a non-empty
-/// SessionTicket extension (TLS 1.2).
-fn ticket_offered(body: &[u8]) -> Option<&[u8]> {
-    let mut r = Reader(body);
-    r.take(2 + 32)?; // legacy_version, random
-    r.vec8()?; // legacy_session_id
-    r.vec16()?; // cipher_suites
-    r.vec8()?; // legacy_compression_methods
-    let mut exts = Reader(r.vec16()?);
-    let mut tls12_ticket = None;
-    while !exts.0.is_empty() {
-        let typ = exts.u16()? as u16;
-        let data = exts.vec16()?;
-        match typ {
-            EXT_PRE_SHARED_KEY => {
-                let mut identities = Reader(Reader(data).vec16()?);
-                let identity = identities.vec16()?;
-                return (!identity.is_empty()).then_some(identity);
+impl<'a> Extensions<'a> {
+    /// None: the message is malformed (a resumption is then not counted on, and rustls will
+    /// refuse it anyway).
+    fn find(body: &'a [u8]) -> Option<Self> {
+        let mut r = Reader(body);
+        r.take(2 + 32)?; // legacy_version, random
+        r.vec8()?; // legacy_session_id
+        r.vec16()?; // cipher_suites
+        r.vec8()?; // legacy_compression_methods
+        let mut exts = Reader(r.vec16()?);
+        let mut found = Self::default();
+        let mut tls12_ticket = None;
+        while !exts.0.is_empty() {
+            let typ = exts.u16()? as u16;
+            let data = exts.vec16()?;
+            match typ {
+                EXT_SERVER_NAME => {
+                    let mut names = Reader(Reader(data).vec16()?);
+                    while !names.0.is_empty() {
+                        let kind = names.u8()?;
+                        let name = names.vec16()?;
+                        if kind == 0 && found.server_name.is_none() {
+                            found.server_name = Some(name);
+                        }
+                    }
+                }
+                EXT_PRE_SHARED_KEY => {
+                    // Always the last extension (RFC 8446 4.2.11).
+                    let mut identities = Reader(Reader(data).vec16()?);
+                    let identity = identities.vec16()?;
+                    found.ticket = (!identity.is_empty()).then_some(identity);
+                    return Some(found);
+                }
+                EXT_SESSION_TICKET if !data.is_empty() => tls12_ticket = Some(data),
+                _ => {}
             }
-            EXT_SESSION_TICKET if !data.is_empty() => tls12_ticket = Some(data),
-            _ => {}
         }
+        found.ticket = tls12_ticket;
+        Some(found)
     }
-    tls12_ticket
+}
+
+/// A host name as sites are looked up by: ASCII, lowercased, no trailing dot.
+fn host_name(raw: &[u8]) -> Option<String> {
+    let s = std::str::from_utf8(raw).ok()?;
+    let s = s.strip_suffix('.').unwrap_or(s);
+    (!s.is_empty() && s.is_ascii()).then(|| s.to_ascii_lowercase())
 }
 
 #[cfg(test)]
@@ -237,11 +272,42 @@ mod tests {
             let want = Peek::Hello(HelloInfo {
                 len: msg.len() - 4,
                 resumption,
+                server_name: None,
             });
             assert_eq!(peek_all(&records(msg, 16384)), want);
             // The same, fragmented over many records.
             assert_eq!(peek_all(&records(msg, 7)), want);
         }
+    }
+
+    fn sni(name: &[u8]) -> Vec<u8> {
+        let mut entry = vec![0];
+        entry.extend_from_slice(&(name.len() as u16).to_be_bytes());
+        entry.extend_from_slice(name);
+        let mut d = (entry.len() as u16).to_be_bytes().to_vec();
+        d.extend_from_slice(&entry);
+        ext(EXT_SERVER_NAME, &d)
+    }
+
+    #[test]
+    fn server_name_is_read_with_or_without_a_ticket() {
+        let name_of = |msg: &[u8]| match peek_all(&records(msg, 16384)) {
+            Peek::Hello(h) => (h.server_name, h.resumption),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            name_of(&hello(&[sni(b"WWW.Example.com.")])),
+            (Some("www.example.com".into()), false)
+        );
+        assert_eq!(
+            name_of(&hello(&[
+                sni(b"a.test"),
+                ext(EXT_PRE_SHARED_KEY, &psk(OURS))
+            ])),
+            (Some("a.test".into()), true)
+        );
+        assert_eq!(name_of(&hello(&[sni(b"\xff\xfe")])), (None, false));
+        assert_eq!(name_of(&hello(&[ext(21, b"")])), (None, false));
     }
 
     #[test]

@@ -18,10 +18,11 @@ mod handshake;
 pub mod hello;
 pub mod plane;
 pub mod probe;
+pub mod sites;
 pub mod stats;
 mod stream;
 
-pub use config::{Acceptor, DataPlanePolicy, ServerOptions};
+pub use config::{Acceptor, DataPlanePolicy, ServerOptions, SiteTls};
 pub use error::Error;
 pub use plane::PlaneKind;
 pub use stream::{DetachedTlsStream, TlsStream};

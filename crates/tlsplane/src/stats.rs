@@ -78,6 +78,9 @@ counters! {
     bytes_tx_user,
     /// Connections that spoke plain HTTP to the TLS port (answered as the product chose).
     plain_http_requests,
+    /// ClientHellos whose server name (or lack of one) matched no site, with no default site:
+    /// refused with unrecognized_name or a reset.
+    unknown_server_names,
 }
 
 /// Connections open now, by plane: gauges (they go down), apart from the counters.

@@ -16,6 +16,7 @@ use crate::hello::HelloInfo;
 use crate::plane::kernel::KernelPlane;
 use crate::plane::user::UserPlane;
 use crate::plane::{confidentiality_limit, kernel_suite, FallbackReason, PlaneKind};
+use crate::sites::UnknownName;
 use crate::stats::{add, bump, global};
 use crate::Error;
 
@@ -33,6 +34,11 @@ pub struct ConnectionInfo {
     /// When the handshake began (the connection was handed to the acceptor): the start of
     /// what a new client waits for.
     pub accepted_at: Instant,
+    /// The site the connection is for (its number in `ServerOptions::sites`), chosen by its
+    /// server name.
+    pub site: usize,
+    /// The server name the client asked for (SNI), lowercased.
+    pub server_name: Option<Box<str>>,
 }
 
 enum Plane {
@@ -78,7 +84,7 @@ impl Acceptor {
         let gate = handshake::Gate {
             plain_http_response: self.plain_http_response.as_deref(),
             max_client_hello: self.max_client_hello,
-            ticketer: self.config.ticketer.as_ref(),
+            ticketer: self.ticketer.as_ref(),
             admit,
         };
         let failed = |e: Error| {
@@ -90,11 +96,32 @@ impl Acceptor {
             }
             e
         };
-        handshake::receive_hello(&sock, &mut incoming, gate)
+        let hello = handshake::receive_hello(&sock, &mut incoming, gate)
             .await
             .map_err(failed)?;
+        let (site, server_name) = match hello {
+            // Not a ClientHello: any site's rustls refuses it as well.
+            None => (Some(self.names.default_site().unwrap_or(0)), None),
+            Some(h) => match h.server_name {
+                Some(name) => (self.names.lookup(&name), Some(name.into_boxed_str())),
+                None => (self.names.default_site(), None),
+            },
+        };
+        let site = match site {
+            Some(s) => s,
+            None => {
+                bump(&global().unknown_server_names);
+                match self.unknown_name {
+                    UnknownName::Alert => {
+                        handshake::plaintext_alert(&sock, handshake::ALERT_UNRECOGNIZED_NAME).await
+                    }
+                    UnknownName::Reset => handshake::reset_on_close(&sock),
+                }
+                return Err(failed(Error::UnknownServerName(server_name.map(String::from))));
+            }
+        };
         // Only now, with a whole ClientHello admitted, does the connection cost a rustls state.
-        let mut conn = UnbufferedServerConnection::new(self.config.clone())?;
+        let mut conn = UnbufferedServerConnection::new(self.sites[site].clone())?;
         let driven = handshake::drive(&mut conn, &sock, &mut incoming)
             .await
             .map_err(failed)?;
@@ -118,6 +145,8 @@ impl Acceptor {
             fallback: None,
             handshake_time: std::time::Duration::ZERO,
             accepted_at: started,
+            site,
+            server_name,
         };
 
         let kernel = kernel_suite(version, suite);

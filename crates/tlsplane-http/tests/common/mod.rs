@@ -67,6 +67,7 @@ pub fn req(method: Method, target: &str) -> Request {
         if_modified_since: None,
         range: None,
         if_range: None,
+        host: None,
     }
 }
 
