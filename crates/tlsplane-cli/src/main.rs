@@ -2,6 +2,8 @@
 #![forbid(unsafe_code)]
 
 mod admin;
+mod check;
+mod config;
 mod limits;
 mod lobby;
 mod runtime;
@@ -22,6 +24,14 @@ struct Cli {
 enum Command {
     /// Serve a directory over HTTPS (HTTP/1.1), file bodies by sendfile on the kernel plane.
     Serve(serve::ServeArgs),
+    /// Check a configuration file as a start would load it (certificates, keys, chains, names,
+    /// roots): every error with its file, site and reason; warnings for certificates near
+    /// expiry or not covering a configured name. Exits 1 on any error.
+    CheckConfig(check::CheckArgs),
+    /// Make a running server re-read its configuration (SIGHUP to the pid in its pid file) and
+    /// report the outcome: exit 0 when the new configuration is in force, 1 when the server
+    /// kept the previous one.
+    Reload(check::ReloadArgs),
     /// Load generators: TLS handshakes per second, HTTPS throughput.
     #[command(subcommand)]
     Bench(tlsplane_bench::BenchCommand),
@@ -58,7 +68,9 @@ fn install_panic_hook() {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     install_panic_hook();
     let filter = tracing_subscriber::EnvFilter::try_from_env("TLSPLANE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -68,7 +80,14 @@ fn main() {
         .with_target(false)
         .init();
     let result = match cli.command {
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(
+            args,
+            matches
+                .subcommand_matches("serve")
+                .expect("the serve subcommand was parsed"),
+        ),
+        Command::CheckConfig(args) => check::check_config(args),
+        Command::Reload(args) => check::reload(args),
         Command::Bench(cmd) => tlsplane_bench::run(cmd),
     };
     if let Err(e) = result {

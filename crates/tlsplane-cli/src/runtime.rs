@@ -43,6 +43,9 @@ pub struct RuntimeConfig {
     /// Nice value of the handshake threads (0: same priority as the connection threads).
     pub handshake_nice: i32,
     pub limits: LimitArgs,
+    /// Written with the server's pid once it listens (removed at exit), for `tlsplane reload`;
+    /// the outcome of each reload goes to the same path with `.reload` appended.
+    pub pid_file: Option<std::path::PathBuf>,
 }
 
 /// Counters of the runtime itself (the TLS layer has its own, in `tlsplane::stats`).
@@ -66,6 +69,10 @@ pub struct RuntimeStats {
     pub idle_evicted: AtomicU64,
     /// Handshakes in progress closed to make room under --max-handshakes-per-worker.
     pub handshakes_evicted: AtomicU64,
+    /// Configuration reloads that took effect.
+    pub reloads: AtomicU64,
+    /// Configuration reloads that failed (the previous configuration stayed in force).
+    pub reload_failures: AtomicU64,
     pub histograms: crate::admin::Histograms,
 }
 
@@ -212,9 +219,20 @@ pub trait Handler: Send + Sync + 'static {
     ) -> impl Future<Output = Served<Self::Parked>> + Send;
 }
 
+/// The configuration connections are accepted under: replaced whole by a reload. A
+/// connection keeps the generation it was accepted under (its site, its document root) to
+/// its end; new connections take the new one.
+pub struct Generation<H> {
+    pub acceptor: Acceptor,
+    pub handler: Arc<H>,
+}
+
+/// Builds the next generation on SIGHUP (re-reading the configuration); an error leaves the
+/// current one in force.
+pub type Reload<H> = Box<dyn FnMut() -> anyhow::Result<Generation<H>> + Send>;
+
 struct Shared<H> {
-    acceptor: Acceptor,
-    handler: Arc<H>,
+    current: std::sync::RwLock<Arc<Generation<H>>>,
     config: RuntimeConfig,
     stats: Arc<RuntimeStats>,
     /// `stats.open`, shared with the connection guards.
@@ -227,17 +245,21 @@ struct Shared<H> {
 /// for up to the shutdown grace. Returns once every worker has stopped.
 pub fn run<H: Handler>(
     config: RuntimeConfig,
-    acceptor: Acceptor,
-    handler: Arc<H>,
+    first: Generation<H>,
+    mut reload: Reload<H>,
     stats: Arc<RuntimeStats>,
 ) -> anyhow::Result<()> {
     if config.listen.is_empty() {
         bail!("no --listen address");
     }
     let per_worker = bind_all(&config.listen, config.workers)?;
+    let mut pid_file = config
+        .pid_file
+        .as_deref()
+        .map(PidFile::create)
+        .transpose()?;
     let shared = Arc::new(Shared {
-        acceptor,
-        handler,
+        current: std::sync::RwLock::new(Arc::new(first)),
         config: config.clone(),
         in_flight: stats.open.clone(),
         stats,
@@ -276,7 +298,24 @@ pub fn run<H: Handler>(
                 _ = term.recv() => break,
                 _ = int.recv() => break,
                 _ = hup.recv() => {
-                    tracing::warn!("SIGHUP received: configuration reload is not supported yet; ignored, still serving");
+                    tracing::info!("SIGHUP: reloading the configuration");
+                    let status = match reload() {
+                        Ok(next) => {
+                            *shared.current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
+                            shared.stats.reloads.fetch_add(1, Relaxed);
+                            tracing::info!("configuration reloaded: new connections use it, established ones keep theirs");
+                            "ok".to_string()
+                        }
+                        Err(e) => {
+                            shared.stats.reload_failures.fetch_add(1, Relaxed);
+                            let why = format!("{e:#}");
+                            tracing::error!("reload failed, the previous configuration stays in force: {why}");
+                            format!("failed: {}", why.replace('\n', "; "))
+                        }
+                    };
+                    if let Some(p) = &mut pid_file {
+                        p.record_reload(&status);
+                    }
                 }
             }
         }
@@ -290,7 +329,58 @@ pub fn run<H: Handler>(
     for t in threads {
         let _ = t.join();
     }
+    drop(pid_file);
     Ok(())
+}
+
+/// The pid file (and its reload-outcome file): written once the server listens, removed when
+/// it exits.
+struct PidFile {
+    path: std::path::PathBuf,
+    reload_path: std::path::PathBuf,
+    reloads: u64,
+}
+
+impl PidFile {
+    fn create(path: &std::path::Path) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        std::fs::write(path, format!("{}\n", std::process::id()))
+            .with_context(|| format!("cannot write the pid file {}", path.display()))?;
+        let reload_path = reload_status_path(path);
+        let _ = std::fs::remove_file(&reload_path);
+        Ok(Self {
+            path: path.to_path_buf(),
+            reload_path,
+            reloads: 0,
+        })
+    }
+
+    /// `<attempt number> ok` or `<attempt number> failed: <why>`, replaced atomically so
+    /// that `tlsplane reload` never reads half a line.
+    fn record_reload(&mut self, status: &str) {
+        self.reloads += 1;
+        let tmp = self.reload_path.with_extension("reload.tmp");
+        let line = format!("{} {status}\n", self.reloads);
+        if let Err(e) =
+            std::fs::write(&tmp, line).and_then(|()| std::fs::rename(&tmp, &self.reload_path))
+        {
+            tracing::warn!(error = %e, path = %self.reload_path.display(), "cannot record the reload's outcome");
+        }
+    }
+}
+
+impl Drop for PidFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_file(&self.reload_path);
+    }
+}
+
+/// Where a server with pid file `pid_file` records the outcome of its reloads.
+pub fn reload_status_path(pid_file: &std::path::Path) -> std::path::PathBuf {
+    let mut p = pid_file.as_os_str().to_owned();
+    p.push(".reload");
+    p.into()
 }
 
 /// Binds every address once per worker, before any worker starts, so that address errors stop
@@ -408,7 +498,7 @@ async fn contain_panics(stats: &RuntimeStats, task: impl Future<Output = ()>) {
 
 /// A connection on its way from the handshake loop to the connection loop, still counted in
 /// flight.
-type Established<P> = (DetachedTlsStream, SocketAddr, P, Admitted);
+type Established<H, P> = (DetachedTlsStream, SocketAddr, P, Admitted, Arc<H>);
 
 /// What an admitted connection holds until it closes: its place in the in-flight count and in
 /// the per-client limits.
@@ -428,7 +518,7 @@ struct Arriving {
 /// What a handshake loop needs to give a connection its handshake task.
 struct HandshakeStart<H: Handler> {
     shared: Arc<Shared<H>>,
-    to_conn: mpsc::UnboundedSender<Established<H::Parked>>,
+    to_conn: mpsc::UnboundedSender<Established<H, H::Parked>>,
     stop: watch::Receiver<bool>,
     full: Arc<AtomicUsize>,
     pre_hello: Arc<EvictionList>,
@@ -458,14 +548,14 @@ impl<H: Handler> HandshakeStart<H> {
             let stats = s.stats.clone();
             // The handshake's state is boxed and freed before the handler's is allocated.
             contain_panics(&stats, async move {
-                let Some(tls) = Box::pin(handshake(
+                let Some((tls, handler)) = Box::pin(handshake(
                     tcp, peer, &s, &mut guard, full, entry, post_hello,
                 ))
                 .await
                 else {
                     return;
                 };
-                serve_first(tls, peer, s, guard, to_conn, stop).await;
+                serve_first(tls, peer, &s, handler, guard, to_conn, stop).await;
             })
             .await;
         });
@@ -495,7 +585,7 @@ fn spoke_already(tcp: &std::net::TcpStream) -> Option<bool> {
 
 fn handshake_loop<H: Handler>(
     listeners: Vec<std::net::TcpListener>,
-    to_conn: mpsc::UnboundedSender<Established<H::Parked>>,
+    to_conn: mpsc::UnboundedSender<Established<H, H::Parked>>,
     shared: Arc<Shared<H>>,
     stop: watch::Receiver<bool>,
 ) {
@@ -656,7 +746,13 @@ async fn handshake<H: Handler>(
     full: Arc<AtomicUsize>,
     mut in_progress: EvictionEntry,
     post_hello: Arc<EvictionList>,
-) -> Option<TlsStream> {
+) -> Option<(TlsStream, Arc<H>)> {
+    // The configuration in force when the handshake starts serves the connection to its end.
+    let generation = shared
+        .current
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     let evicted = in_progress.notify.clone();
     // Holds a place among the worker's full handshakes from the ClientHello to the end of the
     // handshake.
@@ -680,7 +776,7 @@ async fn handshake<H: Handler>(
     };
     let accept = tokio::time::timeout(
         shared.config.handshake_timeout,
-        shared.acceptor.accept_with(tcp, &mut admit),
+        generation.acceptor.accept_with(tcp, &mut admit),
     );
     let accepted = tokio::select! {
         r = accept => r,
@@ -722,7 +818,7 @@ async fn handshake<H: Handler>(
             return None;
         }
     };
-    Some(tls)
+    Some((tls, generation.handler.clone()))
 }
 
 /// The handler's first turn with an established connection, on the handshake loop, then the
@@ -730,12 +826,13 @@ async fn handshake<H: Handler>(
 async fn serve_first<H: Handler>(
     tls: TlsStream,
     peer: SocketAddr,
-    shared: Arc<Shared<H>>,
+    shared: &Shared<H>,
+    handler: Arc<H>,
     guard: Admitted,
-    to_conn: mpsc::UnboundedSender<Established<H::Parked>>,
+    to_conn: mpsc::UnboundedSender<Established<H, H::Parked>>,
     stop: watch::Receiver<bool>,
 ) {
-    let serve = shared.handler.clone().serve(
+    let serve = handler.clone().serve(
         tls,
         peer,
         Phase::Handshake,
@@ -751,14 +848,14 @@ async fn serve_first<H: Handler>(
     match tls.detach() {
         Ok(d) => {
             // Fails only when the connection loop is gone (shutdown): the connection drops.
-            let _ = to_conn.send((d, peer, parked, guard));
+            let _ = to_conn.send((d, peer, parked, guard, handler));
         }
         Err(e) => tracing::debug!(%peer, error = %e, "hand-off to the connection loop failed"),
     }
 }
 
 fn connection_loop<H: Handler>(
-    mut from_hs: mpsc::UnboundedReceiver<Established<H::Parked>>,
+    mut from_hs: mpsc::UnboundedReceiver<Established<H, H::Parked>>,
     shared: Arc<Shared<H>>,
     stop: watch::Receiver<bool>,
 ) {
@@ -766,7 +863,7 @@ fn connection_loop<H: Handler>(
         return;
     };
     rt.block_on(async move {
-        let start = |(d, peer, parked, guard): Established<H::Parked>| {
+        let start = |(d, peer, parked, guard, handler): Established<H, H::Parked>| {
             let (s, stop) = (shared.clone(), stop.clone());
             tokio::spawn(async move {
                 let _guard = guard;
@@ -777,7 +874,7 @@ fn connection_loop<H: Handler>(
                         return;
                     }
                 };
-                let serve = s.handler.clone().serve(
+                let serve = handler.serve(
                     tls,
                     peer,
                     Phase::Moved(parked),

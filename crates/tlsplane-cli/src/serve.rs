@@ -11,18 +11,33 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use anyhow::Context;
 use clap::Args;
+use tlsplane::sites::SiteNames;
 use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions, TlsStream};
-use tlsplane_http::{error_response, parse_request, respond, Body, DocRoot, Limits, Parsed};
+use tlsplane_http::{error_response, parse_request, respond, Body, Limits, Parsed};
 
-use crate::runtime::{self, ConnContext, Handler, Phase, RuntimeConfig, RuntimeStats, Served};
+use crate::config::{ConfigFile, SiteServe, Sites};
+use crate::runtime::{
+    self, ConnContext, Generation, Handler, Phase, RuntimeConfig, RuntimeStats, Served,
+};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// Directory to serve.
+    /// Directory to serve (without --config: one site, whatever the name asked for).
     #[arg(default_value = ".")]
     pub dir: PathBuf,
+    /// Configuration file (TOML): sites by server name, each with its certificates and
+    /// document root, and global options under [server] (a flag given here wins over the
+    /// file). See docs/CONFIG.md. SIGHUP re-reads it.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["cert", "key"])]
+    pub config: Option<PathBuf>,
+    /// Write the server's pid here once it listens (removed at exit), for `tlsplane reload`.
+    #[arg(long, value_name = "FILE")]
+    pub pid_file: Option<PathBuf>,
+    /// A ClientHello whose server name matches no site when there is no default site (or that
+    /// sends none): `alert` answers unrecognized_name, `reset` resets without a reply.
+    #[arg(long, default_value = "alert")]
+    pub unknown_name: tlsplane::sites::UnknownName,
     /// Address to listen on (repeatable; IPv6 as [::1]:8443). Port 0 picks a free port.
     #[arg(long = "listen", default_value = "127.0.0.1:8443")]
     pub listen: Vec<SocketAddr>,
@@ -103,12 +118,16 @@ struct HttpStats {
     io_errors: AtomicU64,
 }
 
-/// The `serve` product: the runtime hands it established connections.
+/// The `serve` product under one configuration: the runtime hands it established
+/// connections.
 struct Serve {
-    root: DocRoot,
+    /// By site number (the acceptor's).
+    sites: Vec<SiteServe>,
+    names: Arc<SiteNames>,
     args: ServeArgs,
     limits: Limits,
-    stats: HttpStats,
+    /// Kept across reloads.
+    stats: Arc<HttpStats>,
     /// Time to the first byte of a connection's first response (shared with /metrics).
     ttfb: prometheus_client::metrics::histogram::Histogram,
 }
@@ -121,42 +140,98 @@ pub struct Parked {
     responded: bool,
 }
 
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    // Before the kTLS probe and the certificate: a taken port is the cheapest error to find.
+/// The `serve` flags, standalone, to parse a configuration file's `[server]` table with.
+#[derive(clap::Parser, Debug)]
+#[command(name = "serve", no_binary_name = true)]
+struct ServeFlags {
+    #[command(flatten)]
+    args: ServeArgs,
+}
+
+/// With `--config`: the file's `[server]` options under the command line's (a flag given on
+/// the command line wins), and the file itself.
+pub fn with_config_file(
+    args: ServeArgs,
+    given: &clap::ArgMatches,
+) -> anyhow::Result<(ServeArgs, Option<ConfigFile>)> {
+    let Some(path) = args.config.clone() else {
+        return Ok((args, None));
+    };
+    let explicit =
+        |id: &str| given.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+    if explicit("dir") {
+        anyhow::bail!(
+            "a DIR argument and --config: with a configuration file each site has its root"
+        );
+    }
+    let file = ConfigFile::read(&path).map_err(anyhow::Error::msg)?;
+    // The command line as given after `serve`: parsed again behind the file's options.
+    let cli: Vec<std::ffi::OsString> = std::env::args_os()
+        .skip(1)
+        .skip_while(|a| a != "serve")
+        .skip(1)
+        .collect();
+    let merged = server_options_of(&file, &explicit, cli)?;
+    Ok((merged, Some(file)))
+}
+
+/// The global options of `file` (its `[server]` table) followed by the command-line tokens
+/// `cli`, whose options (`explicit`) the file's do not repeat.
+pub fn server_options_of(
+    file: &ConfigFile,
+    explicit: &dyn Fn(&str) -> bool,
+    cli: Vec<std::ffi::OsString>,
+) -> anyhow::Result<ServeArgs> {
+    use clap::{CommandFactory, FromArgMatches};
+    let mut cmd = ServeFlags::command();
+    let mut tokens = file
+        .server_args(&cmd, explicit)
+        .map_err(anyhow::Error::msg)?;
+    // The file's options alone first, so that an error in them names the file.
+    cmd.try_get_matches_from_mut(tokens.clone()).map_err(|e| {
+        let detail = e.to_string();
+        let first = detail.lines().next().unwrap_or_default().to_string();
+        anyhow::anyhow!(
+            "{}: [server]: {}",
+            file.path.display(),
+            first.trim_start_matches("error: ")
+        )
+    })?;
+    tokens.extend(cli);
+    let matches = cmd.try_get_matches_from_mut(tokens)?;
+    Ok(ServeFlags::from_arg_matches(&matches)?.args)
+}
+
+pub fn run(args: ServeArgs, given: &clap::ArgMatches) -> anyhow::Result<()> {
+    let (args, file) = with_config_file(args, given)?;
+    // Before the kTLS probe and the certificates: a taken port is the cheapest error to find.
     runtime::refuse_taken(&args.listen)?;
     match tlsplane_sys::raise_nofile_limit() {
         Ok(n) => tracing::debug!(open_files = n, "open-files limit"),
         Err(e) => tracing::warn!(error = %e, "could not raise the open-files limit"),
     }
-    let root = DocRoot::new(&args.dir, args.allow_symlinks_outside)
-        .with_context(|| format!("cannot serve {}", args.dir.display()))?;
-    let cert = match (&args.cert, &args.key) {
-        (Some(c), Some(k)) => tlsplane::cert::load_pem(c, k)?,
-        _ => {
-            let dir = tlsplane::cert::default_state_dir();
-            let g = tlsplane::cert::ensure_localhost_cert(&dir)?;
-            eprintln!(
-                "certificate: {} ({} for localhost, 127.0.0.1, ::1, issued by a local CA; trust it with e.g. curl --cacert {} https://localhost:PORT/)",
-                g.cert.display(),
-                if g.created { "generated" } else { "reusing" },
-                g.ca.display()
-            );
-            tlsplane::cert::load_pem(&g.cert, &g.key)?
-        }
-    };
-    let mut opts = ServerOptions::new(cert);
-    opts.policy = args.data_plane;
-    opts.tls13_tickets = args.tls13_tickets;
-    opts.aead_record_limit = args.aead_record_limit;
-    opts.plain_http_response = Some(plain_http_response().into());
-    opts.max_client_hello = args.limits.max_client_hello;
-    opts.key_updates_per_second = args.limits.key_updates_per_second;
-    let acceptor = Acceptor::new(opts)?;
+    let sites = load_sites(&args, file.as_ref())?;
+    for w in &sites.warnings {
+        tracing::warn!("{w}");
+    }
+    let acceptor = Acceptor::new(server_options(&args, &sites))?;
     eprintln!(
         "data plane: {} ({})",
         args.data_plane,
         acceptor.kernel_support().reason
     );
+    if file.is_some() {
+        eprintln!(
+            "sites: {} ({})",
+            sites.serve.len(),
+            sites
+                .serve
+                .iter()
+                .map(|s| s.label.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
 
     let workers = args.workers.unwrap_or_else(|| {
         std::thread::available_parallelism()
@@ -170,21 +245,22 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         handshake_nice: args.handshake_nice,
         limits: args.limits.clone(),
+        pid_file: args.pid_file.clone(),
     };
     let runtime_stats = Arc::new(RuntimeStats::default());
-    let serve = Arc::new(Serve {
-        root,
-        limits: Limits::default(),
-        stats: HttpStats::default(),
-        args: args.clone(),
-        ttfb: runtime_stats.histograms.first_response.clone(),
-    });
+    let stats = Arc::new(HttpStats::default());
+    let serve = Arc::new(Serve::new(
+        sites,
+        &args,
+        stats.clone(),
+        runtime_stats.histograms.first_response.clone(),
+    ));
     if let Some(addr) = &args.admin {
         let mut registry = prometheus_client::registry::Registry::with_prefix("tlsplane");
-        let (s, r) = (serve.clone(), runtime_stats.clone());
+        let (s, r) = (stats.clone(), runtime_stats.clone());
         let open = runtime_stats.open.clone();
         registry.register_collector(Box::new(crate::admin::SnapshotCollector::new(
-            move || counters(&s.stats, &r),
+            move || counters(&s, &r),
             move || {
                 let by_plane = tlsplane::stats::open_by_plane();
                 vec![
@@ -209,12 +285,110 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         runtime_stats.histograms.register(&mut registry);
         crate::admin::start(addr, registry)?;
     }
-    runtime::run(config, acceptor, serve.clone(), runtime_stats.clone())?;
+    // SIGHUP re-reads the configuration file, or without one the --cert/--key files (a
+    // renewed certificate) and the document root.
+    let reload: runtime::Reload<Serve> = {
+        let (args, stats, ttfb) = (
+            args.clone(),
+            stats.clone(),
+            runtime_stats.histograms.first_response.clone(),
+        );
+        let mut current = acceptor.clone();
+        Box::new(move || {
+            let reread = match &file {
+                Some(first) => {
+                    let f = ConfigFile::read(&first.path).map_err(anyhow::Error::msg)?;
+                    if f.server != first.server {
+                        tracing::warn!(
+                            "{}: [server] changed; global options take effect at the next restart (sites, certificates and roots are reloaded now)",
+                            first.path.display()
+                        );
+                    }
+                    Some(f)
+                }
+                None => None,
+            };
+            let sites = load_sites(&args, reread.as_ref())?;
+            for w in &sites.warnings {
+                tracing::warn!("{w}");
+            }
+            let acceptor = current.reload(server_options(&args, &sites))?;
+            current = acceptor.clone();
+            let handler = Arc::new(Serve::new(sites, &args, stats.clone(), ttfb.clone()));
+            Ok(Generation { acceptor, handler })
+        })
+    };
+    runtime::run(
+        config,
+        Generation {
+            acceptor,
+            handler: serve,
+        },
+        reload,
+        runtime_stats.clone(),
+    )?;
     if args.stats {
-        let pairs = counters(&serve.stats, &runtime_stats);
+        let pairs = counters(&stats, &runtime_stats);
         eprintln!("tlsplane-stats {}", tlsplane::stats::to_json(&pairs));
     }
     Ok(())
+}
+
+/// The sites to serve: from the configuration file, else one from the command line (DIR and
+/// --cert/--key, or the generated localhost certificate).
+fn load_sites(args: &ServeArgs, file: Option<&ConfigFile>) -> anyhow::Result<Sites> {
+    if let Some(file) = file {
+        return crate::config::load_sites(file, args.allow_symlinks_outside)
+            .map_err(|errors| anyhow::anyhow!("{}", errors.join("\n")));
+    }
+    let cert = match (&args.cert, &args.key) {
+        (Some(c), Some(k)) => tlsplane::cert::load_pem(c, k)?,
+        _ => {
+            let dir = tlsplane::cert::default_state_dir();
+            let g = tlsplane::cert::ensure_localhost_cert(&dir)?;
+            eprintln!(
+                "certificate: {} ({} for localhost, 127.0.0.1, ::1, issued by a local CA; trust it with e.g. curl --cacert {} https://localhost:PORT/)",
+                g.cert.display(),
+                if g.created { "generated" } else { "reusing" },
+                g.ca.display()
+            );
+            tlsplane::cert::load_pem(&g.cert, &g.key)?
+        }
+    };
+    crate::config::single_site(&args.dir, args.allow_symlinks_outside, cert)
+}
+
+/// The acceptor's options: the sites' TLS and the global TLS options.
+fn server_options(args: &ServeArgs, sites: &Sites) -> ServerOptions {
+    ServerOptions {
+        sites: sites.tls.clone(),
+        names: sites.names.clone(),
+        unknown_name: args.unknown_name,
+        policy: args.data_plane,
+        tls13_tickets: args.tls13_tickets,
+        aead_record_limit: args.aead_record_limit,
+        plain_http_response: Some(plain_http_response().into()),
+        max_client_hello: args.limits.max_client_hello,
+        key_updates_per_second: args.limits.key_updates_per_second,
+    }
+}
+
+impl Serve {
+    fn new(
+        sites: Sites,
+        args: &ServeArgs,
+        stats: Arc<HttpStats>,
+        ttfb: prometheus_client::metrics::histogram::Histogram,
+    ) -> Self {
+        Self {
+            sites: sites.serve,
+            names: sites.names,
+            args: args.clone(),
+            limits: Limits::default(),
+            stats,
+            ttfb,
+        }
+    }
 }
 
 /// The answer to a client that speaks plain HTTP to the TLS port (curl http://...), as nginx
@@ -249,6 +423,8 @@ fn counters(h: &HttpStats, r: &RuntimeStats) -> Vec<(&'static str, u64)> {
         ("idle_evicted", r.idle_evicted.load(Relaxed)),
         ("first_byte_timeouts", r.first_byte_timeouts.load(Relaxed)),
         ("handshakes_evicted", r.handshakes_evicted.load(Relaxed)),
+        ("reloads", r.reloads.load(Relaxed)),
+        ("reload_failures", r.reload_failures.load(Relaxed)),
     ]);
     pairs.extend(r.limits.snapshot());
     pairs
@@ -307,7 +483,17 @@ async fn http_loop(
                     // Draining: answer this request with `Connection: close`, then close.
                     request.keep_alive = false;
                 }
-                let resp = respond(&request, &shared.root, SystemTime::now());
+                let site = tls.info().site;
+                let resp = if request
+                    .host_name()
+                    .is_some_and(|host| shared.names.lookup(host) != Some(site))
+                {
+                    // The Host belongs to another site (or none) than the one the TLS
+                    // connection was set up for (RFC 9110 15.5.20).
+                    error_response(421, request.keep_alive)
+                } else {
+                    respond(&request, &shared.sites[site].root, SystemTime::now())
+                };
                 count_status(&shared.stats, resp.status);
                 if args.access_log {
                     tracing::info!(%peer, method = ?request.method, target = %request.target, status = resp.status, plane = ?tls.plane(), "request");

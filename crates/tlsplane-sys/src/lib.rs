@@ -262,6 +262,20 @@ pub fn set_current_thread_nice(nice: i32) -> io::Result<()> {
     Ok(())
 }
 
+/// Sends SIGHUP to a process (`tlsplane reload`).
+pub fn send_sighup(pid: i32) -> io::Result<()> {
+    if pid <= 0 {
+        // kill(0 or negative) would signal a whole process group.
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a process id",
+        ));
+    }
+    // SAFETY: plain integer arguments; a positive pid addresses one process.
+    cvt(unsafe { libc::kill(pid, libc::SIGHUP) })?;
+    Ok(())
+}
+
 /// Installs a key for one direction (`TLS_TX` or `TLS_RX`).
 pub fn set_crypto_info(
     sock: BorrowedFd<'_>,

@@ -1,0 +1,116 @@
+//! `tlsplane check-config` and `tlsplane reload`: an operator's two tools around a
+//! configuration file.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+
+use crate::config::{load_sites, ConfigFile};
+
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// The configuration file to check.
+    pub file: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct ReloadArgs {
+    /// The running server's pid file (its --pid-file).
+    #[arg(long, value_name = "FILE")]
+    pub pid_file: PathBuf,
+    /// Seconds to wait for the server to report the outcome.
+    #[arg(long, default_value_t = 30)]
+    pub timeout: u64,
+}
+
+pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
+    let file = ConfigFile::read(&args.file).map_err(anyhow::Error::msg)?;
+    let mut errors = Vec::new();
+    let options = match crate::serve::server_options_of(&file, &|_| false, Vec::new()) {
+        Ok(o) => Some(o),
+        Err(e) => {
+            errors.push(format!("{e:#}"));
+            None
+        }
+    };
+    let allow_symlinks = options.as_ref().is_some_and(|o| o.allow_symlinks_outside);
+    match load_sites(&file, allow_symlinks) {
+        Ok(sites) => {
+            for w in &sites.warnings {
+                eprintln!("warning: {w}");
+            }
+            if errors.is_empty() {
+                let certs: usize = sites.tls.iter().map(|s| s.certs.len()).sum();
+                println!(
+                    "{}: ok: {} sites, {} certificates",
+                    file.path.display(),
+                    sites.serve.len(),
+                    certs
+                );
+                return Ok(());
+            }
+        }
+        Err(e) => errors.extend(e),
+    }
+    for e in &errors {
+        eprintln!("error: {e}");
+    }
+    anyhow::bail!(
+        "{}: {} error(s); a server would not start with it",
+        file.path.display(),
+        errors.len()
+    )
+}
+
+/// The number of the last reload a server recorded (0: none yet).
+fn last_reload(path: &std::path::Path) -> (u64, String) {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let line = text.lines().next().unwrap_or_default();
+    match line.split_once(' ') {
+        Some((n, rest)) => (n.parse().unwrap_or(0), rest.to_string()),
+        None => (0, String::new()),
+    }
+}
+
+pub fn reload(args: ReloadArgs) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&args.pid_file).map_err(|e| {
+        anyhow::anyhow!(
+            "{}: {e} (is a server running with --pid-file {0}?)",
+            args.pid_file.display()
+        )
+    })?;
+    let pid: i32 = text
+        .trim()
+        .parse()
+        .map_err(|_| anyhow::anyhow!("{}: not a pid: {:?}", args.pid_file.display(), text))?;
+    let status = crate::runtime::reload_status_path(&args.pid_file);
+    let (before, _) = last_reload(&status);
+    tlsplane_sys::send_sighup(pid).map_err(|e| {
+        anyhow::anyhow!(
+            "cannot signal pid {pid} (from {}): {e}",
+            args.pid_file.display()
+        )
+    })?;
+    let deadline = Instant::now() + Duration::from_secs(args.timeout);
+    loop {
+        let (n, outcome) = last_reload(&status);
+        if n > before {
+            if outcome == "ok" {
+                println!("reloaded (pid {pid})");
+                return Ok(());
+            }
+            anyhow::bail!(
+                "reload {}; the server keeps its previous configuration",
+                outcome
+            );
+        }
+        if Instant::now() >= deadline {
+            anyhow::bail!(
+                "pid {pid} did not report the reload's outcome within {} s",
+                args.timeout
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

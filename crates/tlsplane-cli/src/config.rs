@@ -1,0 +1,418 @@
+//! The configuration file (`serve --config FILE`, `check-config FILE`) and the sites it
+//! describes. Without a file, the command line describes one site (the document root, the
+//! certificate) that is the default for every name: both build the same [`Sites`].
+//!
+//! The file's `[server]` table holds the global options under the names of their flags
+//! (`max-connections = 10000` is `--max-connections 10000`); they are parsed by the same
+//! command-line parser, so a value means the same in both places and is checked the same way,
+//! and a flag given on the command line wins over the file.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use serde::Deserialize;
+use tlsplane::sites::{NamePattern, SiteNames};
+use tlsplane::SiteTls;
+use tlsplane_http::DocRoot;
+
+/// Certificates closer than this to their end are warned about.
+const EXPIRY_WARNING: Duration = Duration::from_secs(14 * 24 * 3600);
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct FileToml {
+    #[serde(default)]
+    server: toml::Table,
+    #[serde(default, rename = "site")]
+    sites: Vec<SiteToml>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct SiteToml {
+    /// A label for messages and logs (default: the first server name).
+    name: Option<String>,
+    #[serde(default)]
+    server_names: Vec<String>,
+    root: PathBuf,
+    #[serde(default)]
+    default: bool,
+    #[serde(default, rename = "cert")]
+    certs: Vec<CertToml>,
+    alpn: Option<Vec<String>>,
+    tls_versions: Option<Vec<String>>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+struct CertToml {
+    chain: PathBuf,
+    key: PathBuf,
+}
+
+/// A configuration file, read and parsed (nothing it names is loaded yet).
+#[derive(Debug)]
+pub struct ConfigFile {
+    pub path: PathBuf,
+    /// The `[server]` table, as written.
+    pub server: toml::Table,
+    sites: Vec<SiteToml>,
+}
+
+impl ConfigFile {
+    pub fn read(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+        let parsed: FileToml = toml::from_str(&text).map_err(|e| {
+            let at = e.span().map(|span| {
+                let before = &text[..span.start.min(text.len())];
+                let line = before.matches('\n').count() + 1;
+                let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+                format!(":{line}:{col}")
+            });
+            format!(
+                "{}{}: {}",
+                path.display(),
+                at.unwrap_or_default(),
+                one_line(e.message())
+            )
+        })?;
+        if parsed.sites.is_empty() {
+            return Err(format!(
+                "{}: no [[site]]: a configuration needs at least one site",
+                path.display()
+            ));
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            server: parsed.server,
+            sites: parsed.sites,
+        })
+    }
+
+    /// A path as written in the file: relative ones are relative to the file's directory.
+    fn resolve(&self, p: &Path) -> PathBuf {
+        match self.path.parent() {
+            Some(dir) if p.is_relative() => dir.join(p),
+            _ => p.to_path_buf(),
+        }
+    }
+
+    /// The `[server]` table as command-line arguments (`--name=value`), for the options the
+    /// command line did not set itself (`given`), against the flags `cmd` knows.
+    pub fn server_args(
+        &self,
+        cmd: &clap::Command,
+        given: impl Fn(&str) -> bool,
+    ) -> Result<Vec<OsString>, String> {
+        let file = self.path.display();
+        let mut out = Vec::new();
+        for (key, value) in &self.server {
+            let arg = cmd
+                .get_arguments()
+                .find(|a| a.get_long() == Some(key.as_str()))
+                .filter(|_| !matches!(key.as_str(), "config" | "help" | "version"))
+                .ok_or_else(|| {
+                    format!("{file}: [server] {key}: no such option (see `tlsplane serve --help`)")
+                })?;
+            if given(arg.get_id().as_str()) {
+                continue;
+            }
+            let is_switch = matches!(arg.get_action(), clap::ArgAction::SetTrue);
+            let mut push = |v: &toml::Value| -> Result<(), String> {
+                let text = match v {
+                    toml::Value::String(s) => s.clone(),
+                    toml::Value::Integer(i) => i.to_string(),
+                    toml::Value::Float(f) => f.to_string(),
+                    toml::Value::Boolean(b) if is_switch => {
+                        if *b {
+                            out.push(format!("--{key}").into());
+                        }
+                        return Ok(());
+                    }
+                    toml::Value::Boolean(b) => b.to_string(),
+                    other => {
+                        return Err(format!(
+                            "{file}: [server] {key}: a {} is not a value for this option",
+                            other.type_str()
+                        ))
+                    }
+                };
+                out.push(format!("--{key}={text}").into());
+                Ok(())
+            };
+            match value {
+                toml::Value::Array(items) => {
+                    for v in items {
+                        push(v)?;
+                    }
+                }
+                v => push(v)?,
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// What a site needs besides its TLS: where its files are, and what to call it in messages.
+pub struct SiteServe {
+    pub label: String,
+    pub root: DocRoot,
+}
+
+/// Every site, loaded: what the acceptor needs (TLS per site, the name table) and what the
+/// product needs (document roots), by the same site numbers.
+pub struct Sites {
+    pub tls: Vec<SiteTls>,
+    pub serve: Vec<SiteServe>,
+    pub names: Arc<SiteNames>,
+    /// Things worth an operator's attention that do not stop a start (certificate expiry,
+    /// a name a certificate does not cover).
+    pub warnings: Vec<String>,
+}
+
+/// One site from the command line: every name, this root and certificate.
+pub fn single_site(
+    root: &Path,
+    allow_symlinks_outside: bool,
+    cert: Arc<rustls::sign::CertifiedKey>,
+) -> anyhow::Result<Sites> {
+    use anyhow::Context;
+    let root = DocRoot::new(root, allow_symlinks_outside)
+        .with_context(|| format!("cannot serve {}", root.display()))?;
+    Ok(Sites {
+        tls: vec![SiteTls::new(vec![cert])],
+        serve: vec![SiteServe {
+            label: "default".into(),
+            root,
+        }],
+        names: Arc::new(SiteNames::new(&[Vec::new()], Some(0))?),
+        warnings: Vec::new(),
+    })
+}
+
+/// Loads every site of `file`: certificates, keys, chains, names, document roots. Errors name
+/// the file, the site and the reason, all of them at once (a start or `check-config` fixes
+/// them in one go, not one per run).
+pub fn load_sites(file: &ConfigFile, allow_symlinks_outside: bool) -> Result<Sites, Vec<String>> {
+    let mut errors = Vec::new();
+    let mut warnings = Vec::new();
+    let mut tls = Vec::new();
+    let mut serve = Vec::new();
+    let mut names = Vec::new();
+    let mut default = None;
+    let now = SystemTime::now();
+    for (i, site) in file.sites.iter().enumerate() {
+        let label = site
+            .name
+            .clone()
+            .or_else(|| site.server_names.first().cloned())
+            .unwrap_or_else(|| format!("#{}", i + 1));
+        let at = format!("{}: site {label:?}", file.path.display());
+        let mut fail = |why: String| errors.push(format!("{at}: {why}"));
+        let mut patterns = Vec::new();
+        for n in &site.server_names {
+            match NamePattern::parse(n) {
+                Ok(p) => patterns.push(p),
+                Err(e) => fail(e),
+            }
+        }
+        if site.server_names.is_empty() && !site.default {
+            fail("no server-names (only the default site may have none)".into());
+        }
+        if site.default {
+            match default {
+                None => default = Some(i),
+                Some(d) => fail(format!(
+                    "a second default site (site #{} is the default already)",
+                    d + 1
+                )),
+            }
+        }
+        let root = file.resolve(&site.root);
+        let root = match DocRoot::new(&root, allow_symlinks_outside) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                fail(format!("root {}: {e}", root.display()));
+                None
+            }
+        };
+        if site.certs.is_empty() {
+            fail("no [[site.cert]] (each site needs a certificate chain and its key)".into());
+        }
+        let mut certs = Vec::new();
+        for c in &site.certs {
+            let (chain, key) = (file.resolve(&c.chain), file.resolve(&c.key));
+            match tlsplane::cert::load_pem(&chain, &key) {
+                Ok(ck) => {
+                    warnings.extend(
+                        certificate_warnings(&ck, &patterns, now)
+                            .into_iter()
+                            .map(|w| format!("{at}: {}: {w}", chain.display())),
+                    );
+                    certs.push(ck);
+                }
+                Err(e) => fail(strip_config_prefix(&e)),
+            }
+        }
+        let mut site_tls = SiteTls::new(certs);
+        if let Some(alpn) = &site.alpn {
+            site_tls.alpn = alpn.iter().map(|p| p.as_bytes().to_vec()).collect();
+        }
+        if let Some(versions) = &site.tls_versions {
+            site_tls.versions.clear();
+            for v in versions {
+                match v.as_str() {
+                    "1.3" => site_tls.versions.push(&rustls::version::TLS13),
+                    "1.2" => site_tls.versions.push(&rustls::version::TLS12),
+                    other => fail(format!(
+                        "tls-versions: {other:?} is not a version (expected \"1.3\" or \"1.2\")"
+                    )),
+                }
+            }
+            if versions.is_empty() {
+                fail("tls-versions is empty".into());
+            }
+        }
+        tls.push(site_tls);
+        names.push(patterns);
+        if let Some(root) = root {
+            serve.push(SiteServe { label, root });
+        }
+    }
+    let table = match SiteNames::new(&names, default) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            // Say which sites by label rather than by number.
+            errors.push(format!(
+                "{}: {}",
+                file.path.display(),
+                strip_config_prefix(&e)
+            ));
+            None
+        }
+    };
+    match table {
+        Some(table) if errors.is_empty() => Ok(Sites {
+            tls,
+            serve,
+            names: Arc::new(table),
+            warnings,
+        }),
+        _ => Err(errors),
+    }
+}
+
+fn strip_config_prefix(e: &tlsplane::Error) -> String {
+    match e {
+        tlsplane::Error::Config(s) => s.clone(),
+        e => e.to_string(),
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Expiry within [`EXPIRY_WARNING`] (or past), and configured names the leaf certificate does
+/// not cover.
+fn certificate_warnings(
+    ck: &rustls::sign::CertifiedKey,
+    names: &[NamePattern],
+    now: SystemTime,
+) -> Vec<String> {
+    use x509_parser::prelude::*;
+    let mut out = Vec::new();
+    let Some(leaf) = ck.cert.first() else {
+        return out;
+    };
+    let Ok((_, cert)) = X509Certificate::from_der(leaf.as_ref()) else {
+        out.push("the certificate cannot be parsed to check its dates and names".into());
+        return out;
+    };
+    let now_secs = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    let not_after = cert.validity().not_after;
+    let left = not_after.timestamp() - now_secs;
+    if left < 0 {
+        out.push(format!("the certificate expired on {not_after}"));
+    } else if left < EXPIRY_WARNING.as_secs() as i64 {
+        out.push(format!(
+            "the certificate expires on {not_after}, in {} days",
+            left / 86400
+        ));
+    }
+    let mut dns = Vec::new();
+    let mut ips = Vec::new();
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for n in &san.value.general_names {
+            match n {
+                GeneralName::DNSName(d) => dns.push(d.to_ascii_lowercase()),
+                GeneralName::IPAddress(b) => {
+                    if let Ok(a) = <[u8; 4]>::try_from(*b) {
+                        ips.push(std::net::IpAddr::from(a));
+                    } else if let Ok(a) = <[u8; 16]>::try_from(*b) {
+                        ips.push(std::net::IpAddr::from(a));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    for n in names {
+        if !covers(&dns, &ips, n) {
+            out.push(format!(
+                "the certificate does not cover the configured name {n}"
+            ));
+        }
+    }
+    out
+}
+
+/// Whether a certificate's names cover a configured name, as a client would check it: an
+/// exact DNS name, a `*.` name covering one label, an IP address; a configured wildcard is
+/// covered only by the same wildcard.
+fn covers(dns: &[String], ips: &[std::net::IpAddr], name: &NamePattern) -> bool {
+    match name {
+        NamePattern::Exact(n) => {
+            if let Ok(ip) = n.parse::<std::net::IpAddr>() {
+                return ips.contains(&ip);
+            }
+            dns.iter().any(|d| {
+                d == n
+                    || d.strip_prefix("*.").is_some_and(|suffix| {
+                        n.split_once('.').is_some_and(|(_, rest)| rest == suffix)
+                    })
+            })
+        }
+        NamePattern::Wildcard(s) => dns.iter().any(|d| d.strip_prefix("*.") == Some(s)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn coverage_follows_certificate_rules() {
+        let dns = vec!["www.example.com".to_string(), "*.shop.example.com".into()];
+        let ips = vec!["127.0.0.1".parse().unwrap()];
+        let p = |s: &str| NamePattern::parse(s).unwrap();
+        assert!(covers(&dns, &ips, &p("www.example.com")));
+        assert!(covers(&dns, &ips, &p("a.shop.example.com")));
+        assert!(!covers(&dns, &ips, &p("a.b.shop.example.com")));
+        assert!(!covers(&dns, &ips, &p("example.com")));
+        assert!(covers(&dns, &ips, &p("*.shop.example.com")));
+        assert!(!covers(&dns, &ips, &p("*.example.com")));
+        assert!(covers(&dns, &ips, &p("127.0.0.1")));
+        assert!(!covers(&dns, &ips, &p("::1")));
+    }
+}
