@@ -209,7 +209,13 @@ pub fn load_sites(file: &ConfigFile, allow_symlinks_outside: bool) -> Result<Sit
             .name
             .clone()
             .or_else(|| site.server_names.first().cloned())
-            .unwrap_or_else(|| format!("#{}", i + 1));
+            .unwrap_or_else(|| {
+                if site.default {
+                    "default".into()
+                } else {
+                    format!("#{}", i + 1)
+                }
+            });
         let at = format!("{}: site {label:?}", file.path.display());
         let mut fail = |why: String| errors.push(format!("{at}: {why}"));
         let mut patterns = Vec::new();
@@ -247,6 +253,10 @@ pub fn load_sites(file: &ConfigFile, allow_symlinks_outside: bool) -> Result<Sit
             let (chain, key) = (file.resolve(&c.chain), file.resolve(&c.key));
             match tlsplane::cert::load_pem(&chain, &key) {
                 Ok(ck) => {
+                    if let Err(why) = check_chain(&ck) {
+                        fail(format!("{}: {why}", chain.display()));
+                        continue;
+                    }
                     warnings.extend(
                         certificate_warnings(&ck, &patterns, now)
                             .into_iter()
@@ -320,6 +330,32 @@ fn one_line(s: &str) -> String {
         .join(" ")
 }
 
+/// A chain in order: each certificate issued by the next (names compared; the signatures are
+/// left to clients). A wrong intermediate or a reversed file is the classic broken chain that
+/// browsers with a cached intermediate hide and other clients fail on.
+fn check_chain(ck: &rustls::sign::CertifiedKey) -> Result<(), String> {
+    use x509_parser::prelude::*;
+    let mut parsed = Vec::new();
+    for (i, der) in ck.cert.iter().enumerate() {
+        let (_, c) = X509Certificate::from_der(der.as_ref())
+            .map_err(|e| format!("certificate {} of the chain cannot be parsed: {e}", i + 1))?;
+        parsed.push(c);
+    }
+    for (i, pair) in parsed.windows(2).enumerate() {
+        if pair[0].issuer().as_raw() != pair[1].subject().as_raw() {
+            return Err(format!(
+                "broken chain: certificate {} ({}) did not issue certificate {} (issued by {}); \
+                 the file must hold the leaf first, then each issuer in order",
+                i + 2,
+                pair[1].subject(),
+                i + 1,
+                pair[0].issuer()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Expiry within [`EXPIRY_WARNING`] (or past), and configured names the leaf certificate does
 /// not cover.
 fn certificate_warnings(
@@ -347,7 +383,7 @@ fn certificate_warnings(
     } else if left < EXPIRY_WARNING.as_secs() as i64 {
         out.push(format!(
             "the certificate expires on {not_after}, in {} days",
-            left / 86400
+            (left + 86399) / 86400
         ));
     }
     let mut dns = Vec::new();

@@ -18,6 +18,8 @@ mod alerts;
 mod bad_input;
 #[path = "e2e/coalesced.rs"]
 mod coalesced;
+#[path = "e2e/config.rs"]
+mod config;
 #[path = "e2e/content.rs"]
 mod content;
 #[path = "e2e/control.rs"]
@@ -36,8 +38,12 @@ mod mutated_hellos;
 mod operations;
 #[path = "e2e/panics.rs"]
 mod panics;
+#[path = "e2e/reload.rs"]
+mod reload;
 #[path = "e2e/shutdown.rs"]
 mod shutdown;
+#[path = "e2e/sites.rs"]
+mod sites;
 #[path = "e2e/suites.rs"]
 mod suites;
 #[path = "e2e/traversal.rs"]

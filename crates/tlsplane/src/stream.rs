@@ -117,7 +117,9 @@ impl Acceptor {
                     }
                     UnknownName::Reset => handshake::reset_on_close(&sock),
                 }
-                return Err(failed(Error::UnknownServerName(server_name.map(String::from))));
+                return Err(failed(Error::UnknownServerName(
+                    server_name.map(String::from),
+                )));
             }
         };
         // Only now, with a whole ClientHello admitted, does the connection cost a rustls state.

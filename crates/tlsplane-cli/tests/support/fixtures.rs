@@ -226,6 +226,21 @@ impl Pki {
         if let Some((_, f)) = leaves.iter().find(|(k, _)| *k == kind) {
             return f;
         }
+        let name = format!("{kind:?}").to_lowercase();
+        let files = self.issue_in(
+            &get().base.join("pki"),
+            &name,
+            &["localhost", "127.0.0.1"],
+            kind,
+        );
+        let files: &'static CertFiles = Box::leak(Box::new(files));
+        leaves.push((kind, files));
+        files
+    }
+
+    /// A new leaf for `names` (DNS names, `*.` wildcards or IP addresses) with a new key of
+    /// `kind`, signed by the test CA, written to `dir/<stem>.crt.pem` and `.key.pem`.
+    pub fn issue_in(&self, dir: &Path, stem: &str, names: &[&str], kind: CertKind) -> CertFiles {
         let key = match kind {
             CertKind::P256 => rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256),
             CertKind::P384 => rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P384_SHA384),
@@ -235,27 +250,24 @@ impl Pki {
             }
         }
         .unwrap_or_else(|e| panic!("generating a {kind:?} key: {e}"));
-        let mut params =
-            rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
-                .expect("leaf params");
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "localhost");
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let mut params = rcgen::CertificateParams::new(names.clone()).expect("leaf params");
+        params.distinguished_name.push(
+            rcgen::DnType::CommonName,
+            names.first().cloned().unwrap_or_default(),
+        );
         params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
         params.use_authority_key_identifier_extension = true;
         let cert = params
             .signed_by(&key, &self.ca_cert, &self.ca_key)
             .expect("signing the leaf");
-        let dir = get().base.join("pki");
-        let name = format!("{kind:?}").to_lowercase();
+        fs::create_dir_all(dir).expect("certificate dir");
         let files = CertFiles {
-            cert_pem: dir.join(format!("{name}.crt.pem")),
-            key_pem: dir.join(format!("{name}.key.pem")),
+            cert_pem: dir.join(format!("{stem}.crt.pem")),
+            key_pem: dir.join(format!("{stem}.key.pem")),
         };
         fs::write(&files.cert_pem, cert.pem()).expect("leaf cert");
         fs::write(&files.key_pem, key.serialize_pem()).expect("leaf key");
-        let files: &'static CertFiles = Box::leak(Box::new(files));
-        leaves.push((kind, files));
         files
     }
 }

@@ -128,6 +128,7 @@ pub struct ServerBuilder {
     shutdown_grace: u64,
     soft_nofile: Option<u64>,
     workers: usize,
+    config: Option<PathBuf>,
 }
 
 impl ServerBuilder {
@@ -139,6 +140,13 @@ impl ServerBuilder {
 
     pub fn cert(mut self, kind: CertKind) -> Self {
         self.cert = kind;
+        self
+    }
+
+    /// Serve the sites of this configuration file instead of the fixture root and certificate
+    /// (the command line still sets the listener, data plane, workers and --stats).
+    pub fn config_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.config = Some(path.into());
         self
     }
 
@@ -184,25 +192,29 @@ impl ServerBuilder {
             }
             None => Command::new(&bin),
         };
-        cmd.arg("serve")
-            .arg(&fx.www)
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--data-plane",
-                mode().as_str(),
-                "--stats",
-            ])
-            .args(["--workers", &self.workers.to_string()])
-            .arg("--cert")
-            .arg(&leaf.cert_pem)
-            .arg("--key")
-            .arg(&leaf.key_pem)
-            .args(["--shutdown-grace", &self.shutdown_grace.to_string()])
-            .args(&self.args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+        cmd.arg("serve");
+        match &self.config {
+            Some(file) => cmd.arg("--config").arg(file),
+            None => cmd
+                .arg(&fx.www)
+                .arg("--cert")
+                .arg(&leaf.cert_pem)
+                .arg("--key")
+                .arg(&leaf.key_pem),
+        };
+        cmd.args([
+            "--listen",
+            "127.0.0.1:0",
+            "--data-plane",
+            mode().as_str(),
+            "--stats",
+        ])
+        .args(["--workers", &self.workers.to_string()])
+        .args(["--shutdown-grace", &self.shutdown_grace.to_string()])
+        .args(&self.args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
         let mut child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
@@ -292,6 +304,7 @@ impl Server {
             shutdown_grace: 5,
             soft_nofile: None,
             workers: 1,
+            config: None,
         }
     }
 

@@ -1,0 +1,244 @@
+//! `tlsplane check-config` (and `serve --config` refusing what it refuses): the documented
+//! example is accepted, every error is reported with its file, site and reason, and
+//! certificates near expiry or not covering their names are warned about.
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use crate::sites::{scratch, write_config, SiteSpec};
+use crate::support::fixtures::{self, CertKind};
+use crate::support::{server_bin, tools};
+
+fn check_config(path: &Path) -> tools::Output {
+    let mut cmd = Command::new(server_bin());
+    cmd.arg("check-config").arg(path);
+    tools::run(cmd, b"", Duration::from_secs(30))
+}
+
+/// The first ```toml block of docs/CONFIG.md.
+fn documented_example() -> String {
+    let doc = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/CONFIG.md");
+    let text = fs::read_to_string(&doc).expect("docs/CONFIG.md");
+    let start = text
+        .find("```toml\n")
+        .expect("a ```toml block in docs/CONFIG.md")
+        + 8;
+    let len = text[start..].find("```").expect("end of the toml block");
+    text[start..start + len].to_string()
+}
+
+#[test]
+fn the_documented_example_is_accepted() {
+    let dir = scratch("doc-example");
+    let example = documented_example();
+    let path = dir.join("tlsplane.toml");
+    fs::write(&path, &example).expect("example");
+    // Make what it names: each site's root, and certificates for its names at its paths.
+    let table: toml::Table = example.parse().expect("the example is TOML");
+    let sites = table["site"].as_array().expect("[[site]]");
+    let pki = fixtures::pki();
+    for (i, site) in sites.iter().enumerate() {
+        fs::create_dir_all(dir.join(site["root"].as_str().expect("root"))).expect("root");
+        let names: Vec<&str> = site
+            .get("server-names")
+            .and_then(|n| n.as_array())
+            .map(|a| a.iter().filter_map(|v| v.as_str()).collect())
+            .unwrap_or_default();
+        let names = if names.is_empty() {
+            vec!["default.test"]
+        } else {
+            names
+        };
+        for (j, cert) in site["cert"]
+            .as_array()
+            .expect("[[site.cert]]")
+            .iter()
+            .enumerate()
+        {
+            let (chain, key) = (
+                cert["chain"].as_str().unwrap(),
+                cert["key"].as_str().unwrap(),
+            );
+            let kind = if chain.contains("rsa") {
+                CertKind::Rsa2048
+            } else {
+                CertKind::P256
+            };
+            let made = pki.issue_in(&dir.join("made"), &format!("{i}-{j}"), &names, kind);
+            for (from, to) in [(&made.cert_pem, chain), (&made.key_pem, key)] {
+                let to = dir.join(to);
+                fs::create_dir_all(to.parent().unwrap()).unwrap();
+                fs::copy(from, &to).expect("placing a certificate");
+            }
+        }
+    }
+    let out = check_config(&path);
+    assert!(out.status.success(), "{}", out.describe());
+    assert!(
+        out.stdout_text().contains("ok: 3 sites, 4 certificates"),
+        "{}",
+        out.describe()
+    );
+    assert!(!out.stderr_text().contains("warning"), "{}", out.describe());
+}
+
+#[test]
+fn every_error_is_reported_with_its_file_site_and_reason() {
+    let dir = scratch("errors");
+    let pki = fixtures::pki();
+    let good = pki.issue_in(&dir, "good", &["good.test"], CertKind::P256);
+    let other = pki.issue_in(&dir, "other", &["other.test"], CertKind::P256);
+    let missing_key = pki.issue_in(&dir, "missing", &["missing.test"], CertKind::P256);
+    fs::remove_file(&missing_key.key_pem).unwrap();
+    let mut mismatched = pki.issue_in(&dir, "mismatched", &["mismatch.test"], CertKind::P256);
+    mismatched.key_pem = other.key_pem.clone();
+    // The leaf, then a certificate that did not issue it.
+    let broken = pki.issue_in(&dir, "broken", &["broken.test"], CertKind::P256);
+    let chain = format!(
+        "{}{}",
+        fs::read_to_string(&broken.cert_pem).unwrap(),
+        fs::read_to_string(&other.cert_pem).unwrap()
+    );
+    fs::write(&broken.cert_pem, chain).unwrap();
+    let spec = |names, cert, content| SiteSpec {
+        names,
+        default: false,
+        certs: vec![cert],
+        content,
+    };
+    let config = write_config(
+        &dir,
+        "",
+        &[
+            spec(&["good.test"], good, "good"),
+            spec(&["missing.test"], missing_key, "missing"),
+            spec(&["mismatch.test"], mismatched, "mismatch"),
+            spec(&["broken.test"], broken, "broken"),
+            spec(&["foo.*.test"], other, "badname"),
+        ],
+    );
+    let out = check_config(&config);
+    assert!(!out.status.success(), "{}", out.describe());
+    let err = out.stderr_text();
+    let file = config.display().to_string();
+    for (site, reason) in [
+        ("missing.test", "No such file"),
+        ("mismatch.test", "does not belong to the certificate"),
+        ("broken.test", "broken chain"),
+        ("foo.*.test", "is not a server name"),
+    ] {
+        assert!(
+            err.lines().any(|l| l.contains(&file)
+                && l.contains(&format!("site \"{site}\""))
+                && l.contains(reason)),
+            "no error line naming {file}, site {site} and {reason:?}:\n{err}"
+        );
+    }
+    assert!(!err.contains("site \"good.test\""), "{err}");
+
+    // `serve` refuses the same file, with the same reasons, before it listens.
+    let mut cmd = Command::new(server_bin());
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&config);
+    let serve = tools::run(cmd, b"", Duration::from_secs(30));
+    assert!(!serve.status.success(), "{}", serve.describe());
+    assert!(
+        serve.stderr_text().contains("broken chain") && !serve.stderr_text().contains("listening"),
+        "{}",
+        serve.describe()
+    );
+
+    // A name claimed twice, an unknown [server] option, a bad value: each named.
+    let a = pki.issue_in(&dir, "a", &["a.test"], CertKind::P256);
+    let b = pki.issue_in(&dir, "b", &["a.test"], CertKind::P256);
+    let dup = write_config(
+        &dir,
+        "colour = \"blue\"",
+        &[spec(&["a.test"], a, "a"), spec(&["A.test"], b, "b")],
+    );
+    let err = check_config(&dup).stderr_text();
+    assert!(
+        err.contains("a.test is claimed by two sites (#1 and #2)"),
+        "{err}"
+    );
+    assert!(err.contains("[server] colour: no such option"), "{err}");
+    let text = fs::read_to_string(&dup).unwrap();
+    fs::write(
+        &dup,
+        text.replace("colour = \"blue\"", "workers = \"many\""),
+    )
+    .unwrap();
+    let err = check_config(&dup).stderr_text();
+    assert!(
+        err.contains(&format!(
+            "{}: [server]: invalid value 'many' for '--workers",
+            dup.display()
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn certificates_near_expiry_or_not_covering_a_name_are_warned_about() {
+    if !tools::require("openssl") {
+        return;
+    }
+    let dir = scratch("warnings");
+    let (cert, key) = (dir.join("soon.pem"), dir.join("soon.key"));
+    let mut cmd = Command::new("openssl");
+    cmd.args([
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-days",
+        "3",
+        "-subj",
+        "/CN=soon.test",
+        "-addext",
+        "subjectAltName=DNS:soon.test",
+        "-keyout",
+    ])
+    .arg(&key)
+    .arg("-out")
+    .arg(&cert);
+    assert!(tools::run(cmd, b"", Duration::from_secs(30))
+        .status
+        .success());
+    let config = write_config(
+        &dir,
+        "",
+        &[SiteSpec {
+            names: &["soon.test", "*.elsewhere.test"],
+            default: true,
+            certs: vec![fixtures::CertFiles {
+                cert_pem: cert.clone(),
+                key_pem: key,
+            }],
+            content: "soon",
+        }],
+    );
+    let out = check_config(&config);
+    assert!(
+        out.status.success(),
+        "warnings are not errors: {}",
+        out.describe()
+    );
+    let err = out.stderr_text();
+    assert!(
+        err.lines().any(|l| l.starts_with("warning:")
+            && l.contains("expires on")
+            && l.contains("in 3 days")),
+        "{err}"
+    );
+    assert!(
+        err.contains("does not cover the configured name *.elsewhere.test"),
+        "{err}"
+    );
+    assert!(!err.contains("configured name soon.test"), "{err}");
+}
