@@ -35,7 +35,8 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
         }
     };
     let allow_symlinks = options.as_ref().is_some_and(|o| o.allow_symlinks_outside);
-    match load_sites(&file, allow_symlinks) {
+    // Keys are read here, by the operator's tool, as keyd would read them.
+    match load_sites(&file, allow_symlinks, &tlsplane::cert::load_key) {
         Ok(sites) => {
             for w in &sites.warnings {
                 eprintln!("warning: {w}");

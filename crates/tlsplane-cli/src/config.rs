@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use rustls::sign::SigningKey;
 use serde::Deserialize;
 use tlsplane::sites::{NamePattern, SiteNames};
 use tlsplane::SiteTls;
@@ -90,6 +91,14 @@ impl ConfigFile {
             server: parsed.server,
             sites: parsed.sites,
         })
+    }
+
+    /// Every key file the sites name (what the key daemon loads), resolved.
+    pub fn key_paths(&self) -> Vec<PathBuf> {
+        self.sites
+            .iter()
+            .flat_map(|s| s.certs.iter().map(|c| self.resolve(&c.key)))
+            .collect()
     }
 
     /// A path as written in the file: relative ones are relative to the file's directory.
@@ -173,13 +182,30 @@ pub struct Sites {
     pub warnings: Vec<String>,
 }
 
+/// Where private keys come from: the key daemon, or (`--keyd off`) read in this process.
+pub type KeyLoader<'a> = &'a dyn Fn(&Path) -> Result<Arc<dyn SigningKey>, tlsplane::Error>;
+
+/// A chain and the key for it, checked to belong together.
+fn certified(
+    chain_path: &Path,
+    key_path: &Path,
+    keys: KeyLoader,
+) -> Result<Arc<rustls::sign::CertifiedKey>, tlsplane::Error> {
+    let chain = tlsplane::cert::load_chain(chain_path)?;
+    let key = keys(key_path)?;
+    tlsplane::cert::with_key(chain, key, chain_path, key_path)
+}
+
 /// One site from the command line: every name, this root and certificate.
 pub fn single_site(
     root: &Path,
     allow_symlinks_outside: bool,
-    cert: Arc<rustls::sign::CertifiedKey>,
+    chain: &Path,
+    key: &Path,
+    keys: KeyLoader,
 ) -> anyhow::Result<Sites> {
     use anyhow::Context;
+    let cert = certified(chain, key, keys)?;
     let root = DocRoot::new(root, allow_symlinks_outside)
         .with_context(|| format!("cannot serve {}", root.display()))?;
     Ok(Sites {
@@ -196,7 +222,11 @@ pub fn single_site(
 /// Loads every site of `file`: certificates, keys, chains, names, document roots. Errors name
 /// the file, the site and the reason, all of them at once (a start or `check-config` fixes
 /// them in one go, not one per run).
-pub fn load_sites(file: &ConfigFile, allow_symlinks_outside: bool) -> Result<Sites, Vec<String>> {
+pub fn load_sites(
+    file: &ConfigFile,
+    allow_symlinks_outside: bool,
+    keys: KeyLoader,
+) -> Result<Sites, Vec<String>> {
     let mut errors = Vec::new();
     let mut warnings = Vec::new();
     let mut tls = Vec::new();
@@ -251,7 +281,7 @@ pub fn load_sites(file: &ConfigFile, allow_symlinks_outside: bool) -> Result<Sit
         let mut certs = Vec::new();
         for c in &site.certs {
             let (chain, key) = (file.resolve(&c.chain), file.resolve(&c.key));
-            match tlsplane::cert::load_pem(&chain, &key) {
+            match certified(&chain, &key, keys) {
                 Ok(ck) => {
                     if let Err(why) = check_chain(&ck) {
                         fail(format!("{}: {why}", chain.display()));

@@ -4,6 +4,8 @@
 mod admin;
 mod check;
 mod config;
+mod keyd;
+mod keys;
 mod limits;
 mod lobby;
 mod runtime;
@@ -32,6 +34,9 @@ enum Command {
     /// report the outcome: exit 0 when the new configuration is in force, 1 when the server
     /// kept the previous one.
     Reload(check::ReloadArgs),
+    /// The key daemon: holds private keys and signs for servers over a private Unix socket
+    /// (`serve` starts one itself unless --keyd off; start one by hand for --keyd unix:PATH).
+    Keyd(keyd::KeydArgs),
     /// Load generators: TLS handshakes per second, HTTPS throughput.
     #[command(subcommand)]
     Bench(tlsplane_bench::BenchCommand),
@@ -88,6 +93,7 @@ fn main() {
         ),
         Command::CheckConfig(args) => check::check_config(args),
         Command::Reload(args) => check::reload(args),
+        Command::Keyd(args) => keyd::run(args),
         Command::Bench(cmd) => tlsplane_bench::run(cmd),
     };
     if let Err(e) = result {

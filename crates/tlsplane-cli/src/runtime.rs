@@ -73,6 +73,8 @@ pub struct RuntimeStats {
     pub reloads: AtomicU64,
     /// Configuration reloads that failed (the previous configuration stayed in force).
     pub reload_failures: AtomicU64,
+    /// Key daemons restarted after they died.
+    pub keyd_restarts: AtomicU64,
     pub histograms: crate::admin::Histograms,
 }
 
@@ -242,11 +244,14 @@ struct Shared<H> {
 }
 
 /// Binds the listeners, starts the workers and serves until SIGTERM or SIGINT, then drains
-/// for up to the shutdown grace. Returns once every worker has stopped.
+/// for up to the shutdown grace. Returns once every worker has stopped. `reload` runs on
+/// SIGHUP and on each message of `requests` (the product's own reasons, e.g. a restarted key
+/// daemon), which names the reason in the log.
 pub fn run<H: Handler>(
     config: RuntimeConfig,
     first: Generation<H>,
     mut reload: Reload<H>,
+    requests: Option<mpsc::UnboundedReceiver<&'static str>>,
     stats: Arc<RuntimeStats>,
 ) -> anyhow::Result<()> {
     if config.listen.is_empty() {
@@ -293,30 +298,38 @@ pub fn run<H: Handler>(
         let mut int = signal(SignalKind::interrupt())?;
         // SIGHUP's default action would kill the server and every connection with it.
         let mut hup = signal(SignalKind::hangup())?;
+        let mut requests = requests;
         loop {
-            tokio::select! {
+            let why = tokio::select! {
                 _ = term.recv() => break,
                 _ = int.recv() => break,
-                _ = hup.recv() => {
-                    tracing::info!("SIGHUP: reloading the configuration");
-                    let status = match reload() {
-                        Ok(next) => {
-                            *shared.current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
-                            shared.stats.reloads.fetch_add(1, Relaxed);
-                            tracing::info!("configuration reloaded: new connections use it, established ones keep theirs");
-                            "ok".to_string()
-                        }
-                        Err(e) => {
-                            shared.stats.reload_failures.fetch_add(1, Relaxed);
-                            let why = format!("{e:#}");
-                            tracing::error!("reload failed, the previous configuration stays in force: {why}");
-                            format!("failed: {}", why.replace('\n', "; "))
-                        }
-                    };
-                    if let Some(p) = &mut pid_file {
-                        p.record_reload(&status);
-                    }
+                _ = hup.recv() => "SIGHUP",
+                Some(why) = async { match requests.as_mut() {
+                    Some(r) => r.recv().await,
+                    None => std::future::pending().await,
+                } } => why,
+            };
+            tracing::info!("{why}: reloading the configuration");
+            let status = match reload() {
+                Ok(next) => {
+                    *shared.current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
+                    shared.stats.reloads.fetch_add(1, Relaxed);
+                    tracing::info!(
+                        "configuration reloaded: new connections use it, established ones keep theirs"
+                    );
+                    "ok".to_string()
                 }
+                Err(e) => {
+                    shared.stats.reload_failures.fetch_add(1, Relaxed);
+                    let why = format!("{e:#}");
+                    tracing::error!(
+                        "reload failed, the previous configuration stays in force: {why}"
+                    );
+                    format!("failed: {}", why.replace('\n', "; "))
+                }
+            };
+            if let Some(p) = &mut pid_file {
+                p.record_reload(&status);
             }
         }
         anyhow::Ok(())

@@ -17,6 +17,7 @@ use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions, TlsStream};
 use tlsplane_http::{error_response, parse_request, respond, Body, Limits, Parsed};
 
 use crate::config::{ConfigFile, SiteServe, Sites};
+use crate::keys::Keys;
 use crate::runtime::{
     self, ConnContext, Generation, Handler, Phase, RuntimeConfig, RuntimeStats, Served,
 };
@@ -31,6 +32,12 @@ pub struct ServeArgs {
     /// file). See docs/CONFIG.md. SIGHUP re-reads it.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["cert", "key"])]
     pub config: Option<PathBuf>,
+    /// Where private keys live: `on` starts a key daemon (`tlsplane keyd`, a child process that
+    /// alone reads the key files and signs for the server, restarted if it dies); `off` reads
+    /// them into this process (weaker: a memory disclosure here would disclose them);
+    /// `unix:PATH` uses a daemon started by hand with `tlsplane keyd --socket PATH`.
+    #[arg(long, default_value = "on", value_name = "on|off|unix:PATH")]
+    pub keyd: crate::keys::KeydMode,
     /// Write the server's pid here once it listens (removed at exit), for `tlsplane reload`.
     #[arg(long, value_name = "FILE")]
     pub pid_file: Option<PathBuf>,
@@ -210,7 +217,26 @@ pub fn run(args: ServeArgs, given: &clap::ArgMatches) -> anyhow::Result<()> {
         Ok(n) => tracing::debug!(open_files = n, "open-files limit"),
         Err(e) => tracing::warn!(error = %e, "could not raise the open-files limit"),
     }
-    let sites = load_sites(&args, file.as_ref())?;
+    let (flag_chain, flag_key) = match &file {
+        Some(_) => (PathBuf::new(), PathBuf::new()),
+        None => flag_cert_paths(&args)?,
+    };
+    let daemon_args: Vec<std::ffi::OsString> = match &file {
+        Some(f) => vec!["--config".into(), f.path.clone().into()],
+        None => vec!["--key".into(), flag_key.clone().into()],
+    };
+    let keys = Keys::start(args.keyd.clone(), daemon_args)?;
+    eprintln!(
+        "private keys: {}",
+        match &args.keyd {
+            crate::keys::KeydMode::On =>
+                "in a key daemon (tlsplane keyd) started for this server".to_string(),
+            crate::keys::KeydMode::Off => "read into this process (--keyd off)".to_string(),
+            crate::keys::KeydMode::Unix(p) => format!("in the key daemon at {}", p.display()),
+        }
+    );
+    let loader = |p: &std::path::Path| keys.load(p);
+    let sites = load_sites(&args, file.as_ref(), (&flag_chain, &flag_key), &loader)?;
     for w in &sites.warnings {
         tracing::warn!("{w}");
     }
@@ -294,7 +320,9 @@ pub fn run(args: ServeArgs, given: &clap::ArgMatches) -> anyhow::Result<()> {
             runtime_stats.histograms.first_response.clone(),
         );
         let mut current = acceptor.clone();
+        let keys = keys.clone();
         Box::new(move || {
+            let key_generation = keys.reload()?;
             let reread = match &file {
                 Some(first) => {
                     let f = ConfigFile::read(&first.path).map_err(anyhow::Error::msg)?;
@@ -308,25 +336,33 @@ pub fn run(args: ServeArgs, given: &clap::ArgMatches) -> anyhow::Result<()> {
                 }
                 None => None,
             };
-            let sites = load_sites(&args, reread.as_ref())?;
+            let loader = |p: &std::path::Path| keys.load(p);
+            let sites = load_sites(&args, reread.as_ref(), (&flag_chain, &flag_key), &loader)?;
             for w in &sites.warnings {
                 tracing::warn!("{w}");
             }
             let acceptor = current.reload(server_options(&args, &sites))?;
             current = acceptor.clone();
             let handler = Arc::new(Serve::new(sites, &args, stats.clone(), ttfb.clone()));
+            // Installed by the runtime as soon as this returns.
+            keys.commit(key_generation);
             Ok(Generation { acceptor, handler })
         })
     };
-    runtime::run(
+    let (restarted, requests) = tokio::sync::mpsc::unbounded_channel();
+    keys.supervise(restarted, runtime_stats.clone());
+    let served = runtime::run(
         config,
         Generation {
             acceptor,
             handler: serve,
         },
         reload,
+        Some(requests),
         runtime_stats.clone(),
-    )?;
+    );
+    keys.stop();
+    served?;
     if args.stats {
         let pairs = counters(&stats, &runtime_stats);
         eprintln!("tlsplane-stats {}", tlsplane::stats::to_json(&pairs));
@@ -334,28 +370,36 @@ pub fn run(args: ServeArgs, given: &clap::ArgMatches) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The certificate and key of a server without --config: --cert/--key, or the generated
+/// localhost certificate (made on first use).
+fn flag_cert_paths(args: &ServeArgs) -> anyhow::Result<(PathBuf, PathBuf)> {
+    if let (Some(c), Some(k)) = (&args.cert, &args.key) {
+        return Ok((c.clone(), k.clone()));
+    }
+    let dir = tlsplane::cert::default_state_dir();
+    let g = tlsplane::cert::ensure_localhost_cert(&dir)?;
+    eprintln!(
+        "certificate: {} ({} for localhost, 127.0.0.1, ::1, issued by a local CA; trust it with e.g. curl --cacert {} https://localhost:PORT/)",
+        g.cert.display(),
+        if g.created { "generated" } else { "reusing" },
+        g.ca.display()
+    );
+    Ok((g.cert, g.key))
+}
+
 /// The sites to serve: from the configuration file, else one from the command line (DIR and
-/// --cert/--key, or the generated localhost certificate).
-fn load_sites(args: &ServeArgs, file: Option<&ConfigFile>) -> anyhow::Result<Sites> {
+/// the `flag` certificate and key).
+fn load_sites(
+    args: &ServeArgs,
+    file: Option<&ConfigFile>,
+    flag: (&std::path::Path, &std::path::Path),
+    keys: crate::config::KeyLoader,
+) -> anyhow::Result<Sites> {
     if let Some(file) = file {
-        return crate::config::load_sites(file, args.allow_symlinks_outside)
+        return crate::config::load_sites(file, args.allow_symlinks_outside, keys)
             .map_err(|errors| anyhow::anyhow!("{}", errors.join("\n")));
     }
-    let cert = match (&args.cert, &args.key) {
-        (Some(c), Some(k)) => tlsplane::cert::load_pem(c, k)?,
-        _ => {
-            let dir = tlsplane::cert::default_state_dir();
-            let g = tlsplane::cert::ensure_localhost_cert(&dir)?;
-            eprintln!(
-                "certificate: {} ({} for localhost, 127.0.0.1, ::1, issued by a local CA; trust it with e.g. curl --cacert {} https://localhost:PORT/)",
-                g.cert.display(),
-                if g.created { "generated" } else { "reusing" },
-                g.ca.display()
-            );
-            tlsplane::cert::load_pem(&g.cert, &g.key)?
-        }
-    };
-    crate::config::single_site(&args.dir, args.allow_symlinks_outside, cert)
+    crate::config::single_site(&args.dir, args.allow_symlinks_outside, flag.0, flag.1, keys)
 }
 
 /// The acceptor's options: the sites' TLS and the global TLS options.
@@ -425,6 +469,7 @@ fn counters(h: &HttpStats, r: &RuntimeStats) -> Vec<(&'static str, u64)> {
         ("handshakes_evicted", r.handshakes_evicted.load(Relaxed)),
         ("reloads", r.reloads.load(Relaxed)),
         ("reload_failures", r.reload_failures.load(Relaxed)),
+        ("keyd_restarts", r.keyd_restarts.load(Relaxed)),
     ]);
     pairs.extend(r.limits.snapshot());
     pairs

@@ -28,6 +28,8 @@ mod control;
 mod http;
 #[path = "e2e/kernel.rs"]
 mod kernel;
+#[path = "e2e/keyd.rs"]
+mod keyd;
 #[path = "e2e/limits.rs"]
 mod limits;
 #[path = "e2e/metrics.rs"]

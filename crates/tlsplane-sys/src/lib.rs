@@ -262,6 +262,51 @@ pub fn set_current_thread_nice(nice: i32) -> io::Result<()> {
     Ok(())
 }
 
+/// Makes this process non-dumpable (`PR_SET_DUMPABLE 0`): no core dump, and no other process
+/// of the same user may ptrace it or read its memory through /proc/PID/mem (the key daemon).
+pub fn set_non_dumpable() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    cvt(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) })?;
+    Ok(())
+}
+
+/// Asks the kernel to send `signal` to this process when its parent exits
+/// (`PR_SET_PDEATHSIG`), then checks that the parent is still `parent` (it may have exited
+/// before the call, which the kernel would not report).
+pub fn die_with_parent(signal: i32, parent: u32) -> io::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    cvt(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong, 0, 0, 0) })?;
+    // SAFETY: getppid has no preconditions.
+    if unsafe { libc::getppid() } as u32 != parent {
+        return Err(io::Error::other("the parent process is gone"));
+    }
+    Ok(())
+}
+
+/// The user id of the process at the other end of a connected Unix socket (`SO_PEERCRED`).
+pub fn peer_uid(sock: BorrowedFd<'_>) -> io::Result<u32> {
+    // SAFETY: a zeroed ucred is a valid value of this plain C struct.
+    let mut cred: libc::ucred = unsafe { zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED writes at most `len` bytes into `cred`, which outlives the call.
+    cvt(unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    })?;
+    Ok(cred.uid)
+}
+
+/// The real user id of this process.
+pub fn current_uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
+}
+
 /// Sends SIGHUP to a process (`tlsplane reload`).
 pub fn send_sighup(pid: i32) -> io::Result<()> {
     if pid <= 0 {

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::crypto::aws_lc_rs::sign::any_supported_type;
-use rustls::sign::CertifiedKey;
+use rustls::sign::{CertifiedKey, SigningKey};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
@@ -13,6 +13,13 @@ use crate::Error;
 /// Loads a certificate chain and its private key (ECDSA P-256/P-384, Ed25519 or RSA; PKCS#8,
 /// SEC1 or PKCS#1) from PEM files, and checks that they belong together.
 pub fn load_pem(cert_path: &Path, key_path: &Path) -> Result<Arc<CertifiedKey>, Error> {
+    let chain = load_chain(cert_path)?;
+    let key = load_key(key_path)?;
+    with_key(chain, key, cert_path, key_path)
+}
+
+/// A certificate chain from a PEM file (leaf first).
+pub fn load_chain(cert_path: &Path) -> Result<Vec<CertificateDer<'static>>, Error> {
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert_path)
         .map_err(|e| Error::Config(format!("{}: {e}", cert_path.display())))?
         .collect::<Result<_, _>>()
@@ -23,21 +30,43 @@ pub fn load_pem(cert_path: &Path, key_path: &Path) -> Result<Arc<CertifiedKey>, 
             cert_path.display()
         )));
     }
-    let key = PrivateKeyDer::from_pem_file(key_path).map_err(|e| {
-        let why = match std::fs::read(key_path) {
-            Ok(pem) if contains(&pem, b"-----BEGIN ENCRYPTED PRIVATE KEY-----") => {
-                "the key is encrypted, which is not supported (decrypt it with e.g. \
-                 `openssl pkey -in KEY -out PLAIN` and keep that file private)"
-                    .to_string()
-            }
-            Ok(_) if matches!(e, rustls_pki_types::pem::Error::NoItemsFound) => {
-                "no PRIVATE KEY, EC PRIVATE KEY or RSA PRIVATE KEY block in PEM file".to_string()
-            }
-            _ => format!("no usable private key: {e}"),
+    Ok(chain)
+}
+
+/// A private key from a PEM file, ready to sign. The file's bytes are zeroized once parsed.
+pub fn load_key(key_path: &Path) -> Result<Arc<dyn SigningKey>, Error> {
+    let pem = zeroize::Zeroizing::new(
+        std::fs::read(key_path)
+            .map_err(|e| Error::Config(format!("{}: cannot read: {e}", key_path.display())))?,
+    );
+    let key = PrivateKeyDer::from_pem_slice(&pem).map_err(|e| {
+        let why = if contains(&pem, b"-----BEGIN ENCRYPTED PRIVATE KEY-----") {
+            "the key is encrypted, which is not supported (decrypt it with e.g. \
+             `openssl pkey -in KEY -out PLAIN` and keep that file private)"
+                .to_string()
+        } else if matches!(e, rustls_pki_types::pem::Error::NoItemsFound) {
+            "no PRIVATE KEY, EC PRIVATE KEY or RSA PRIVATE KEY block in PEM file".to_string()
+        } else {
+            format!("no usable private key: {e}")
         };
         Error::Config(format!("{}: {why}", key_path.display()))
     })?;
-    certified_key(chain, key).map_err(|e| match e {
+    any_supported_type(&key).map_err(|e| {
+        Error::Config(format!(
+            "{}: unsupported private key: {e}",
+            key_path.display()
+        ))
+    })
+}
+
+/// A chain and a key that must belong to its leaf (checked).
+pub fn with_key(
+    chain: Vec<CertificateDer<'static>>,
+    key: Arc<dyn SigningKey>,
+    cert_path: &Path,
+    key_path: &Path,
+) -> Result<Arc<CertifiedKey>, Error> {
+    matching(chain, key).map_err(|e| match e {
         Error::Config(why) => Error::Config(format!(
             "{} and {}: {why}",
             key_path.display(),
@@ -58,7 +87,14 @@ pub fn certified_key(
 ) -> Result<Arc<CertifiedKey>, Error> {
     let signing_key = any_supported_type(&key)
         .map_err(|e| Error::Config(format!("unsupported private key: {e}")))?;
-    let ck = CertifiedKey::new(chain, signing_key);
+    matching(chain, signing_key)
+}
+
+fn matching(
+    chain: Vec<CertificateDer<'static>>,
+    key: Arc<dyn SigningKey>,
+) -> Result<Arc<CertifiedKey>, Error> {
+    let ck = CertifiedKey::new(chain, key);
     ck.keys_match().map_err(|e| {
         Error::Config(match e {
             rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch) => {

@@ -38,6 +38,10 @@ pub enum Error {
 impl Error {
     /// True when the peer, not this process, is at fault.
     pub fn is_peer_fault(&self) -> bool {
+        // rustls' `General` errors are ours (e.g. a signature the key daemon did not make).
+        if matches!(self, Error::Protocol(rustls::Error::General(_))) {
+            return false;
+        }
         matches!(
             self,
             Error::Protocol(_)

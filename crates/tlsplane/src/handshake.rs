@@ -250,12 +250,15 @@ fn plaintext_alert_for(e: &rustls::Error) -> Option<u8> {
     const RECORD_OVERFLOW: u8 = 22;
     const HANDSHAKE_FAILURE: u8 = 40;
     const DECODE_ERROR: u8 = 50;
+    const INTERNAL_ERROR: u8 = 80;
     match e {
         E::InvalidMessage(_) => Some(DECODE_ERROR),
         E::PeerSentOversizedRecord => Some(RECORD_OVERFLOW),
         E::PeerMisbehaved(_) | E::InappropriateMessage { .. } => Some(UNEXPECTED_MESSAGE),
         E::InappropriateHandshakeMessage { .. } => Some(UNEXPECTED_MESSAGE),
         E::PeerIncompatible(_) => Some(HANDSHAKE_FAILURE),
+        // Our side failed, e.g. the key daemon did not sign: say so rather than vanish.
+        E::General(_) => Some(INTERNAL_ERROR),
         _ => None,
     }
 }

@@ -16,6 +16,7 @@ pub mod config;
 pub mod error;
 mod handshake;
 pub mod hello;
+pub mod keyd;
 pub mod plane;
 pub mod probe;
 pub mod sites;

@@ -81,6 +81,9 @@ counters! {
     /// ClientHellos whose server name (or lack of one) matched no site, with no default site:
     /// refused with unrecognized_name or a reset.
     unknown_server_names,
+    /// Signatures the key daemon did not deliver (it is down, slow or refused): each failed
+    /// a handshake.
+    keyd_sign_failures,
 }
 
 /// Connections open now, by plane: gauges (they go down), apart from the counters.

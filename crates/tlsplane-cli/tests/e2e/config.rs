@@ -145,7 +145,8 @@ fn every_error_is_reported_with_its_file_site_and_reason() {
     let serve = tools::run(cmd, b"", Duration::from_secs(30));
     assert!(!serve.status.success(), "{}", serve.describe());
     assert!(
-        serve.stderr_text().contains("broken chain") && !serve.stderr_text().contains("listening"),
+        serve.stderr_text().contains("broken chain")
+            && !serve.stderr_text().contains("listening on https"),
         "{}",
         serve.describe()
     );

@@ -1,0 +1,283 @@
+//! Where `serve` gets its private keys: from a key daemon it starts and supervises (the
+//! default), from one started by hand (`--keyd unix:PATH`), or read into this process
+//! (`--keyd off`, weaker: a memory disclosure in the server then discloses the keys).
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rustls::sign::SigningKey;
+use tlsplane::keyd::{Endpoint, KeydClient, TOKEN_LEN};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeydMode {
+    /// Start a key daemon (a child process of this server) and supervise it.
+    On,
+    /// Read keys in this process.
+    Off,
+    /// Use a daemon started by hand (`tlsplane keyd --socket PATH ...`).
+    Unix(PathBuf),
+}
+
+impl FromStr for KeydMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            _ => match s.strip_prefix("unix:") {
+                Some(p) if !p.is_empty() => Ok(Self::Unix(PathBuf::from(p))),
+                _ => Err(format!("{s:?}: expected on, off or unix:PATH")),
+            },
+        }
+    }
+}
+
+/// A key daemon this server started.
+struct Spawned {
+    child: Child,
+    /// Its stdin: the daemon exits when this closes (with us).
+    _stdin: ChildStdin,
+    /// The private (0700) directory of its socket.
+    dir: PathBuf,
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The server's key source.
+pub struct Keys {
+    mode: KeydMode,
+    /// What the daemon loads (`--config FILE` or `--key PEM`).
+    daemon_args: Vec<OsString>,
+    client: Mutex<Option<Arc<KeydClient>>>,
+    spawned: Mutex<Option<Spawned>>,
+    stopping: AtomicBool,
+}
+
+impl Keys {
+    /// Starts (or connects to) the key daemon for the keys `daemon_args` name.
+    pub fn start(mode: KeydMode, daemon_args: Vec<OsString>) -> anyhow::Result<Arc<Self>> {
+        let keys = Arc::new(Self {
+            mode,
+            daemon_args,
+            client: Mutex::new(None),
+            spawned: Mutex::new(None),
+            stopping: AtomicBool::new(false),
+        });
+        match &keys.mode {
+            KeydMode::Off => {}
+            KeydMode::On => keys.spawn()?,
+            KeydMode::Unix(socket) => {
+                let token_file = crate::keyd::token_path(socket);
+                let hex =
+                    zeroize::Zeroizing::new(std::fs::read_to_string(&token_file).map_err(|e| {
+                        anyhow::anyhow!(
+                            "--keyd unix:{}: {}: {e}",
+                            socket.display(),
+                            token_file.display()
+                        )
+                    })?);
+                let mut token = zeroize::Zeroizing::new([0u8; TOKEN_LEN]);
+                crate::keyd::decode_hex(hex.trim(), &mut token)
+                    .ok_or_else(|| anyhow::anyhow!("{}: not a token", token_file.display()))?;
+                let client = KeydClient::connect(Endpoint {
+                    socket: socket.clone(),
+                    token,
+                })
+                .map_err(|e| anyhow::anyhow!("--keyd unix:{}: {e}", socket.display()))?;
+                *keys.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
+            }
+        }
+        Ok(keys)
+    }
+
+    /// Starts a daemon and connects to it (replacing any previous one).
+    fn spawn(&self) -> anyhow::Result<()> {
+        let mut token = zeroize::Zeroizing::new([0u8; TOKEN_LEN]);
+        rustls::crypto::aws_lc_rs::default_provider()
+            .secure_random
+            .fill(token.as_mut())
+            .map_err(|_| anyhow::anyhow!("no random token"))?;
+        let dir = private_dir()?;
+        let socket = dir.join("keyd.sock");
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .arg("keyd")
+            .arg("--socket")
+            .arg(&socket)
+            .args(&self.daemon_args)
+            .arg("--parent")
+            .arg(std::process::id().to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("cannot start the key daemon: {e}"))?;
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        let hex = crate::keyd::encode_hex(token.as_ref());
+        stdin.write_all(hex.as_bytes())?;
+        stdin.write_all(b"\n")?;
+        let spawned = Spawned {
+            child,
+            _stdin: stdin,
+            dir,
+        };
+        let endpoint = Endpoint { socket, token };
+        // It loads every key before it listens: wait for that (or for its death).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut spawned = spawned;
+        let client = loop {
+            match KeydClient::connect(endpoint.clone()) {
+                Ok(c) => break c,
+                Err(_) if Instant::now() < deadline => {
+                    if let Some(status) = spawned.child.try_wait()? {
+                        anyhow::bail!("the key daemon exited ({status}) before it listened");
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => anyhow::bail!("the key daemon did not answer within 30 s: {e}"),
+            }
+        };
+        *self.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
+        *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) = Some(spawned);
+        Ok(())
+    }
+
+    /// The signing key for the key file `path`.
+    pub fn load(&self, path: &Path) -> Result<Arc<dyn SigningKey>, tlsplane::Error> {
+        let client = self
+            .client
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        match client {
+            None => tlsplane::cert::load_key(path),
+            Some(c) => c
+                .key(path)
+                .map(|k| k as Arc<dyn SigningKey>)
+                .map_err(|e| tlsplane::Error::Config(e.to_string())),
+        }
+    }
+
+    /// Has the daemon re-read its key files (a reload); the generation to commit once the
+    /// configuration built on them is in force. Nothing to do without a daemon.
+    pub fn reload(&self) -> anyhow::Result<Option<u32>> {
+        let client = self
+            .client
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        match client {
+            Some(c) => Ok(Some(c.reload()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The configuration built on generation `g` is in force: the daemon may drop keys
+    /// neither it nor the previous one uses.
+    pub fn commit(&self, g: Option<u32>) {
+        let client = self
+            .client
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let (Some(c), Some(g)) = (client, g) {
+            if let Err(e) = c.commit(g) {
+                tracing::warn!(error = %e, "the key daemon did not take the commit");
+            }
+        }
+    }
+
+    /// Watches the daemon this server started: when it dies, starts another and asks for a
+    /// reload (new handles), through `reload`. Each step is logged once and counted.
+    pub fn supervise(
+        self: &Arc<Self>,
+        reload: tokio::sync::mpsc::UnboundedSender<&'static str>,
+        stats: Arc<crate::runtime::RuntimeStats>,
+    ) {
+        if self.mode != KeydMode::On {
+            return;
+        }
+        let keys = self.clone();
+        let _ = std::thread::Builder::new()
+            .name("keyd-watch".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(20));
+                if keys.stopping.load(Relaxed) {
+                    return;
+                }
+                let died = {
+                    let mut s = keys.spawned.lock().unwrap_or_else(|e| e.into_inner());
+                    match s.as_mut().map(|s| s.child.try_wait()) {
+                        Some(Ok(Some(status))) => Some(status),
+                        _ => None,
+                    }
+                };
+                let Some(status) = died else { continue };
+                tracing::error!(
+                    "the key daemon exited ({status}); handshakes fail until it is restarted"
+                );
+                stats.keyd_restarts.fetch_add(1, Relaxed);
+                // Retry until it comes back (a key file may be missing right now).
+                let mut delay = Duration::from_millis(50);
+                loop {
+                    if keys.stopping.load(Relaxed) {
+                        return;
+                    }
+                    match keys.spawn() {
+                        Ok(()) => {
+                            tracing::info!("key daemon restarted");
+                            let _ = reload.send("key daemon restarted");
+                            break;
+                        }
+                        Err(e) => {
+                            tracing::error!("restarting the key daemon failed: {e:#}; retrying");
+                            std::thread::sleep(delay);
+                            delay = (delay * 2).min(Duration::from_secs(5));
+                        }
+                    }
+                }
+            });
+    }
+
+    /// Stops supervision and the daemon (at exit).
+    pub fn stop(&self) {
+        self.stopping.store(true, Relaxed);
+        *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
+/// A new 0700 directory for a daemon's socket, under $XDG_RUNTIME_DIR or the temporary
+/// directory.
+fn private_dir() -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let base = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|p| p.is_dir())
+        .unwrap_or_else(std::env::temp_dir);
+    let mut rnd = [0u8; 8];
+    rustls::crypto::aws_lc_rs::default_provider()
+        .secure_random
+        .fill(&mut rnd)
+        .map_err(|_| anyhow::anyhow!("no randomness"))?;
+    let dir = base.join(format!(
+        "tlsplane-keyd-{}-{}",
+        std::process::id(),
+        crate::keyd::encode_hex(&rnd).as_str()
+    ));
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
+    Ok(dir)
+}

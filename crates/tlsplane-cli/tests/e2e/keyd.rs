@@ -1,0 +1,309 @@
+//! The key daemon: private keys live in it and not in the serving process (proved by reading
+//! both processes' memory), and when it dies handshakes fail fast, it is restarted, service
+//! resumes and nothing established is lost.
+
+use std::fs;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::support::client::{ClientOpts, Tls, TlsClient};
+use crate::support::fixtures::{self, CertKind};
+use crate::support::{server_bin, tools, Server};
+
+/// A DER element: (tag, content) and the rest.
+fn der(b: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = b.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (first as usize, rest)
+    } else {
+        let n = (first & 0x7f) as usize;
+        let len = rest
+            .get(..n)?
+            .iter()
+            .fold(0usize, |l, &x| (l << 8) | x as usize);
+        (len, &rest[n..])
+    };
+    Some((tag, rest.get(..len)?, &rest[len..]))
+}
+
+/// The elements of a DER SEQUENCE's content.
+fn elements(mut b: &[u8]) -> Vec<(u8, &[u8])> {
+    let mut out = Vec::new();
+    while let Some((t, c, rest)) = der(b) {
+        out.push((t, c));
+        b = rest;
+    }
+    out
+}
+
+/// The secret numbers of a PKCS#8 key file: the ECDSA scalar, the Ed25519 seed, or RSA's d, p
+/// and q (big-endian, without leading zeros).
+fn secrets(key_pem: &Path) -> Vec<Vec<u8>> {
+    use rustls_pki_types::pem::PemObject;
+    let key = rustls_pki_types::PrivateKeyDer::from_pem_file(key_pem).expect("key file");
+    let (_, pkcs8, _) = der(key.secret_der()).expect("PKCS#8");
+    let parts = elements(pkcs8);
+    let inner = parts[2].1; // privateKey OCTET STRING
+    let strip = |x: &[u8]| {
+        x.iter()
+            .skip_while(|&&b| b == 0)
+            .copied()
+            .collect::<Vec<u8>>()
+    };
+    match der(inner).expect("inner key") {
+        // Ed25519: an OCTET STRING holding the seed.
+        (0x04, seed, _) => vec![seed.to_vec()],
+        (0x30, seq, _) => {
+            let e = elements(seq);
+            if e.len() >= 9 {
+                // RSAPrivateKey: version, n, e, d, p, q, ...
+                vec![strip(e[3].1), strip(e[4].1), strip(e[5].1)]
+            } else {
+                // ECPrivateKey: version, privateKey, ...
+                vec![e[1].1.to_vec()]
+            }
+        }
+        other => panic!("unexpected key structure {other:?}"),
+    }
+}
+
+/// Which of `needles` (in either byte order: DER is big-endian, a bignum in memory
+/// little-endian) occur in the readable memory of process `pid`.
+fn found_in_memory(pid: u32, needles: &[Vec<u8>]) -> Vec<bool> {
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
+    let mut mem = fs::File::open(format!("/proc/{pid}/mem")).expect("/proc/PID/mem (needs root)");
+    let forms: Vec<[Vec<u8>; 2]> = needles
+        .iter()
+        .map(|n| [n.clone(), n.iter().rev().copied().collect()])
+        .collect();
+    let mut found = vec![false; needles.len()];
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms)) = (f.next(), f.next()) else {
+            continue;
+        };
+        if !perms.starts_with('r') || line.contains("[vvar") || line.contains("[vsyscall]") {
+            continue;
+        }
+        let (a, b) = range.split_once('-').unwrap();
+        let (a, b) = (
+            u64::from_str_radix(a, 16).unwrap(),
+            u64::from_str_radix(b, 16).unwrap(),
+        );
+        let mut buf = vec![0u8; (b - a) as usize];
+        if mem.seek(SeekFrom::Start(a)).is_err() || mem.read_exact(&mut buf).is_err() {
+            continue;
+        }
+        for (i, [be, le]) in forms.iter().enumerate() {
+            if !found[i] && buf.windows(be.len()).any(|w| w == &be[..] || w == &le[..]) {
+                found[i] = true;
+            }
+        }
+    }
+    found
+}
+
+/// The key daemon `serve` started: its child whose command line says `keyd`.
+fn keyd_pid(server_pid: u32) -> u32 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        for e in fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let ppid: Option<u32> = stat
+                .rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().nth(1))
+                .and_then(|p| p.parse().ok());
+            let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if ppid == Some(server_pid) && cmdline.split(|&b| b == 0).any(|a| a == b"keyd") {
+                return pid;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no key daemon under pid {server_pid}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn some_handshakes(port: u16) {
+    for v in [Tls::V13, Tls::V12] {
+        let mut c = TlsClient::connect_version(port, v);
+        assert_eq!(c.get(&fixtures::get().hello.url).status, 200);
+        c.close();
+    }
+}
+
+#[test]
+fn private_keys_are_in_keyd_and_never_in_the_serving_process() {
+    if process_uid() != 0 {
+        eprintln!("SKIPPED: reading another process's memory needs root");
+        return;
+    }
+    for kind in [CertKind::P256, CertKind::Ed25519, CertKind::Rsa2048] {
+        let secret = secrets(&fixtures::pki().leaf(kind).key_pem);
+        let server = Server::builder().cert(kind).start();
+        some_handshakes(server.port());
+        let in_server = found_in_memory(server.pid(), &secret);
+        let in_keyd = found_in_memory(keyd_pid(server.pid()), &secret);
+        assert!(
+            in_server.iter().all(|f| !f),
+            "{kind:?}: private key material in the serving process: {in_server:?}"
+        );
+        assert!(
+            in_keyd.iter().all(|f| *f),
+            "{kind:?}: the scan must find the key in keyd (else it proves nothing): {in_keyd:?}"
+        );
+        server.stop();
+    }
+    // And the same scan does find a key that `--keyd off` read into the server.
+    let secret = secrets(&fixtures::pki().leaf(CertKind::P256).key_pem);
+    let server = Server::builder().arg("--keyd").arg("off").start();
+    some_handshakes(server.port());
+    assert!(found_in_memory(server.pid(), &secret).iter().all(|f| *f));
+    server.stop();
+}
+
+fn process_uid() -> u32 {
+    fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(u32::MAX)
+}
+
+/// How a handshake attempt ended, and how long it took.
+fn try_handshake(port: u16) -> (Result<(), String>, Duration) {
+    let t = Instant::now();
+    let mut c = TlsClient::new(port, ClientOpts::version(Tls::V13).config());
+    let r = c.handshake().map_err(|e| format!("{e:?}"));
+    (r, t.elapsed())
+}
+
+#[test]
+fn a_dead_keyd_fails_handshakes_fast_and_is_restarted_without_losing_connections() {
+    let server = Server::start();
+    let port = server.port();
+    let hello = &fixtures::get().hello.url;
+    let mut kept = TlsClient::connect_version(port, Tls::V13);
+    assert_eq!(kept.get(hello).status, 200);
+    let keyd = keyd_pid(server.pid());
+
+    // A hung daemon: the handshake waits at most its one-second timeout, then gets an alert.
+    let signal = |sig: &str, pid: u32| {
+        assert!(Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap()
+            .success())
+    };
+    signal("-STOP", keyd);
+    let (r, took) = try_handshake(port);
+    let err = r.expect_err("a handshake succeeded without its key daemon");
+    assert!(
+        err.contains("InternalError"),
+        "expected an internal_error alert: {err}"
+    );
+    assert!(
+        took < Duration::from_millis(1800),
+        "the failure took {took:?}"
+    );
+
+    // Killed: restarted, and service is back within 2 s.
+    signal("-KILL", keyd);
+    let killed = Instant::now();
+    let back = loop {
+        let (r, _) = try_handshake(port);
+        if r.is_ok() {
+            break killed.elapsed();
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(2),
+            "no successful handshake 2 s after keyd was killed: {r:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    eprintln!("service back {back:?} after keyd was killed");
+    assert_ne!(keyd_pid(server.pid()), keyd, "a new daemon runs");
+    assert_eq!(
+        kept.get(hello).status,
+        200,
+        "the established connection was lost"
+    );
+    kept.close();
+    some_handshakes(port);
+    let lines = server.stderr_lines();
+    let count = |what: &str| lines.iter().filter(|l| l.contains(what)).count();
+    assert_eq!(count("the key daemon exited"), 1, "{lines:#?}");
+    assert_eq!(count("key daemon restarted: reloading"), 1, "{lines:#?}");
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_restarts"), 1, "{stats:?}");
+    assert!(stats.get("keyd_sign_failures") >= 1, "{stats:?}");
+    assert_eq!(
+        stats.get("handshake_peer_errors"),
+        0,
+        "our key daemon's failures are not the peers': {stats:?}"
+    );
+}
+
+#[test]
+fn an_external_keyd_serves_the_server_that_holds_its_token() {
+    let dir = crate::sites::scratch("external-keyd");
+    let leaf = fixtures::pki().leaf(CertKind::P256);
+    let socket = dir.join("keyd.sock");
+    let mut keyd = Command::new(server_bin())
+        .args(["keyd", "--socket"])
+        .arg(&socket)
+        .arg("--key")
+        .arg(&leaf.key_pem)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("tlsplane keyd");
+    let token = dir.join("keyd.sock.token");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(socket.exists() && token.exists()) {
+        assert!(Instant::now() < deadline, "keyd did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        fs::metadata(&token).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let server = Server::builder()
+        .arg("--keyd")
+        .arg(format!("unix:{}", socket.display()))
+        .start();
+    some_handshakes(server.port());
+    server.stop();
+
+    // A wrong token is refused at start-up, with the reason.
+    fs::write(&token, "00".repeat(32)).unwrap();
+    let mut cmd = Command::new(server_bin());
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--keyd"])
+        .arg(format!("unix:{}", socket.display()))
+        .arg("--cert")
+        .arg(&leaf.cert_pem)
+        .arg("--key")
+        .arg(&leaf.key_pem);
+    let out = tools::run(cmd, b"", Duration::from_secs(20));
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(
+        out.stderr_text().contains("--keyd unix:"),
+        "{}",
+        out.describe()
+    );
+    let _ = keyd.kill();
+    let _ = keyd.wait();
+}

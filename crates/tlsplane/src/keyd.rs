@@ -1,0 +1,334 @@
+//! Private keys in another process: the key daemon's wire protocol, and the signing key the
+//! handshake uses in its place ([`RemoteKey`]), which asks the daemon for each signature.
+//!
+//! The daemon (`tlsplane keyd`) alone reads key files. A worker holds, per key, a handle, the
+//! key's algorithm, the signature schemes it can make and its public key (so rustls can check
+//! that it belongs to the certificate), never the key. The design is neverbleed's (h2o): a
+//! private Unix socket (in a 0700 directory), the peer's user id checked by the daemon
+//! (`SO_PEERCRED`) and a random token per start, sent first on every connection.
+//!
+//! The socket is `SOCK_SEQPACKET`: one request or reply per message, so framing needs no
+//! length prefix and a short read cannot split one. Requests: `[op][payload]`; replies:
+//! `[0][payload]` (ok) or `[1][utf-8 reason]`.
+//!
+//! rustls signs synchronously, inside the handshake step that needs the signature: the
+//! handshake thread sends the request and blocks on the reply (one round trip, a few µs of
+//! system calls plus the daemon's signature). The other handshakes of that thread wait that
+//! long, as they would for a signature made in-thread; established connections are served by
+//! their own threads and do not wait. A daemon that does not answer within
+//! [`SIGN_TIMEOUT`] fails the handshake (an alert) instead of holding the thread.
+
+use std::io::{self, Read};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rustls::sign::{Signer, SigningKey};
+use rustls::{SignatureAlgorithm, SignatureScheme};
+use rustls_pki_types::SubjectPublicKeyInfoDer;
+use socket2::{Domain, SockAddr, Socket, Type};
+
+/// Length of the per-start authentication token.
+pub const TOKEN_LEN: usize = 32;
+/// Longest message either side sends (a signature is at most 512 bytes for RSA-4096; the
+/// message signed, TLS 1.3's 64 + 34 + 48 bytes or TLS 1.2's randoms and parameters, is
+/// smaller still; a key path can be long).
+pub const MAX_MESSAGE: usize = 8192;
+/// How long a handshake waits for a signature before it fails.
+pub const SIGN_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Request codes.
+pub mod op {
+    /// `[token]`: must come first on a connection.
+    pub const HELLO: u8 = 1;
+    /// `[path]` → `[handle u32][algorithm u8][n u8][schemes u16 × n][public key]`.
+    pub const KEY: u8 = 2;
+    /// `[handle u32][scheme u16][message]` → `[signature]`.
+    pub const SIGN: u8 = 3;
+    /// `[]` → `[generation u32]`: re-read every key file, as a new generation (nothing is
+    /// dropped yet).
+    pub const RELOAD: u8 = 4;
+    /// `[generation u32]` → `[]`: that generation is in force; keys neither it nor the one
+    /// committed before it use may go.
+    pub const COMMIT: u8 = 5;
+}
+
+/// Reply status bytes.
+pub const OK: u8 = 0;
+pub const ERR: u8 = 1;
+
+/// Candidate schemes in rustls' own preference order, for a daemon to say which a key can make.
+pub const SCHEMES: [SignatureScheme; 10] = [
+    SignatureScheme::ECDSA_NISTP256_SHA256,
+    SignatureScheme::ECDSA_NISTP384_SHA384,
+    SignatureScheme::ECDSA_NISTP521_SHA512,
+    SignatureScheme::ED25519,
+    SignatureScheme::RSA_PSS_SHA512,
+    SignatureScheme::RSA_PSS_SHA384,
+    SignatureScheme::RSA_PSS_SHA256,
+    SignatureScheme::RSA_PKCS1_SHA512,
+    SignatureScheme::RSA_PKCS1_SHA384,
+    SignatureScheme::RSA_PKCS1_SHA256,
+];
+
+/// Where a daemon listens and how to prove we may use it.
+#[derive(Clone)]
+pub struct Endpoint {
+    pub socket: PathBuf,
+    pub token: zeroize::Zeroizing<[u8; TOKEN_LEN]>,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token.
+        f.debug_struct("Endpoint")
+            .field("socket", &self.socket)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A connection to the daemon, authenticated.
+struct Conn(Socket);
+
+impl Conn {
+    fn open(ep: &Endpoint) -> io::Result<Conn> {
+        let sock = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
+        sock.set_read_timeout(Some(SIGN_TIMEOUT))?;
+        sock.set_write_timeout(Some(SIGN_TIMEOUT))?;
+        sock.connect(&SockAddr::unix(&ep.socket)?)?;
+        let mut c = Conn(sock);
+        let mut hello = vec![op::HELLO];
+        hello.extend_from_slice(ep.token.as_ref());
+        c.call(&hello)?;
+        Ok(c)
+    }
+
+    /// One request, one reply; the reply's payload (after its OK byte).
+    fn call(&mut self, request: &[u8]) -> io::Result<Vec<u8>> {
+        self.0.send(request)?;
+        let mut buf = vec![0u8; MAX_MESSAGE];
+        let n = (&self.0).read(&mut buf)?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "keyd closed the connection",
+            ));
+        }
+        buf.truncate(n);
+        match buf[0] {
+            OK => Ok(buf.split_off(1)),
+            _ => Err(io::Error::other(format!(
+                "keyd: {}",
+                String::from_utf8_lossy(&buf[1..])
+            ))),
+        }
+    }
+}
+
+/// A client of one daemon: a few authenticated connections, reused (each handshake thread
+/// takes one for its round trip; no lock is held while waiting).
+#[derive(Debug)]
+pub struct KeydClient {
+    endpoint: Endpoint,
+    idle: Mutex<Vec<Socket>>,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Conn")
+    }
+}
+
+impl KeydClient {
+    /// Connects once to check the endpoint and the token.
+    pub fn connect(endpoint: Endpoint) -> io::Result<Arc<Self>> {
+        let first = Conn::open(&endpoint)?;
+        Ok(Arc::new(Self {
+            endpoint,
+            idle: Mutex::new(vec![first.0]),
+        }))
+    }
+
+    fn call(&self, request: &[u8]) -> io::Result<Vec<u8>> {
+        let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let mut conn = match pooled {
+            Some(s) => Conn(s),
+            None => Conn::open(&self.endpoint)?,
+        };
+        // On any error the connection is dropped, not pooled: its state is unknown.
+        let reply = conn.call(request)?;
+        self.idle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(conn.0);
+        Ok(reply)
+    }
+
+    /// The key the daemon loaded from `path` (as its configuration names it).
+    pub fn key(self: &Arc<Self>, path: &Path) -> io::Result<Arc<RemoteKey>> {
+        let mut req = vec![op::KEY];
+        req.extend_from_slice(path.as_os_str().as_encoded_bytes());
+        let r = self.call(&req)?;
+        let bad = || io::Error::new(io::ErrorKind::InvalidData, "keyd: malformed KEY reply");
+        if r.len() < 6 {
+            return Err(bad());
+        }
+        let handle = u32::from_be_bytes([r[0], r[1], r[2], r[3]]);
+        let algorithm = SignatureAlgorithm::from(r[4]);
+        let n = r[5] as usize;
+        let schemes_end = 6 + 2 * n;
+        if r.len() < schemes_end {
+            return Err(bad());
+        }
+        let schemes = r[6..schemes_end]
+            .chunks(2)
+            .map(|c| SignatureScheme::from(u16::from_be_bytes([c[0], c[1]])))
+            .collect();
+        Ok(Arc::new(RemoteKey {
+            client: self.clone(),
+            handle,
+            algorithm,
+            schemes,
+            public_key: r[schemes_end..].to_vec(),
+        }))
+    }
+
+    /// Asks the daemon to re-read its key files; the generation they form (see
+    /// [`KeydClient::commit`]).
+    pub fn reload(&self) -> io::Result<u32> {
+        let r = self.call(&[op::RELOAD])?;
+        r.get(..4)
+            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "keyd: malformed reply"))
+    }
+
+    /// Tells the daemon that generation `g` is in force.
+    pub fn commit(&self, g: u32) -> io::Result<()> {
+        let mut req = vec![op::COMMIT];
+        req.extend_from_slice(&g.to_be_bytes());
+        self.call(&req).map(drop)
+    }
+
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+}
+
+/// A private key held by the daemon: what rustls needs to choose a scheme and check the
+/// certificate, and a handle to have it sign.
+#[derive(Debug)]
+pub struct RemoteKey {
+    client: Arc<KeydClient>,
+    handle: u32,
+    algorithm: SignatureAlgorithm,
+    /// Schemes the key can make, most preferred first.
+    schemes: Vec<SignatureScheme>,
+    /// SubjectPublicKeyInfo, DER.
+    public_key: Vec<u8>,
+}
+
+impl SigningKey for RemoteKey {
+    fn choose_scheme(&self, offered: &[SignatureScheme]) -> Option<Box<dyn Signer>> {
+        let scheme = *self.schemes.iter().find(|s| offered.contains(s))?;
+        Some(Box::new(RemoteSigner {
+            client: self.client.clone(),
+            handle: self.handle,
+            scheme,
+        }))
+    }
+
+    fn public_key(&self) -> Option<SubjectPublicKeyInfoDer<'_>> {
+        Some(SubjectPublicKeyInfoDer::from(self.public_key.as_slice()))
+    }
+
+    fn algorithm(&self) -> SignatureAlgorithm {
+        self.algorithm
+    }
+}
+
+#[derive(Debug)]
+struct RemoteSigner {
+    client: Arc<KeydClient>,
+    handle: u32,
+    scheme: SignatureScheme,
+}
+
+impl Signer for RemoteSigner {
+    fn sign(&self, message: &[u8]) -> Result<Vec<u8>, rustls::Error> {
+        let mut req = Vec::with_capacity(7 + message.len());
+        req.push(op::SIGN);
+        req.extend_from_slice(&self.handle.to_be_bytes());
+        req.extend_from_slice(&u16::from(self.scheme).to_be_bytes());
+        req.extend_from_slice(message);
+        self.client.call(&req).map_err(|e| {
+            crate::stats::bump(&crate::stats::global().keyd_sign_failures);
+            tracing::debug!(error = %e, "keyd signature failed");
+            rustls::Error::General(format!("signature by keyd failed: {e}"))
+        })
+    }
+
+    fn scheme(&self) -> SignatureScheme {
+        self.scheme
+    }
+}
+
+/// The daemon's side of the handshake with a client: the first message must be HELLO with
+/// the token, from an allowed user. Compares in constant time.
+pub fn check_hello(
+    sock: &Socket,
+    token: &[u8; TOKEN_LEN],
+    allowed_uids: &[u32],
+) -> Result<(), String> {
+    let uid = tlsplane_sys::peer_uid(sock.as_fd()).map_err(|e| format!("SO_PEERCRED: {e}"))?;
+    if !allowed_uids.contains(&uid) {
+        return Err(format!("user id {uid} may not use this key daemon"));
+    }
+    let mut buf = [0u8; 1 + TOKEN_LEN + 1];
+    let n = (&*sock)
+        .read(&mut buf)
+        .map_err(|e| format!("reading HELLO: {e}"))?;
+    if n != 1 + TOKEN_LEN || buf[0] != op::HELLO {
+        return Err("the first message is not a HELLO".into());
+    }
+    let diff = buf[1..1 + TOKEN_LEN]
+        .iter()
+        .zip(token)
+        .fold(0u8, |d, (a, b)| d | (a ^ b));
+    if diff != 0 {
+        return Err("wrong token".into());
+    }
+    sock.send(&[OK])
+        .map_err(|e| format!("answering HELLO: {e}"))?;
+    Ok(())
+}
+
+/// The daemon's answer to KEY: `[handle][algorithm][schemes][public key]`.
+pub fn key_reply(handle: u32, key: &dyn SigningKey) -> Vec<u8> {
+    let schemes: Vec<SignatureScheme> = SCHEMES
+        .iter()
+        .copied()
+        .filter(|s| key.choose_scheme(&[*s]).is_some())
+        .collect();
+    let mut r = vec![OK];
+    r.extend_from_slice(&handle.to_be_bytes());
+    r.push(u8::from(key.algorithm()));
+    r.push(schemes.len() as u8);
+    for s in &schemes {
+        r.extend_from_slice(&u16::from(*s).to_be_bytes());
+    }
+    if let Some(spki) = key.public_key() {
+        r.extend_from_slice(spki.as_ref());
+    }
+    r
+}
+
+/// Parses a SIGN request's payload (after the op byte): handle, scheme, message.
+pub fn parse_sign(payload: &[u8]) -> Option<(u32, SignatureScheme, &[u8])> {
+    if payload.len() < 6 {
+        return None;
+    }
+    let handle = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+    let scheme = SignatureScheme::from(u16::from_be_bytes([payload[4], payload[5]]));
+    Some((handle, scheme, &payload[6..]))
+}
