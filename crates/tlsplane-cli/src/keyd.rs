@@ -1,9 +1,9 @@
 //! `tlsplane keyd`: the key daemon. It alone reads the private keys; serving processes ask it
 //! for signatures over a Unix socket (protocol and client: `tlsplane::keyd`).
 //!
-//! Started by `serve` (the default), it reads its token from stdin, exits when stdin closes
-//! (the parent is gone) or on SIGTERM, and gets SIGTERM if the parent dies
-//! (`PR_SET_PDEATHSIG`). Started by hand (`--keyd unix:PATH` on the server), it writes its
+//! Started by `serve` (the default), it reads its token from stdin, drops its keys and exits
+//! when stdin closes (the server stops or is gone) or on SIGTERM, and is killed if the server
+//! dies (`PR_SET_PDEATHSIG`, SIGKILL, which also ends a stopped daemon). Started by hand (`--keyd unix:PATH` on the server), it writes its
 //! token to `PATH.token` (mode 0600). Either way it is non-dumpable (`PR_SET_DUMPABLE 0`: no
 //! core file, no ptrace or /proc/PID/mem by other processes of its user), opens no network
 //! socket, and drops (zeroizes) its keys before it exits.
@@ -143,7 +143,9 @@ impl Store {
 pub fn run(args: KeydArgs) -> anyhow::Result<()> {
     tlsplane_sys::set_non_dumpable()?;
     if let Some(parent) = args.parent {
-        tlsplane_sys::die_with_parent(libc::SIGTERM, parent)?;
+        // SIGKILL, not SIGTERM: it also ends a daemon that is stopped. An orderly exit, with
+        // the keys dropped first, is when the server closes our stdin (or sends SIGTERM).
+        tlsplane_sys::die_with_parent(libc::SIGKILL, parent)?;
     }
     let source = match &args.config {
         Some(c) => Source::Config(c.clone()),

@@ -41,14 +41,20 @@ impl FromStr for KeydMode {
 /// A key daemon this server started.
 struct Spawned {
     child: Child,
-    /// Its stdin: the daemon exits when this closes (with us).
-    _stdin: ChildStdin,
+    /// Its stdin: the daemon drops its keys and exits when this closes.
+    stdin: Option<ChildStdin>,
     /// The private (0700) directory of its socket.
     dir: PathBuf,
 }
 
 impl Drop for Spawned {
     fn drop(&mut self) {
+        // An orderly exit first (it zeroizes), then the hard way.
+        drop(self.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -129,7 +135,7 @@ impl Keys {
         stdin.write_all(b"\n")?;
         let spawned = Spawned {
             child,
-            _stdin: stdin,
+            stdin: Some(stdin),
             dir,
         };
         let endpoint = Endpoint { socket, token };

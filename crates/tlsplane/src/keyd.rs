@@ -35,8 +35,11 @@ pub const TOKEN_LEN: usize = 32;
 /// message signed, TLS 1.3's 64 + 34 + 48 bytes or TLS 1.2's randoms and parameters, is
 /// smaller still; a key path can be long).
 pub const MAX_MESSAGE: usize = 8192;
-/// How long a handshake waits for a signature before it fails.
-pub const SIGN_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a handshake waits for a signature before it fails: a daemon that is alive but
+/// does not answer (stopped, swapped out). A dead one fails at once (its socket is closed).
+/// Generous enough for emulated guests under load, where a signature has taken most of a
+/// second.
+pub const SIGN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Request codes.
 pub mod op {

@@ -222,7 +222,10 @@ fn resuming_client() -> std::sync::Arc<rustls::ClientConfig> {
 /// A handshake + GET with `config`; `Some(resumed)` when served, `None` when refused.
 fn get_with(port: u16, config: &std::sync::Arc<rustls::ClientConfig>) -> Option<bool> {
     let mut c = TlsClient::over(tcp_connect(port), config.clone());
-    c.handshake().ok()?;
+    // Refusals are expected; say what they were, for a failure that was not one.
+    c.handshake()
+        .map_err(|e| eprintln!("get_with: handshake ended: {e:?}"))
+        .ok()?;
     let resumed = c.conn.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
     let ok = c.get(&fixtures::get().hello.url).status == 200;
     c.close();

@@ -65,8 +65,10 @@ impl Setup {
     }
 
     fn start(&self) -> Server {
+        // s_client checks end right after the handshake (see sites.rs).
         Server::builder()
             .config_file(&self.config)
+            .expect_user_fallbacks()
             .arg("--pid-file")
             .arg(self.pid_file.to_str().unwrap())
             .start()
