@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 
-use crate::config::{load_sites, ConfigFile};
+use crate::config::{load_sites, ConfigFile, SiteNeeds};
+use crate::server::server_options_of;
 
 #[derive(Args, Debug)]
 pub struct CheckArgs {
@@ -27,16 +28,29 @@ pub struct ReloadArgs {
 pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
     let file = ConfigFile::read(&args.file).map_err(anyhow::Error::msg)?;
     let mut errors = Vec::new();
-    let options = match crate::serve::server_options_of(&file, &|_| false, Vec::new()) {
-        Ok(o) => Some(o),
-        Err(e) => {
-            errors.push(format!("{e:#}"));
-            None
+    // A file that names backends is a proxy's; checked against the proxy's options.
+    let needs = if file.is_proxy() {
+        match server_options_of::<crate::proxy::ProxyArgs>(&file, &|_| false, Vec::new()) {
+            Ok(o) => crate::proxy::site_needs(&o),
+            Err(e) => {
+                errors.push(format!("{e:#}"));
+                SiteNeeds::Backends { default: vec![] }
+            }
+        }
+    } else {
+        let options = server_options_of::<crate::serve::ServeArgs>(&file, &|_| false, Vec::new());
+        SiteNeeds::Root {
+            allow_symlinks_outside: match options {
+                Ok(o) => o.allow_symlinks_outside,
+                Err(e) => {
+                    errors.push(format!("{e:#}"));
+                    false
+                }
+            },
         }
     };
-    let allow_symlinks = options.as_ref().is_some_and(|o| o.allow_symlinks_outside);
     // Keys are read here, by the operator's tool, as keyd would read them.
-    match load_sites(&file, allow_symlinks, &tlsplane::cert::load_key) {
+    match load_sites(&file, &needs, &tlsplane::cert::load_key) {
         Ok(sites) => {
             for w in &sites.warnings {
                 eprintln!("warning: {w}");

@@ -37,7 +37,10 @@ struct SiteToml {
     name: Option<String>,
     #[serde(default)]
     server_names: Vec<String>,
-    root: PathBuf,
+    /// `serve`: the document root.
+    root: Option<PathBuf>,
+    /// `proxy`: the backends (`HOST:PORT` or `unix:PATH`); default: the `--to` flags.
+    to: Option<Vec<String>>,
     #[serde(default)]
     default: bool,
     #[serde(default, rename = "cert")]
@@ -165,10 +168,39 @@ impl ConfigFile {
     }
 }
 
-/// What a site needs besides its TLS: where its files are, and what to call it in messages.
+/// What a site needs besides its TLS: what to call it in messages, and what the product
+/// serves it from.
 pub struct SiteServe {
     pub label: String,
-    pub root: DocRoot,
+    pub origin: Origin,
+}
+
+/// Where a site's content comes from, by product.
+pub enum Origin {
+    /// `serve`: files under a document root.
+    Root(DocRoot),
+    /// `proxy`: these backends, in round-robin order.
+    Backends(Vec<crate::proxy::Backend>),
+}
+
+/// What the product needs of each site: `serve` a document root, `proxy` backends.
+#[derive(Clone, Debug)]
+pub enum SiteNeeds {
+    Root {
+        allow_symlinks_outside: bool,
+    },
+    /// `default`: the backends of a site that names none (the `--to` flags).
+    Backends {
+        default: Vec<crate::proxy::Backend>,
+    },
+}
+
+impl ConfigFile {
+    /// Whether the file describes a proxy (a site or `[server]` names backends) rather than
+    /// a file server.
+    pub fn is_proxy(&self) -> bool {
+        self.server.contains_key("to") || self.sites.iter().any(|s| s.to.is_some())
+    }
 }
 
 /// Every site, loaded: what the acceptor needs (TLS per site, the name table) and what the
@@ -196,23 +228,19 @@ fn certified(
     tlsplane::cert::with_key(chain, key, chain_path, key_path)
 }
 
-/// One site from the command line: every name, this root and certificate.
+/// One site from the command line: every name, this origin and certificate.
 pub fn single_site(
-    root: &Path,
-    allow_symlinks_outside: bool,
+    origin: Origin,
     chain: &Path,
     key: &Path,
     keys: KeyLoader,
 ) -> anyhow::Result<Sites> {
-    use anyhow::Context;
     let cert = certified(chain, key, keys)?;
-    let root = DocRoot::new(root, allow_symlinks_outside)
-        .with_context(|| format!("cannot serve {}", root.display()))?;
     Ok(Sites {
         tls: vec![SiteTls::new(vec![cert])],
         serve: vec![SiteServe {
             label: "default".into(),
-            root,
+            origin,
         }],
         names: Arc::new(SiteNames::new(&[Vec::new()], Some(0))?),
         warnings: Vec::new(),
@@ -224,7 +252,7 @@ pub fn single_site(
 /// them in one go, not one per run).
 pub fn load_sites(
     file: &ConfigFile,
-    allow_symlinks_outside: bool,
+    needs: &SiteNeeds,
     keys: KeyLoader,
 ) -> Result<Sites, Vec<String>> {
     let mut errors = Vec::new();
@@ -267,12 +295,52 @@ pub fn load_sites(
                 )),
             }
         }
-        let root = file.resolve(&site.root);
-        let root = match DocRoot::new(&root, allow_symlinks_outside) {
-            Ok(r) => Some(r),
-            Err(e) => {
-                fail(format!("root {}: {e}", root.display()));
+        let origin = match (needs, &site.root, &site.to) {
+            (SiteNeeds::Root { .. }, _, Some(_)) => {
+                fail("`to` (backends) is for `tlsplane proxy`; `serve` sites have a root".into());
                 None
+            }
+            (SiteNeeds::Root { .. }, None, None) => {
+                fail("no root (the directory this site serves)".into());
+                None
+            }
+            (
+                SiteNeeds::Root {
+                    allow_symlinks_outside,
+                },
+                Some(root),
+                None,
+            ) => {
+                let root = file.resolve(root);
+                match DocRoot::new(&root, *allow_symlinks_outside) {
+                    Ok(r) => Some(Origin::Root(r)),
+                    Err(e) => {
+                        fail(format!("root {}: {e}", root.display()));
+                        None
+                    }
+                }
+            }
+            (SiteNeeds::Backends { .. }, Some(_), _) => {
+                fail("`root` is for `tlsplane serve`; `proxy` sites have backends (`to`)".into());
+                None
+            }
+            (SiteNeeds::Backends { default }, None, to) => {
+                let mut backends = Vec::new();
+                for b in to.iter().flatten() {
+                    match crate::proxy::Backend::parse_in(b, file.path.parent()) {
+                        Ok(b) => backends.push(b),
+                        Err(e) => fail(format!("to {b:?}: {e}")),
+                    }
+                }
+                if to.is_none() {
+                    backends = default.clone();
+                }
+                if backends.is_empty() {
+                    fail("no backends (`to = [\"HOST:PORT\"]` in the site, or --to)".into());
+                    None
+                } else {
+                    Some(Origin::Backends(backends))
+                }
             }
         };
         if site.certs.is_empty() {
@@ -318,8 +386,8 @@ pub fn load_sites(
         }
         tls.push(site_tls);
         names.push(patterns);
-        if let Some(root) = root {
-            serve.push(SiteServe { label, root });
+        if let Some(origin) = origin {
+            serve.push(SiteServe { label, origin });
         }
     }
     let table = match SiteNames::new(&names, default) {

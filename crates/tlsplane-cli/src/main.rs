@@ -8,8 +8,11 @@ mod keyd;
 mod keys;
 mod limits;
 mod lobby;
+mod proxy;
+mod proxy_protocol;
 mod runtime;
 mod serve;
+mod server;
 
 use clap::{Parser, Subcommand};
 
@@ -26,6 +29,9 @@ struct Cli {
 enum Command {
     /// Serve a directory over HTTPS (HTTP/1.1), file bodies by sendfile on the kernel plane.
     Serve(serve::ServeArgs),
+    /// Terminate TLS in front of a plain TCP or Unix-socket backend: after the handshake,
+    /// bytes flow both ways unchanged (half-closes kept), optionally behind a PROXY header.
+    Proxy(proxy::ProxyArgs),
     /// Check a configuration file as a start would load it (certificates, keys, chains, names,
     /// roots): every error with its file, site and reason; warnings for certificates near
     /// expiry or not covering a configured name. Exits 1 on any error.
@@ -85,11 +91,17 @@ fn main() {
         .with_target(false)
         .init();
     let result = match cli.command {
-        Command::Serve(args) => serve::run(
+        Command::Serve(args) => server::run::<serve::Serve>(
             args,
             matches
                 .subcommand_matches("serve")
                 .expect("the serve subcommand was parsed"),
+        ),
+        Command::Proxy(args) => server::run::<proxy::Proxy>(
+            args,
+            matches
+                .subcommand_matches("proxy")
+                .expect("the proxy subcommand was parsed"),
         ),
         Command::CheckConfig(args) => check::check_config(args),
         Command::Reload(args) => check::reload(args),

@@ -40,6 +40,8 @@ mod mutated_hellos;
 mod operations;
 #[path = "e2e/panics.rs"]
 mod panics;
+#[path = "e2e/proxy.rs"]
+mod proxy;
 #[path = "e2e/reload.rs"]
 mod reload;
 #[path = "e2e/shutdown.rs"]

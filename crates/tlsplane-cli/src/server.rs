@@ -1,0 +1,420 @@
+//! What every product (`serve`, `proxy`) starts the same way: the global flags, the
+//! configuration file behind them, the key daemon, the sites and their certificates, the
+//! acceptor, `/metrics`, reload on SIGHUP, and the shared runtime. A product brings its own
+//! flags, what it needs of each site, and the handler it runs on established connections.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions};
+
+use crate::config::{ConfigFile, Origin, SiteNeeds, Sites};
+use crate::keys::Keys;
+use crate::runtime::{self, Generation, Handler, RuntimeConfig, RuntimeStats};
+
+/// The options every product has: listeners, certificates and keys, the data plane, limits,
+/// timeouts, observability. In a configuration file they go under `[server]`.
+#[derive(Args, Debug, Clone)]
+pub struct ServerArgs {
+    /// Configuration file (TOML): sites by server name, each with its certificates and what it
+    /// serves, and global options under [server] (a flag given here wins over the file). See
+    /// docs/CONFIG.md. SIGHUP re-reads it.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["cert", "key"])]
+    pub config: Option<PathBuf>,
+    /// Where private keys live: `on` starts a key daemon (`tlsplane keyd`, a child process that
+    /// alone reads the key files and signs for the server, restarted if it dies); `off` reads
+    /// them into this process (weaker: a memory disclosure here would disclose them);
+    /// `unix:PATH` uses a daemon started by hand with `tlsplane keyd --socket PATH`.
+    #[arg(long, default_value = "on", value_name = "on|off|unix:PATH")]
+    pub keyd: crate::keys::KeydMode,
+    /// Write the server's pid here once it listens (removed at exit), for `tlsplane reload`.
+    #[arg(long, value_name = "FILE")]
+    pub pid_file: Option<PathBuf>,
+    /// A ClientHello whose server name matches no site when there is no default site (or that
+    /// sends none): `alert` answers unrecognized_name, `reset` resets without a reply.
+    #[arg(long, default_value = "alert")]
+    pub unknown_name: tlsplane::sites::UnknownName,
+    /// Address to listen on (repeatable; IPv6 as [::1]:8443). Port 0 picks a free port.
+    #[arg(long = "listen", default_value = "127.0.0.1:8443")]
+    pub listen: Vec<SocketAddr>,
+    /// Certificate chain (PEM). Without --cert/--key a certificate for localhost, issued by a
+    /// local CA made for the purpose, is generated once and reused (both paths are printed).
+    #[arg(long, requires = "key")]
+    pub cert: Option<PathBuf>,
+    /// Private key (PEM: PKCS#8, SEC1 or PKCS#1; ECDSA P-256/P-384, Ed25519 or RSA).
+    #[arg(long, requires = "cert")]
+    pub key: Option<PathBuf>,
+    /// Worker threads, each an event loop with its own listening socket [default: CPU count].
+    #[arg(long, value_parser = parse_workers)]
+    pub workers: Option<usize>,
+    /// Record layer: `auto` (kernel kTLS when possible, per connection), `kernel` (required:
+    /// refuse to start without a TLS ULP, close connections it cannot take), `user`.
+    #[arg(long, default_value = "auto")]
+    pub data_plane: DataPlanePolicy,
+    /// Log one line per request (serve) or connection (proxy) at info level.
+    #[arg(long)]
+    pub access_log: bool,
+    /// Seconds a TLS handshake may take.
+    #[arg(long, default_value_t = 10)]
+    pub handshake_timeout: u64,
+    /// Seconds a connection may stay idle: serve, waiting for the first byte of its next
+    /// request (after the handshake, and between keep-alive requests); proxy, with no byte
+    /// moving either way.
+    #[arg(long, default_value_t = 60)]
+    pub idle_timeout: u64,
+    /// Nice value of the threads that accept and run handshakes, relative to the threads that
+    /// serve established connections. When both have work, established connections come
+    /// first (at 5 handshakes still get about a quarter of a busy core); 0 is equal priority.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub handshake_nice: i32,
+    /// Seconds in-flight work gets to finish after SIGTERM/SIGINT.
+    #[arg(long, default_value_t = 10)]
+    pub shutdown_grace: u64,
+    /// TLS 1.3 session tickets sent after a full handshake (0 disables TLS 1.3 resumption).
+    #[arg(long, default_value_t = 1)]
+    pub tls13_tickets: usize,
+    /// Testing aid: records per key before the kernel plane re-keys or closes (default: the
+    /// suite's AEAD confidentiality limit).
+    #[arg(long, hide = true)]
+    pub aead_record_limit: Option<u64>,
+    #[command(flatten)]
+    pub limits: crate::limits::LimitArgs,
+    /// Serve /metrics (OpenMetrics text) and /healthz over plain HTTP at ADDR:PORT (loopback
+    /// only) or unix:PATH. Off by default.
+    #[arg(long, value_name = "ADDR:PORT|unix:PATH")]
+    pub admin: Option<crate::admin::AdminAddr>,
+    /// Print the counters as one JSON line to stderr at exit.
+    #[arg(long)]
+    pub stats: bool,
+}
+
+fn parse_workers(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A product on the shared server: its flags, what it needs of each site, its counters, and
+/// its handler under one configuration.
+pub trait Product: Handler + Sized {
+    /// The product's flags, [`ServerArgs`] flattened into them.
+    type Args: clap::Args + clap::FromArgMatches + Clone + std::fmt::Debug + Send + 'static;
+    /// The product's counters, kept across reloads.
+    type Stats: Default + Send + Sync + 'static;
+    /// The subcommand (`serve`), to find its part of the command line.
+    const COMMAND: &'static str;
+
+    fn server(args: &Self::Args) -> &ServerArgs;
+    /// Product arguments that make no sense with `--config` (given on the command line).
+    fn refuse_with_config(_explicit: &dyn Fn(&str) -> bool) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn site_needs(args: &Self::Args) -> SiteNeeds;
+    /// The one site of a server without `--config`.
+    fn flag_origin(args: &Self::Args) -> anyhow::Result<Origin>;
+    fn build(
+        args: &Self::Args,
+        sites: Sites,
+        stats: &Arc<Self::Stats>,
+        runtime: &Arc<RuntimeStats>,
+    ) -> anyhow::Result<Self>;
+    /// Every counter, as `--stats` prints them and `/metrics` exposes them (the TLS layer's
+    /// and the limits' are added to these).
+    fn counters(stats: &Self::Stats, runtime: &RuntimeStats) -> Vec<(&'static str, u64)>;
+    /// Start-up lines about the product itself.
+    fn describe(_args: &Self::Args, _sites: &Sites) {}
+}
+
+/// A product's flags, standalone, to parse a configuration file's `[server]` table with.
+#[derive(clap::Parser, Debug)]
+#[command(no_binary_name = true)]
+struct Flags<A: clap::Args> {
+    #[command(flatten)]
+    args: A,
+}
+
+/// With `--config`: the file's `[server]` options under the command line's (a flag given on
+/// the command line wins), and the file itself.
+fn with_config_file<P: Product>(
+    args: P::Args,
+    given: &clap::ArgMatches,
+) -> anyhow::Result<(P::Args, Option<ConfigFile>)> {
+    let Some(path) = P::server(&args).config.clone() else {
+        return Ok((args, None));
+    };
+    let explicit =
+        |id: &str| given.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+    P::refuse_with_config(&explicit)?;
+    let file = ConfigFile::read(&path).map_err(anyhow::Error::msg)?;
+    // The command line as given after the subcommand: parsed again behind the file's options.
+    let cli: Vec<std::ffi::OsString> = std::env::args_os()
+        .skip(1)
+        .skip_while(|a| a != P::COMMAND)
+        .skip(1)
+        .collect();
+    let merged = server_options_of::<P::Args>(&file, &explicit, cli)?;
+    Ok((merged, Some(file)))
+}
+
+/// The global options of `file` (its `[server]` table) followed by the command-line tokens
+/// `cli`, whose options (`explicit`) the file's do not repeat, parsed as flags `A`.
+pub fn server_options_of<A: clap::Args + clap::FromArgMatches>(
+    file: &ConfigFile,
+    explicit: &dyn Fn(&str) -> bool,
+    cli: Vec<std::ffi::OsString>,
+) -> anyhow::Result<A> {
+    use clap::{CommandFactory, FromArgMatches};
+    let mut cmd = Flags::<A>::command();
+    let mut tokens = file
+        .server_args(&cmd, explicit)
+        .map_err(anyhow::Error::msg)?;
+    // The file's options alone first, so that an error in them names the file.
+    cmd.try_get_matches_from_mut(tokens.clone()).map_err(|e| {
+        let detail = e.to_string();
+        let first = detail.lines().next().unwrap_or_default().to_string();
+        anyhow::anyhow!(
+            "{}: [server]: {}",
+            file.path.display(),
+            first.trim_start_matches("error: ")
+        )
+    })?;
+    tokens.extend(cli);
+    let matches = cmd.try_get_matches_from_mut(tokens)?;
+    Ok(Flags::<A>::from_arg_matches(&matches)?.args)
+}
+
+/// Starts product `P` and serves until SIGTERM/SIGINT.
+pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Result<()> {
+    let (args, file) = with_config_file::<P>(args, given)?;
+    let server = P::server(&args).clone();
+    // Before the kTLS probe and the certificates: a taken port is the cheapest error to find.
+    runtime::refuse_taken(&server.listen)?;
+    match tlsplane_sys::raise_nofile_limit() {
+        Ok(n) => tracing::debug!(open_files = n, "open-files limit"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the open-files limit"),
+    }
+    let (flag_chain, flag_key) = match &file {
+        Some(_) => (PathBuf::new(), PathBuf::new()),
+        None => flag_cert_paths(&server)?,
+    };
+    let daemon_args: Vec<std::ffi::OsString> = match &file {
+        Some(f) => vec!["--config".into(), f.path.clone().into()],
+        None => vec!["--key".into(), flag_key.clone().into()],
+    };
+    let keys = Keys::start(server.keyd.clone(), daemon_args)?;
+    eprintln!(
+        "private keys: {}",
+        match &server.keyd {
+            crate::keys::KeydMode::On =>
+                "in a key daemon (tlsplane keyd) started for this server".to_string(),
+            crate::keys::KeydMode::Off => "read into this process (--keyd off)".to_string(),
+            crate::keys::KeydMode::Unix(p) => format!("in the key daemon at {}", p.display()),
+        }
+    );
+    let loader = |p: &std::path::Path| keys.load(p);
+    let sites = load_sites::<P>(&args, file.as_ref(), (&flag_chain, &flag_key), &loader)?;
+    for w in &sites.warnings {
+        tracing::warn!("{w}");
+    }
+    let acceptor = Acceptor::new(server_options(&server, &sites))?;
+    eprintln!(
+        "data plane: {} ({})",
+        server.data_plane,
+        acceptor.kernel_support().reason
+    );
+    if file.is_some() {
+        eprintln!(
+            "sites: {} ({})",
+            sites.serve.len(),
+            sites
+                .serve
+                .iter()
+                .map(|s| s.label.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    P::describe(&args, &sites);
+
+    let workers = server.workers.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let config = RuntimeConfig {
+        listen: server.listen.clone(),
+        workers,
+        handshake_timeout: Duration::from_secs(server.handshake_timeout),
+        shutdown_grace: Duration::from_secs(server.shutdown_grace),
+        handshake_nice: server.handshake_nice,
+        limits: server.limits.clone(),
+        pid_file: server.pid_file.clone(),
+    };
+    let runtime_stats = Arc::new(RuntimeStats::default());
+    let stats = Arc::new(P::Stats::default());
+    let first = Arc::new(P::build(&args, sites, &stats, &runtime_stats)?);
+    if let Some(addr) = &server.admin {
+        let mut registry = prometheus_client::registry::Registry::with_prefix("tlsplane");
+        let (s, r) = (stats.clone(), runtime_stats.clone());
+        let open = runtime_stats.open.clone();
+        registry.register_collector(Box::new(crate::admin::SnapshotCollector::new(
+            move || counters::<P>(&s, &r),
+            move || {
+                let by_plane = tlsplane::stats::open_by_plane();
+                vec![
+                    (
+                        "connections_open",
+                        "Connections accepted and not yet closed",
+                        open.load(Relaxed) as i64,
+                    ),
+                    (
+                        "connections_open_kernel_plane",
+                        "Established connections whose records the kernel encrypts",
+                        by_plane.kernel.load(Relaxed),
+                    ),
+                    (
+                        "connections_open_user_plane",
+                        "Established connections on the user-space record layer",
+                        by_plane.user.load(Relaxed),
+                    ),
+                ]
+            },
+        )));
+        runtime_stats.histograms.register(&mut registry);
+        crate::admin::start(addr, registry)?;
+    }
+    // SIGHUP re-reads the configuration file, or without one the --cert/--key files (a
+    // renewed certificate) and what the product serves.
+    let reload: runtime::Reload<P> = {
+        let (args, stats, runtime_stats) = (args.clone(), stats.clone(), runtime_stats.clone());
+        let mut current = acceptor.clone();
+        let keys = keys.clone();
+        Box::new(move || {
+            let key_generation = keys.reload()?;
+            let reread = match &file {
+                Some(first) => {
+                    let f = ConfigFile::read(&first.path).map_err(anyhow::Error::msg)?;
+                    if f.server != first.server {
+                        tracing::warn!(
+                            "{}: [server] changed; global options take effect at the next restart (sites, certificates and what they serve are reloaded now)",
+                            first.path.display()
+                        );
+                    }
+                    Some(f)
+                }
+                None => None,
+            };
+            let loader = |p: &std::path::Path| keys.load(p);
+            let sites = load_sites::<P>(&args, reread.as_ref(), (&flag_chain, &flag_key), &loader)?;
+            for w in &sites.warnings {
+                tracing::warn!("{w}");
+            }
+            let acceptor = current.reload(server_options(P::server(&args), &sites))?;
+            let handler = Arc::new(P::build(&args, sites, &stats, &runtime_stats)?);
+            current = acceptor.clone();
+            // Installed by the runtime as soon as this returns.
+            keys.commit(key_generation);
+            Ok(Generation { acceptor, handler })
+        })
+    };
+    let (restarted, requests) = tokio::sync::mpsc::unbounded_channel();
+    keys.supervise(restarted, runtime_stats.clone());
+    let served = runtime::run(
+        config,
+        Generation {
+            acceptor,
+            handler: first,
+        },
+        reload,
+        Some(requests),
+        runtime_stats.clone(),
+    );
+    keys.stop();
+    served?;
+    if server.stats {
+        let pairs = counters::<P>(&stats, &runtime_stats);
+        eprintln!("tlsplane-stats {}", tlsplane::stats::to_json(&pairs));
+    }
+    Ok(())
+}
+
+fn counters<P: Product>(stats: &P::Stats, r: &RuntimeStats) -> Vec<(&'static str, u64)> {
+    let mut pairs = tlsplane::stats::global().snapshot();
+    pairs.extend(P::counters(stats, r));
+    pairs.extend([
+        ("task_panics", r.task_panics.load(Relaxed)),
+        ("idle_evicted", r.idle_evicted.load(Relaxed)),
+        ("first_byte_timeouts", r.first_byte_timeouts.load(Relaxed)),
+        ("handshakes_evicted", r.handshakes_evicted.load(Relaxed)),
+        ("reloads", r.reloads.load(Relaxed)),
+        ("reload_failures", r.reload_failures.load(Relaxed)),
+        ("keyd_restarts", r.keyd_restarts.load(Relaxed)),
+    ]);
+    pairs.extend(r.limits.snapshot());
+    pairs
+}
+
+/// The certificate and key of a server without --config: --cert/--key, or the generated
+/// localhost certificate (made on first use).
+fn flag_cert_paths(args: &ServerArgs) -> anyhow::Result<(PathBuf, PathBuf)> {
+    if let (Some(c), Some(k)) = (&args.cert, &args.key) {
+        return Ok((c.clone(), k.clone()));
+    }
+    let dir = tlsplane::cert::default_state_dir();
+    let g = tlsplane::cert::ensure_localhost_cert(&dir)?;
+    eprintln!(
+        "certificate: {} ({} for localhost, 127.0.0.1, ::1, issued by a local CA; trust it with e.g. curl --cacert {} https://localhost:PORT/)",
+        g.cert.display(),
+        if g.created { "generated" } else { "reusing" },
+        g.ca.display()
+    );
+    Ok((g.cert, g.key))
+}
+
+/// The sites: from the configuration file, else one from the command line (the product's
+/// origin and the `flag` certificate and key).
+fn load_sites<P: Product>(
+    args: &P::Args,
+    file: Option<&ConfigFile>,
+    flag: (&std::path::Path, &std::path::Path),
+    keys: crate::config::KeyLoader,
+) -> anyhow::Result<Sites> {
+    if let Some(file) = file {
+        return crate::config::load_sites(file, &P::site_needs(args), keys)
+            .map_err(|errors| anyhow::anyhow!("{}", errors.join("\n")));
+    }
+    crate::config::single_site(P::flag_origin(args)?, flag.0, flag.1, keys)
+}
+
+/// The acceptor's options: the sites' TLS and the global TLS options.
+fn server_options(args: &ServerArgs, sites: &Sites) -> ServerOptions {
+    ServerOptions {
+        sites: sites.tls.clone(),
+        names: sites.names.clone(),
+        unknown_name: args.unknown_name,
+        policy: args.data_plane,
+        tls13_tickets: args.tls13_tickets,
+        aead_record_limit: args.aead_record_limit,
+        plain_http_response: Some(plain_http_response().into()),
+        max_client_hello: args.limits.max_client_hello,
+        key_updates_per_second: args.limits.key_updates_per_second,
+    }
+}
+
+/// The answer to a client that speaks plain HTTP to the TLS port (curl http://...), as nginx
+/// and Go's net/http give, rather than a TLS alert such a client would show as garbage.
+fn plain_http_response() -> Vec<u8> {
+    let body = "This port speaks HTTPS: use https:// instead of http://.\n";
+    format!(
+        "HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}

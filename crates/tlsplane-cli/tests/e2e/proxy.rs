@@ -1,0 +1,554 @@
+//! `tlsplane proxy` in TCP mode: real backends (threads on loopback sockets), a rustls client
+//! reading and writing at the same time, byte-exact checks, half-closes both ways, resets,
+//! backends that are down, the PROXY protocol header and Unix-socket backends.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::client::{ClientOpts, Tls};
+use crate::support::fixtures::sha256;
+use crate::support::{Server, Stats};
+
+/// A TCP echo backend: every connection gets its bytes back and, after the client's EOF, an
+/// EOF of its own.
+fn echo_backend() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(c) = c else { break };
+            std::thread::spawn(move || echo(c));
+        }
+    });
+    addr
+}
+
+fn echo(mut c: TcpStream) {
+    let mut buf = vec![0u8; 65536];
+    loop {
+        match c.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if c.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+    let _ = c.shutdown(Shutdown::Write);
+}
+
+/// A backend whose one connection runs `f`.
+fn one_shot_backend(f: impl FnOnce(TcpStream) + Send + 'static) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        if let Ok((c, _)) = l.accept() {
+            f(c);
+        }
+    });
+    addr
+}
+
+fn proxy_to(backends: &[String]) -> Server {
+    Server::builder().proxy(backends).start()
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+type Client = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+async fn connect(port: u16, v: Tls) -> Client {
+    let sock = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let connector = tokio_rustls::TlsConnector::from(ClientOpts::version(v).config());
+    connector
+        .connect("localhost".try_into().expect("name"), sock)
+        .await
+        .expect("handshake with the proxy")
+}
+
+/// Sends `data` and a close_notify while reading everything that comes back, at the same
+/// time; returns what came back and whether it ended with a close_notify (a clean EOF).
+async fn echo_round(client: Client, data: Vec<u8>) -> (Vec<u8>, bool) {
+    let (mut r, mut w) = tokio::io::split(client);
+    let writer = async move {
+        for chunk in data.chunks(100_003) {
+            w.write_all(chunk).await.expect("write to the proxy");
+        }
+        w.shutdown().await.expect("close_notify to the proxy");
+    };
+    let reader = async move {
+        let mut got = Vec::new();
+        let clean = match r.read_to_end(&mut got).await {
+            Ok(_) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => false,
+            Err(e) => panic!("read from the proxy: {e}"),
+        };
+        (got, clean)
+    };
+    let ((), out) = tokio::join!(writer, reader);
+    out
+}
+
+#[test]
+fn tcp_mode_echoes_every_size_byte_exact_both_ways_at_once() {
+    let backend = echo_backend();
+    let server = proxy_to(&[backend.to_string()]);
+    let rt = runtime();
+    let mut sizes = vec![0usize, 1, 16383, 16384, 16385, 100_003, (1 << 20) + 7];
+    let mut rounds = 0;
+    for v in [Tls::V13, Tls::V12] {
+        if v == Tls::V13 {
+            sizes.push(64 << 20);
+        }
+        for &n in &sizes {
+            let data: Vec<u8> = (0..n).map(|i| (i * 131 % 251) as u8).collect();
+            let want = sha256(&data);
+            let (got, clean) = rt.block_on(async {
+                let c = connect(server.port(), v).await;
+                echo_round(c, data).await
+            });
+            assert_eq!(got.len(), n, "{v:?} {n} B: length of the echo");
+            assert!(sha256(&got) == want, "{v:?} {n} B: the echo differs");
+            assert!(
+                clean,
+                "{v:?} {n} B: the backend's EOF must reach the client as close_notify"
+            );
+            rounds += 1;
+        }
+        sizes.retain(|&n| n < 64 << 20);
+    }
+    let stats = server.stop();
+    assert_eq!(stats["proxy_forwarded"], rounds);
+    assert_eq!(stats["proxy_client_errors"], 0, "{stats:?}");
+    assert_eq!(stats["proxy_backend_errors"], 0, "{stats:?}");
+    let total: u64 = sizes.iter().map(|&n| n as u64).sum::<u64>() * 2 + (64 << 20);
+    copied_or_spliced(&stats, total);
+}
+
+/// Every byte went through the proxy one way or the other (copied, or spliced on the kernel
+/// plane), in each direction.
+fn copied_or_spliced(stats: &Stats, each_way: u64) {
+    let moved = |dir: &str| {
+        stats
+            .0
+            .get(&format!("proxy_bytes_to_{dir}_copied"))
+            .copied()
+            .unwrap_or(0)
+            + stats
+                .0
+                .get(&format!("proxy_bytes_to_{dir}_spliced"))
+                .copied()
+                .unwrap_or(0)
+    };
+    assert_eq!(
+        moved("backend"),
+        each_way,
+        "bytes to the backend: {stats:?}"
+    );
+    assert_eq!(moved("client"), each_way, "bytes to the client: {stats:?}");
+}
+
+#[test]
+fn backend_closing_first_leaves_the_client_direction_open() {
+    let (tx, rx) = mpsc::channel();
+    let backend = one_shot_backend(move |mut c| {
+        c.write_all(b"hello").unwrap();
+        c.shutdown(Shutdown::Write).unwrap();
+        let mut got = Vec::new();
+        let r = c.read_to_end(&mut got);
+        let _ = tx.send((r.is_ok(), got));
+    });
+    let server = proxy_to(&[backend.to_string()]);
+    let rt = runtime();
+    let data: Vec<u8> = (0..(1 << 20) + 3).map(|i| (i % 253) as u8).collect();
+    let sent = data.clone();
+    rt.block_on(async move {
+        let mut c = connect(server.port(), Tls::V13).await;
+        let mut greeting = Vec::new();
+        c.read_to_end(&mut greeting)
+            .await
+            .expect("the backend's EOF arrives as close_notify");
+        assert_eq!(greeting, b"hello");
+        // Half-closed by the server: the client may still send (TLS 1.3 half-close).
+        c.write_all(&sent)
+            .await
+            .expect("write after the server's close_notify");
+        c.shutdown().await.expect("close_notify");
+        drop(server.stop());
+    });
+    let (ok, got) = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("backend result");
+    assert!(ok, "the backend's read failed");
+    assert_eq!(got.len(), data.len());
+    assert!(got == data, "bytes after the backend's half-close differ");
+}
+
+#[test]
+fn client_closing_first_leaves_the_backend_direction_open() {
+    let backend = one_shot_backend(move |mut c| {
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).unwrap();
+        // The client has finished sending; answer after its EOF, then end.
+        let answer: Vec<u8> = got.iter().rev().copied().collect();
+        c.write_all(&answer).unwrap();
+        c.write_all(b"!").unwrap();
+    });
+    let server = proxy_to(&[backend.to_string()]);
+    let rt = runtime();
+    rt.block_on(async move {
+        let mut c = connect(server.port(), Tls::V12).await;
+        c.write_all(b"abcdef").await.unwrap();
+        c.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).await.expect("clean end");
+        assert_eq!(got, b"fedcba!");
+        let stats = server.stop();
+        assert_eq!(stats["proxy_backend_errors"], 0);
+    });
+}
+
+fn reset(c: TcpStream) {
+    socket2::SockRef::from(&c)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(c);
+}
+
+#[test]
+fn a_backend_reset_resets_the_client() {
+    let backend = one_shot_backend(move |mut c| {
+        let mut b = [0u8; 1];
+        c.read_exact(&mut b).unwrap();
+        c.write_all(b"partial").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        reset(c);
+    });
+    let server = proxy_to(&[backend.to_string()]);
+    let rt = runtime();
+    rt.block_on(async move {
+        let mut c = connect(server.port(), Tls::V13).await;
+        c.write_all(b"x").await.unwrap();
+        let mut got = Vec::new();
+        let r = c.read_to_end(&mut got).await;
+        assert_eq!(
+            r.map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::ConnectionReset),
+            "a backend reset must reach the client as a reset (after {:?})",
+            String::from_utf8_lossy(&got)
+        );
+        assert_eq!(got, b"partial");
+        let stats = server.stop();
+        assert_eq!(stats["proxy_backend_errors"], 1, "{stats:?}");
+    });
+}
+
+#[test]
+fn a_client_reset_resets_the_backend() {
+    let (tx, rx) = mpsc::channel();
+    let backend = one_shot_backend(move |mut c| {
+        let mut got = Vec::new();
+        let r = c.read_to_end(&mut got);
+        let _ = tx.send(r.map_err(|e| e.kind()));
+    });
+    let server = proxy_to(&[backend.to_string()]);
+    let rt = runtime();
+    rt.block_on(async move {
+        let mut c = connect(server.port(), Tls::V13).await;
+        c.write_all(b"some bytes").await.unwrap();
+        c.flush().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (sock, _) = c.into_inner();
+        let sock = sock.into_std().unwrap();
+        reset(sock);
+        let r = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("backend result");
+        assert_eq!(
+            r,
+            Err(std::io::ErrorKind::ConnectionReset),
+            "the backend must see a reset, not a clean EOF"
+        );
+        let stats = server.stop();
+        assert_eq!(stats["proxy_client_errors"], 1, "{stats:?}");
+    });
+}
+
+/// A port nothing listens on.
+fn closed_port() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = l.local_addr().unwrap();
+    drop(l);
+    a
+}
+
+#[test]
+fn a_down_backend_is_skipped_and_counted() {
+    let server = proxy_to(&[closed_port().to_string(), echo_backend().to_string()]);
+    let rt = runtime();
+    for i in 0..4 {
+        let (got, clean) = rt.block_on(async {
+            let c = connect(server.port(), Tls::V13).await;
+            echo_round(c, format!("round {i}").into_bytes()).await
+        });
+        assert_eq!(got, format!("round {i}").into_bytes());
+        assert!(clean);
+    }
+    let stats = server.stop();
+    assert_eq!(stats["proxy_forwarded"], 4);
+    // Tried once, then left out of the rotation (--backend-down-time).
+    assert_eq!(stats["proxy_backend_connect_failures"], 1, "{stats:?}");
+}
+
+#[test]
+fn no_backend_up_closes_the_client_at_once() {
+    let server = proxy_to(&[closed_port().to_string()]);
+    let rt = runtime();
+    rt.block_on(async {
+        let mut c = connect(server.port(), Tls::V13).await;
+        let t = Instant::now();
+        let mut got = Vec::new();
+        let r = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut got))
+            .await
+            .expect("the proxy must not leave the client waiting");
+        assert!(r.is_ok(), "close_notify expected: {r:?}");
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    });
+    let stats = server.stop();
+    assert_eq!(stats["proxy_no_backend"], 1, "{stats:?}");
+}
+
+/// Reads a PROXY header off `c`, then echoes the rest.
+fn proxy_header_backend(tx: mpsc::Sender<Vec<u8>>) -> SocketAddr {
+    one_shot_backend(move |mut c| {
+        let mut first = [0u8; 16];
+        c.read_exact(&mut first[..5]).unwrap();
+        let header = if &first[..5] == b"PROXY" {
+            let mut line = first[..5].to_vec();
+            let mut b = [0u8; 1];
+            while !line.ends_with(b"\r\n") {
+                c.read_exact(&mut b).unwrap();
+                line.push(b[0]);
+            }
+            line
+        } else {
+            c.read_exact(&mut first[5..]).unwrap();
+            let len = u16::from_be_bytes([first[14], first[15]]) as usize;
+            let mut rest = vec![0u8; len];
+            c.read_exact(&mut rest).unwrap();
+            let mut all = first.to_vec();
+            all.extend(rest);
+            all
+        };
+        tx.send(header).unwrap();
+        echo(c);
+    })
+}
+
+#[test]
+fn proxy_protocol_v1_carries_the_client_address() {
+    let (tx, rx) = mpsc::channel();
+    let backend = proxy_header_backend(tx);
+    let server = Server::builder()
+        .proxy(&[backend.to_string()])
+        .arg("--proxy-protocol")
+        .arg("v1")
+        .start();
+    let rt = runtime();
+    let port = server.port();
+    let local = rt.block_on(async {
+        let c = connect(port, Tls::V13).await;
+        let local = c.get_ref().0.local_addr().unwrap();
+        let (got, _) = echo_round(c, b"after the header".to_vec()).await;
+        assert_eq!(got, b"after the header");
+        local
+    });
+    let header = String::from_utf8(rx.recv_timeout(Duration::from_secs(5)).unwrap()).unwrap();
+    assert_eq!(
+        header,
+        format!("PROXY TCP4 127.0.0.1 127.0.0.1 {} {port}\r\n", local.port())
+    );
+    drop(server.stop());
+}
+
+#[test]
+fn proxy_protocol_v2_carries_the_address_and_the_tls_facts() {
+    let (tx, rx) = mpsc::channel();
+    let backend = proxy_header_backend(tx);
+    let server = Server::builder()
+        .proxy(&[backend.to_string()])
+        .arg("--proxy-protocol")
+        .arg("v2")
+        .start();
+    let rt = runtime();
+    let port = server.port();
+    let local = rt.block_on(async {
+        let c = connect(port, Tls::V13).await;
+        let local = c.get_ref().0.local_addr().unwrap();
+        let (got, _) = echo_round(c, b"payload".to_vec()).await;
+        assert_eq!(got, b"payload");
+        local
+    });
+    let h = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!(&h[..12], b"\r\n\r\n\0\r\nQUIT\n");
+    assert_eq!(h[12], 0x21, "version 2, PROXY");
+    assert_eq!(h[13], 0x11, "TCP over IPv4");
+    assert_eq!(&h[16..20], &[127, 0, 0, 1]);
+    assert_eq!(u16::from_be_bytes([h[24], h[25]]), local.port());
+    assert_eq!(u16::from_be_bytes([h[26], h[27]]), port);
+    let mut tlvs = std::collections::BTreeMap::new();
+    let mut rest = &h[28..];
+    while rest.len() >= 3 {
+        let l = u16::from_be_bytes([rest[1], rest[2]]) as usize;
+        tlvs.insert(rest[0], rest[3..3 + l].to_vec());
+        rest = &rest[3 + l..];
+    }
+    assert_eq!(
+        tlvs.get(&0x01).map(Vec::as_slice),
+        Some(&b"http/1.1"[..]),
+        "ALPN"
+    );
+    assert_eq!(
+        tlvs.get(&0x02).map(Vec::as_slice),
+        Some(&b"localhost"[..]),
+        "authority"
+    );
+    let ssl = tlvs.get(&0x20).expect("the SSL TLV");
+    assert_eq!(ssl[0] & 1, 1, "client connected over TLS");
+    let sub = String::from_utf8_lossy(&ssl[5..]);
+    assert!(sub.contains("TLSv1.3"), "{sub:?}");
+    assert!(sub.contains("TLS13_"), "{sub:?}");
+    drop(server.stop());
+}
+
+#[test]
+fn unix_socket_backend() {
+    let dir = tempdir();
+    let path = dir.join("backend.sock");
+    let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { break };
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 65536];
+                while let Ok(n) = c.read(&mut buf) {
+                    if n == 0 || c.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = c.shutdown(Shutdown::Write);
+            });
+        }
+    });
+    let server = proxy_to(&[format!("unix:{}", path.display())]);
+    let rt = runtime();
+    let data: Vec<u8> = (0..300_000).map(|i| (i % 7) as u8).collect();
+    let (got, clean) = rt.block_on(async {
+        let c = connect(server.port(), Tls::V13).await;
+        echo_round(c, data.clone()).await
+    });
+    assert!(got == data && clean);
+    drop(server.stop());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn tempdir() -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "tlsplane-proxy-test-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A backend that answers every connection with `tag` and closes.
+fn tagged_backend(tag: &'static str) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { break };
+            let _ = c.write_all(tag.as_bytes());
+        }
+    });
+    addr
+}
+
+async fn read_all_from(port: u16, name: &str) -> Vec<u8> {
+    let sock = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let connector = tokio_rustls::TlsConnector::from(ClientOpts::version(Tls::V13).config());
+    let mut c = connector
+        .connect(name.to_string().try_into().expect("name"), sock)
+        .await
+        .expect("handshake");
+    let mut got = Vec::new();
+    c.read_to_end(&mut got).await.expect("clean end");
+    got
+}
+
+#[test]
+fn sites_by_server_name_have_their_own_backends() {
+    use crate::support::fixtures::{pki, CertKind};
+    let dir = crate::sites::scratch("proxy-sites");
+    let a = pki().issue_in(&dir, "a", &["a.test"], CertKind::P256);
+    let b = pki().issue_in(&dir, "b", &["*.b.test"], CertKind::P256);
+    let (ba, bb, bd) = (
+        tagged_backend("A"),
+        tagged_backend("B"),
+        tagged_backend("default"),
+    );
+    let toml = format!(
+        "[server]\nto = [\"{bd}\"]\n\n\
+         [[site]]\nserver-names = [\"a.test\"]\nto = [\"{ba}\"]\n\
+         [[site.cert]]\nchain = {:?}\nkey = {:?}\n\n\
+         [[site]]\nserver-names = [\"*.b.test\"]\nto = [\"{bb}\"]\n\
+         [[site.cert]]\nchain = {:?}\nkey = {:?}\n\n\
+         [[site]]\ndefault = true\n\
+         [[site.cert]]\nchain = {:?}\nkey = {:?}\n",
+        a.cert_pem,
+        a.key_pem,
+        b.cert_pem,
+        b.key_pem,
+        pki().leaf(CertKind::P256).cert_pem,
+        pki().leaf(CertKind::P256).key_pem,
+    );
+    let config = dir.join("proxy.toml");
+    std::fs::write(&config, toml).unwrap();
+    // check-config knows a proxy's file by its backends.
+    let out = std::process::Command::new(crate::support::server_bin())
+        .arg("check-config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "check-config: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let server = Server::builder().proxy(&[]).config_file(&config).start();
+    let rt = runtime();
+    rt.block_on(async {
+        assert_eq!(read_all_from(server.port(), "a.test").await, b"A");
+        assert_eq!(read_all_from(server.port(), "x.b.test").await, b"B");
+        assert_eq!(read_all_from(server.port(), "localhost").await, b"default");
+    });
+    drop(server.stop());
+}
