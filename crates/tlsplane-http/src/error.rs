@@ -25,6 +25,8 @@ pub enum HttpError {
     Forbidden(&'static str),
     /// The target does not exist (404).
     NotFound,
+    /// An `Expect` other than `100-continue` (417).
+    ExpectationFailed,
     /// The filesystem failed in a way that says nothing about the request (500).
     Io(std::io::ErrorKind),
 }
@@ -41,6 +43,7 @@ impl HttpError {
             HttpError::BodyNotAccepted => 413,
             HttpError::Forbidden(_) => 403,
             HttpError::NotFound => 404,
+            HttpError::ExpectationFailed => 417,
             HttpError::Io(_) => 500,
         }
     }
@@ -60,6 +63,7 @@ impl fmt::Display for HttpError {
             HttpError::BodyNotAccepted => f.write_str("request bodies are not accepted"),
             HttpError::Forbidden(why) => write!(f, "forbidden: {why}"),
             HttpError::NotFound => f.write_str("not found"),
+            HttpError::ExpectationFailed => f.write_str("unsupported expectation"),
             HttpError::Io(kind) => write!(f, "filesystem error: {kind}"),
         }
     }

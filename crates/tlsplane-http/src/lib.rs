@@ -53,6 +53,7 @@
 
 mod date;
 mod error;
+pub mod forward;
 mod mime;
 mod parse;
 mod resolve;

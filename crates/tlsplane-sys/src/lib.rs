@@ -438,6 +438,51 @@ pub fn sendfile(
     Ok(n)
 }
 
+/// A pipe for `splice(2)`: both ends non-blocking, close-on-exec.
+pub struct Pipe {
+    pub read: OwnedFd,
+    pub write: OwnedFd,
+}
+
+impl Pipe {
+    pub fn new() -> io::Result<Self> {
+        let mut fds = [0 as RawFd; 2];
+        // SAFETY: pipe2 writes two descriptors into the array, which is valid and exclusive.
+        cvt(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) })?;
+        // SAFETY: on success both descriptors are new and owned by nobody else.
+        Ok(unsafe {
+            Self {
+                read: OwnedFd::from_raw_fd(fds[0]),
+                write: OwnedFd::from_raw_fd(fds[1]),
+            }
+        })
+    }
+
+    /// The pipe's capacity in bytes (64 KiB unless changed).
+    pub fn capacity(&self) -> io::Result<usize> {
+        // SAFETY: F_GETPIPE_SZ takes no argument and returns the size.
+        let n = cvt(unsafe { libc::fcntl(self.write.as_raw_fd(), libc::F_GETPIPE_SZ) })?;
+        Ok(n as usize)
+    }
+}
+
+/// `splice(2)` of up to `len` bytes from `from` to `to` (one of them a pipe), non-blocking
+/// (`SPLICE_F_NONBLOCK`: EAGAIN rather than a wait on either end). `Ok(0)`: end of input.
+pub fn splice(from: BorrowedFd<'_>, to: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
+    // SAFETY: both descriptors are live for their borrows; null offsets mean "the current
+    // position" (required for pipes and sockets), so the kernel writes through no pointer.
+    cvt_size(unsafe {
+        libc::splice(
+            from.as_raw_fd(),
+            std::ptr::null_mut(),
+            to.as_raw_fd(),
+            std::ptr::null_mut(),
+            len,
+            libc::SPLICE_F_NONBLOCK | libc::SPLICE_F_MOVE,
+        )
+    })
+}
+
 /// `send(2)` with `MSG_MORE`: the kernel keeps the TLS record open so that what follows (the
 /// file body after response headers) shares a record instead of costing one of its own.
 pub fn send_more(sock: BorrowedFd<'_>, data: &[u8]) -> io::Result<usize> {

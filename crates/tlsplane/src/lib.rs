@@ -26,4 +26,4 @@ mod stream;
 pub use config::{Acceptor, DataPlanePolicy, ServerOptions, SiteTls};
 pub use error::Error;
 pub use plane::PlaneKind;
-pub use stream::{DetachedTlsStream, TlsStream};
+pub use stream::{DetachedTlsStream, Spliced, TlsStream};

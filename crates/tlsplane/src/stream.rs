@@ -14,6 +14,7 @@ use crate::config::{Acceptor, DataPlanePolicy};
 use crate::handshake::{self, Incoming};
 use crate::hello::HelloInfo;
 use crate::plane::kernel::KernelPlane;
+pub use crate::plane::kernel::Spliced;
 use crate::plane::user::UserPlane;
 use crate::plane::{confidentiality_limit, kernel_suite, FallbackReason, PlaneKind};
 use crate::sites::UnknownName;
@@ -428,6 +429,64 @@ impl TlsStream {
             }
         }
         self.count_tx(prefix.len() as u64 + len);
+        Ok(())
+    }
+
+    /// Whether [`splice_out`](Self::splice_out) and [`splice_in`](Self::splice_in) move bytes
+    /// without copying them here (the kernel plane); elsewhere they copy.
+    pub fn can_splice(&self) -> bool {
+        matches!(self.plane, Plane::Kernel(_))
+    }
+
+    /// Moves up to `max` bytes from the peer: on the kernel plane into the empty pipe `pipe`
+    /// by `splice(2)` (decrypted by the kernel, never copied here), except around control
+    /// records, which are handled as [`read`](Self::read) handles them and may leave data in
+    /// `spill`; on the user plane always into `spill`.
+    pub async fn splice_out(
+        &mut self,
+        pipe: std::os::fd::BorrowedFd<'_>,
+        max: usize,
+        spill: &mut [u8],
+    ) -> io::Result<Spliced> {
+        if std::mem::take(&mut self.ack_before_wait)
+            && tlsplane_sys::queued_bytes(std::os::fd::AsFd::as_fd(&self.sock)).unwrap_or(0) == 0
+        {
+            // As in `read_acked`: the client's Finished must not wait for a delayed ACK.
+            let _ = socket2::SockRef::from(&self.sock).set_quickack(true);
+        }
+        let kernel_ready = self.small.is_empty();
+        let moved = match &mut self.plane {
+            Plane::Kernel(k) if kernel_ready && spill.len() >= 64 => {
+                k.splice_out(&self.sock, pipe, max, spill).await?
+            }
+            _ => match self.read(spill).await? {
+                0 => Spliced::End,
+                n => return Ok(Spliced::Buf(n)), // counted by read
+            },
+        };
+        if let Spliced::Pipe(n) | Spliced::Buf(n) = moved {
+            add(&global().bytes_rx_kernel, n as u64);
+        }
+        Ok(moved)
+    }
+
+    /// Sends the `len` bytes waiting in `pipe`. Kernel plane: `splice(2)`, encrypted by the
+    /// kernel; the user plane cannot (`Unsupported`: copy with [`write_all`](Self::write_all)).
+    pub async fn splice_in(
+        &mut self,
+        pipe: std::os::fd::BorrowedFd<'_>,
+        len: usize,
+    ) -> io::Result<()> {
+        match &mut self.plane {
+            Plane::Kernel(k) => k.splice_in(&self.sock, pipe, len).await?,
+            Plane::User(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "splice needs the kernel plane",
+                ))
+            }
+        }
+        self.count_tx(len as u64);
         Ok(())
     }
 

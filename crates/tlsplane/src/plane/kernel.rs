@@ -4,7 +4,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 
 use rustls::kernel::KernelConnection;
 use rustls::server::{ServerConnectionData, UnbufferedServerConnection};
@@ -111,6 +111,27 @@ impl KeyUpdateBudget {
     }
 }
 
+/// What one [`KernelPlane::splice_out`] (or [`crate::TlsStream::splice_out`]) moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spliced {
+    /// Bytes now in the pipe.
+    Pipe(usize),
+    /// Bytes in the caller's spill buffer (read the ordinary way).
+    Buf(usize),
+    /// The end of the stream (close_notify or TCP FIN).
+    End,
+}
+
+impl Spliced {
+    fn read(n: usize) -> Self {
+        if n == 0 {
+            Spliced::End
+        } else {
+            Spliced::Buf(n)
+        }
+    }
+}
+
 pub(crate) struct KernelPlane {
     kconn: KernelConnection<ServerConnectionData>,
     version: TlsVersion,
@@ -205,23 +226,29 @@ impl KernelPlane {
                         .await);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) if e.raw_os_error() == Some(libc_errno::EBADMSG) => {
-                    bump(&global().kernel_decrypt_errors);
-                    return Err(self
-                        .fail(
-                            sock,
-                            ALERT_BAD_RECORD_MAC,
-                            "record failed to decrypt (bad_record_mac)",
-                        )
-                        .await);
-                }
-                Err(e) if e.raw_os_error() == Some(libc_errno::EMSGSIZE) => {
-                    return Err(self
-                        .fail(sock, ALERT_RECORD_OVERFLOW, "record too large")
-                        .await);
-                }
-                Err(e) => return Err(e),
+                Err(e) => return Err(self.read_failed(sock, e).await),
             }
+        }
+    }
+
+    /// The error to return for a failed receive (recvmsg or splice), after the alert the
+    /// failure calls for. The kernel reports a socket error once: it must not be retried.
+    async fn read_failed(&mut self, sock: &TcpStream, e: io::Error) -> io::Error {
+        match e.raw_os_error() {
+            Some(libc_errno::EBADMSG) => {
+                bump(&global().kernel_decrypt_errors);
+                self.fail(
+                    sock,
+                    ALERT_BAD_RECORD_MAC,
+                    "record failed to decrypt (bad_record_mac)",
+                )
+                .await
+            }
+            Some(libc_errno::EMSGSIZE) => {
+                self.fail(sock, ALERT_RECORD_OVERFLOW, "record too large")
+                    .await
+            }
+            _ => e,
         }
     }
 
@@ -452,6 +479,74 @@ impl KernelPlane {
         Ok(())
     }
 
+    /// Moves up to `max` decrypted bytes from the peer into `pipe` with `splice(2)`: the
+    /// kernel decrypts on the way and the bytes never enter this process. `pipe` must be empty
+    /// (a full pipe's EAGAIN would read as "no data" and the wait would never end).
+    ///
+    /// Only application data can be spliced; when the next record is anything else (an
+    /// alert, a KeyUpdate: splice fails with EINVAL) the read path takes over for one call: it
+    /// handles the record as [`read`](Self::read) does (EOF, error with its alert, re-key) and
+    /// may return data into `spill`. Other failures are returned as `read` returns them (the
+    /// kernel reports a reset once: reading again would see a clean EOF).
+    pub(crate) async fn splice_out(
+        &mut self,
+        sock: &TcpStream,
+        pipe: BorrowedFd<'_>,
+        max: usize,
+        spill: &mut [u8],
+    ) -> io::Result<Spliced> {
+        if !self.early.is_empty() || self.read_closed {
+            return Ok(Spliced::read(self.read(sock, spill).await?));
+        }
+        loop {
+            sock.readable().await?;
+            match sock.try_io(Interest::READABLE, || sys::splice(sock.as_fd(), pipe, max)) {
+                Ok(0) => {
+                    self.read_closed = true;
+                    return Ok(Spliced::End);
+                }
+                Ok(n) => return Ok(Spliced::Pipe(n)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                // The next record is not application data: receive it the ordinary way.
+                Err(e) if e.raw_os_error() == Some(libc_errno::EINVAL) => {
+                    return Ok(Spliced::read(self.read(sock, spill).await?))
+                }
+                Err(e) => return Err(self.read_failed(sock, e).await),
+            }
+        }
+    }
+
+    /// Sends the `len` bytes waiting in `pipe` with `splice(2)`; the kernel encrypts them on
+    /// the way (records counted against the AEAD limit as for any write).
+    pub(crate) async fn splice_in(
+        &mut self,
+        sock: &TcpStream,
+        pipe: BorrowedFd<'_>,
+        mut len: usize,
+    ) -> io::Result<()> {
+        while len > 0 {
+            let allowed = self.before_write(sock, len).await?;
+            sock.writable().await?;
+            match sock.try_io(Interest::WRITABLE, || {
+                sys::splice(pipe, sock.as_fd(), allowed)
+            }) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the pipe held less than it was said to",
+                    ))
+                }
+                Ok(n) => {
+                    self.tx_records += (n as u64).div_ceil(MAX_FRAGMENT) + 1;
+                    len -= n;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// close_notify through kTLS, then TCP FIN.
     pub(crate) async fn shutdown(&mut self, sock: &TcpStream) -> io::Result<()> {
         if !self.write_closed {
@@ -494,6 +589,7 @@ async fn send_all_record(sock: &TcpStream, typ: u8, data: &[u8]) -> io::Result<(
 mod libc_errno {
     pub const EBADMSG: i32 = 74;
     pub const EMSGSIZE: i32 = 90;
+    pub const EINVAL: i32 = 22;
 }
 
 #[cfg(test)]

@@ -1,0 +1,941 @@
+//! HTTP/1.1 forwarding for a reverse proxy (`tlsplane proxy --mode http`); no I/O.
+//!
+//! Request and response heads are parsed with httparse and written out again in canonical
+//! form (CRLF line endings, one field per line), so what the backend sees never depends on how
+//! leniently this parser read the client's bytes. On the way:
+//!
+//! * hop-by-hop fields are dropped (RFC 9110 §7.6.1: `Connection` and every field it names,
+//!   `Keep-Alive`, `Proxy-Connection`, `TE`, `Transfer-Encoding`, `Upgrade`), and the framing
+//!   fields are written again from the parsed framing;
+//! * `Forwarded`, `X-Forwarded-For` and `X-Forwarded-Proto` are set from the client's address
+//!   ([`ForwardedPolicy`]: the client's own are replaced by default);
+//! * bodies are framed by `Content-Length` or `chunked` (RFC 9112 §6), and [`BodyFraming`]
+//!   follows the framing without looking at the content, so the caller moves body bytes
+//!   unchanged.
+//!
+//! Requests that could be read two ways by two parsers are refused with 400 rather than
+//! repaired (request smuggling): `Content-Length` together with `Transfer-Encoding`, more than
+//! one `Content-Length`, a `Content-Length` that is not a plain decimal number, a
+//! `Transfer-Encoding` whose last coding is not `chunked`, chunk sizes that are not hex or do
+//! not fit in 64 bits, and chunk lines not ended by CRLF.
+
+use std::net::IpAddr;
+
+use crate::{HttpError, Limits};
+
+/// How a message's body is delimited (RFC 9112 §6.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// No body.
+    Empty,
+    /// Exactly this many bytes.
+    Length(u64),
+    /// `Transfer-Encoding` ending in `chunked`.
+    Chunked,
+    /// Until the sender closes (responses only).
+    UntilClose,
+}
+
+/// What to do with the client's own `Forwarded` / `X-Forwarded-*` fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForwardedPolicy {
+    /// Drop them and send ours (the client cannot forge its address).
+    #[default]
+    Replace,
+    /// Keep theirs and add ours after them (a trusted proxy stands in front).
+    Append,
+    /// Pass the client's fields through and add none.
+    Off,
+}
+
+/// A request head as it will be forwarded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestHead {
+    /// The method, as sent.
+    pub method: String,
+    /// The request-target, as sent.
+    pub target: String,
+    /// 0 for HTTP/1.0, 1 for HTTP/1.1.
+    pub minor_version: u8,
+    /// How the request body is delimited: never [`Framing::UntilClose`].
+    pub framing: Framing,
+    /// Whether the client allows another request on this connection.
+    pub keep_alive: bool,
+    /// `Expect: 100-continue` was sent (and is not forwarded: the proxy answers it).
+    pub expect_continue: bool,
+    /// The protocol asked for in `Upgrade`, when `Connection` names `upgrade` (HTTP/1.1 only).
+    pub upgrade: Option<String>,
+    /// `Host`, as sent.
+    pub host: Option<String>,
+    /// The end-to-end fields, in order.
+    fields: Vec<(String, Vec<u8>)>,
+    /// The client's `Transfer-Encoding` codings, to forward with the body they describe.
+    transfer_codings: Option<String>,
+}
+
+/// A response head as it will be forwarded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseHead {
+    /// The status code.
+    pub status: u16,
+    /// The reason phrase, as sent.
+    pub reason: String,
+    /// How the body is delimited, given the request it answers.
+    pub framing: Framing,
+    /// Whether the backend allows another request on this connection.
+    pub keep_alive: bool,
+    /// The protocol the backend switched to (status 101).
+    pub upgrade: Option<String>,
+    fields: Vec<(String, Vec<u8>)>,
+    transfer_codings: Option<String>,
+}
+
+/// A complete head and how many bytes of the buffer it took.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Head<T> {
+    /// Read more and call again with the whole buffer.
+    Incomplete,
+    /// The head, and its length (the body or the next message starts after it).
+    Complete(T, usize),
+}
+
+/// Why a backend's response cannot be forwarded (answered 502).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BadResponse {
+    /// Not an HTTP/1 response head; the text says what was wrong.
+    Malformed(&'static str),
+    /// The head is larger than the limit.
+    TooLarge,
+}
+
+impl std::fmt::Display for BadResponse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BadResponse::Malformed(why) => write!(f, "malformed response: {why}"),
+            BadResponse::TooLarge => f.write_str("response head too large"),
+        }
+    }
+}
+
+impl std::error::Error for BadResponse {}
+
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+];
+
+/// The tokens of a comma-separated list field, trimmed and lower-cased.
+fn tokens(value: &[u8]) -> impl Iterator<Item = String> + '_ {
+    value
+        .split(|&b| b == b',')
+        .map(|t| String::from_utf8_lossy(t).trim().to_ascii_lowercase())
+        .filter(|t| !t.is_empty())
+}
+
+/// What the fields of a message say about its framing and connection.
+#[derive(Default)]
+struct FieldFacts {
+    content_length: Vec<Vec<u8>>,
+    transfer_codings: Vec<String>,
+    connection: Vec<String>,
+    upgrade: Option<String>,
+    expect_continue: bool,
+    hosts: Vec<String>,
+}
+
+fn collect(headers: &[httparse::Header<'_>], request: bool) -> Result<FieldFacts, &'static str> {
+    let mut f = FieldFacts::default();
+    for h in headers {
+        let name = h.name;
+        if name.eq_ignore_ascii_case("content-length") {
+            f.content_length.push(h.value.to_vec());
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            f.transfer_codings.extend(tokens(h.value));
+        } else if name.eq_ignore_ascii_case("connection") {
+            f.connection.extend(tokens(h.value));
+        } else if name.eq_ignore_ascii_case("upgrade") {
+            let v = String::from_utf8_lossy(h.value).trim().to_string();
+            f.upgrade = Some(match f.upgrade.take() {
+                Some(prev) => format!("{prev}, {v}"),
+                None => v,
+            });
+        } else if request && name.eq_ignore_ascii_case("expect") {
+            if h.value.trim_ascii().eq_ignore_ascii_case(b"100-continue") {
+                f.expect_continue = true;
+            } else {
+                return Err("unsupported expectation");
+            }
+        } else if request && name.eq_ignore_ascii_case("host") {
+            f.hosts.push(String::from_utf8_lossy(h.value).into_owned());
+        }
+    }
+    Ok(f)
+}
+
+/// A `Content-Length` value: one plain decimal number (RFC 9110 §8.6); a list, a sign or
+/// spaces inside are refused.
+fn content_length(values: &[Vec<u8>]) -> Result<Option<u64>, &'static str> {
+    match values {
+        [] => Ok(None),
+        [v] => {
+            let v = v.trim_ascii();
+            if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
+                return Err("invalid Content-Length");
+            }
+            Ok(Some(
+                v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')),
+            ))
+        }
+        _ => Err("more than one Content-Length"),
+    }
+}
+
+/// Whether `name` is a field this proxy drops or writes itself.
+fn is_hop_by_hop(name: &str, connection: &[String], forwarded: ForwardedPolicy) -> bool {
+    HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
+        || connection.iter().any(|c| name.eq_ignore_ascii_case(c))
+        || (forwarded == ForwardedPolicy::Replace && is_forwarding_field(name))
+}
+
+fn is_forwarding_field(name: &str) -> bool {
+    ["forwarded", "x-forwarded-for", "x-forwarded-proto"]
+        .iter()
+        .any(|f| name.eq_ignore_ascii_case(f))
+}
+
+fn end_to_end(
+    headers: &[httparse::Header<'_>],
+    connection: &[String],
+    forwarded: ForwardedPolicy,
+    drop_expect: bool,
+) -> Vec<(String, Vec<u8>)> {
+    headers
+        .iter()
+        .filter(|h| !is_hop_by_hop(h.name, connection, forwarded))
+        .filter(|h| !(drop_expect && h.name.eq_ignore_ascii_case("expect")))
+        .map(|h| (h.name.to_string(), h.value.to_vec()))
+        .collect()
+}
+
+/// Parses a request head from the start of `buf`.
+///
+/// `Err` is the status to answer with (and then close): 400 for anything malformed or
+/// ambiguous, 431 for a head over `limits`, 501 for a transfer coding or expectation this
+/// proxy cannot forward, 505 for another HTTP version.
+pub fn parse_request_head(
+    buf: &[u8],
+    limits: &Limits,
+    forwarded: ForwardedPolicy,
+) -> Result<Head<RequestHead>, HttpError> {
+    let view = &buf[..buf.len().min(limits.max_head_bytes)];
+    let mut headers = vec![httparse::EMPTY_HEADER; limits.max_headers];
+    let mut req = httparse::Request::new(&mut headers);
+    let len = match req.parse(view) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if view.len() < limits.max_head_bytes => {
+            return Ok(Head::Incomplete)
+        }
+        Ok(httparse::Status::Partial) => return Err(HttpError::HeadTooLarge),
+        Err(httparse::Error::TooManyHeaders) => return Err(HttpError::TooManyHeaders),
+        Err(httparse::Error::Version) => return Err(HttpError::VersionNotSupported),
+        Err(_) => return Err(HttpError::BadRequest("malformed request head")),
+    };
+    let method = req.method.unwrap_or_default().to_string();
+    let target = req.path.unwrap_or_default().to_string();
+    let minor_version = req.version.unwrap_or(1);
+    let facts = collect(req.headers, true).map_err(|why| match why {
+        "unsupported expectation" => HttpError::ExpectationFailed,
+        why => HttpError::BadRequest(why),
+    })?;
+    if minor_version == 1 && facts.hosts.len() != 1 {
+        return Err(HttpError::BadRequest("HTTP/1.1 needs exactly one Host"));
+    }
+    if facts.hosts.len() > 1 {
+        return Err(HttpError::BadRequest("more than one Host"));
+    }
+    let length = content_length(&facts.content_length).map_err(HttpError::BadRequest)?;
+    let framing = if !facts.transfer_codings.is_empty() {
+        if length.is_some() {
+            return Err(HttpError::BadRequest(
+                "both Content-Length and Transfer-Encoding",
+            ));
+        }
+        if minor_version == 0 {
+            return Err(HttpError::BadRequest("Transfer-Encoding in HTTP/1.0"));
+        }
+        let chunked = facts
+            .transfer_codings
+            .iter()
+            .filter(|c| *c == "chunked")
+            .count();
+        if chunked != 1 || facts.transfer_codings.last().map(String::as_str) != Some("chunked") {
+            return Err(HttpError::BadRequest(
+                "Transfer-Encoding must end in chunked, once",
+            ));
+        }
+        Framing::Chunked
+    } else {
+        match length {
+            None | Some(0) => Framing::Empty,
+            Some(n) => Framing::Length(n),
+        }
+    };
+    let close = facts.connection.iter().any(|c| c == "close");
+    let keep_alive = if minor_version == 0 {
+        !close && facts.connection.iter().any(|c| c == "keep-alive")
+    } else {
+        !close
+    };
+    let upgrade = match &facts.upgrade {
+        Some(u) if minor_version == 1 && facts.connection.iter().any(|c| c == "upgrade") => {
+            Some(u.clone())
+        }
+        _ => None,
+    };
+    let expect_continue = facts.expect_continue && minor_version == 1;
+    Ok(Head::Complete(
+        RequestHead {
+            method,
+            target,
+            minor_version,
+            framing,
+            keep_alive,
+            expect_continue,
+            upgrade,
+            host: facts.hosts.into_iter().next(),
+            fields: end_to_end(req.headers, &facts.connection, forwarded, true),
+            transfer_codings: (framing == Framing::Chunked)
+                .then(|| facts.transfer_codings.join(", ")),
+        },
+        len,
+    ))
+}
+
+/// Who sent a request, for `Forwarded` / `X-Forwarded-*`.
+#[derive(Debug, Clone, Copy)]
+pub struct Origin<'a> {
+    /// The client's address.
+    pub client: IpAddr,
+    /// `https` here: the proxy terminates TLS.
+    pub proto: &'a str,
+}
+
+impl RequestHead {
+    /// Whether a request may be sent again on another connection when the first one failed
+    /// before any response byte (RFC 9110 §9.2.2), given it has no body to replay.
+    pub fn is_retryable(&self) -> bool {
+        self.framing == Framing::Empty
+            && matches!(
+                self.method.as_str(),
+                "GET" | "HEAD" | "OPTIONS" | "TRACE" | "PUT" | "DELETE"
+            )
+    }
+
+    /// Whether the response to this request has no body whatever its fields say.
+    pub fn is_head(&self) -> bool {
+        self.method == "HEAD"
+    }
+
+    /// The head to send to the backend: HTTP/1.1, canonical form, framing and forwarding
+    /// fields written by the proxy. The backend connection is kept alive unless the request
+    /// upgrades.
+    pub fn encode(&self, origin: Origin<'_>, forwarded: ForwardedPolicy, out: &mut Vec<u8>) {
+        out.extend_from_slice(self.method.as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(self.target.as_bytes());
+        out.extend_from_slice(b" HTTP/1.1\r\n");
+        for (name, value) in &self.fields {
+            field(out, name.as_bytes(), value);
+        }
+        if self.minor_version == 0 && self.host.is_none() {
+            // HTTP/1.1 to the backend needs a Host; an HTTP/1.0 client may have sent none.
+            field(out, b"Host", b"");
+        }
+        if forwarded != ForwardedPolicy::Off {
+            let ip = origin.client.to_string();
+            let node = match origin.client {
+                IpAddr::V4(_) => ip.clone(),
+                IpAddr::V6(_) => format!("\"[{ip}]\""),
+            };
+            let mut fwd = format!("for={node};proto={}", origin.proto);
+            if let Some(host) = &self.host {
+                if host
+                    .bytes()
+                    .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
+                {
+                    fwd.push_str(&format!(";host=\"{host}\""));
+                }
+            }
+            field(out, b"Forwarded", fwd.as_bytes());
+            field(out, b"X-Forwarded-For", ip.as_bytes());
+            field(out, b"X-Forwarded-Proto", origin.proto.as_bytes());
+        }
+        match self.framing {
+            Framing::Length(n) => field(out, b"Content-Length", n.to_string().as_bytes()),
+            Framing::Chunked => field(
+                out,
+                b"Transfer-Encoding",
+                self.transfer_codings
+                    .as_deref()
+                    .unwrap_or("chunked")
+                    .as_bytes(),
+            ),
+            Framing::Empty | Framing::UntilClose => {}
+        }
+        if let Some(proto) = &self.upgrade {
+            field(out, b"Connection", b"upgrade");
+            field(out, b"Upgrade", proto.as_bytes());
+        }
+        out.extend_from_slice(b"\r\n");
+    }
+}
+
+fn field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Parses a response head from the start of `buf`, the answer to `request`.
+pub fn parse_response_head(
+    buf: &[u8],
+    request: &RequestHead,
+    max_head_bytes: usize,
+    max_headers: usize,
+) -> Result<Head<ResponseHead>, BadResponse> {
+    let view = &buf[..buf.len().min(max_head_bytes)];
+    let mut headers = vec![httparse::EMPTY_HEADER; max_headers];
+    let mut resp = httparse::Response::new(&mut headers);
+    let len = match resp.parse(view) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if view.len() < max_head_bytes => {
+            return Ok(Head::Incomplete)
+        }
+        Ok(httparse::Status::Partial) => return Err(BadResponse::TooLarge),
+        Err(httparse::Error::TooManyHeaders) => return Err(BadResponse::TooLarge),
+        Err(_) => return Err(BadResponse::Malformed("not an HTTP/1 response head")),
+    };
+    let status = resp.code.unwrap_or(0);
+    let minor_version = resp.version.unwrap_or(1);
+    let facts = collect(resp.headers, false).map_err(BadResponse::Malformed)?;
+    let close = facts.connection.iter().any(|c| c == "close");
+    let mut keep_alive = if minor_version == 0 {
+        !close && facts.connection.iter().any(|c| c == "keep-alive")
+    } else {
+        !close
+    };
+    let length = content_length(&facts.content_length).map_err(BadResponse::Malformed)?;
+    let no_body =
+        request.is_head() || (100..200).contains(&status) || status == 204 || status == 304;
+    let framing = if no_body {
+        Framing::Empty
+    } else if !facts.transfer_codings.is_empty() {
+        if facts.transfer_codings.last().map(String::as_str) == Some("chunked") {
+            if length.is_some() {
+                // RFC 9112 §6.3: Transfer-Encoding wins, but the sender is not to be
+                // trusted with the connection afterwards.
+                keep_alive = false;
+            }
+            Framing::Chunked
+        } else {
+            keep_alive = false;
+            Framing::UntilClose
+        }
+    } else {
+        match length {
+            Some(n) => Framing::Length(n),
+            None => {
+                keep_alive = false;
+                Framing::UntilClose
+            }
+        }
+    };
+    let upgrade = (status == 101).then(|| facts.upgrade.clone().unwrap_or_default());
+    // Bodiless responses keep their Content-Length: it describes the representation
+    // (HEAD, 304), not this message.
+    let mut fields = end_to_end(resp.headers, &facts.connection, ForwardedPolicy::Off, false);
+    if no_body {
+        if let Some(n) = length {
+            if !(100..200).contains(&status) && status != 204 {
+                fields.push(("Content-Length".into(), n.to_string().into_bytes()));
+            }
+        }
+    }
+    Ok(Head::Complete(
+        ResponseHead {
+            status,
+            reason: resp.reason.unwrap_or_default().to_string(),
+            framing,
+            keep_alive,
+            upgrade,
+            fields,
+            transfer_codings: (framing == Framing::Chunked)
+                .then(|| facts.transfer_codings.join(", ")),
+        },
+        len,
+    ))
+}
+
+impl ResponseHead {
+    /// Whether this is an interim (1xx) response other than 101: another head follows.
+    pub fn is_interim(&self) -> bool {
+        (100..200).contains(&self.status) && self.status != 101
+    }
+
+    /// The head to send to the client. `keep_alive`: whether the client's connection stays
+    /// open after this response (said to HTTP/1.0 clients, and `close` said to all when not).
+    pub fn encode(&self, client_minor_version: u8, keep_alive: bool, out: &mut Vec<u8>) {
+        out.extend_from_slice(b"HTTP/1.1 ");
+        out.extend_from_slice(self.status.to_string().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(self.reason.as_bytes());
+        out.extend_from_slice(b"\r\n");
+        for (name, value) in &self.fields {
+            field(out, name.as_bytes(), value);
+        }
+        match self.framing {
+            Framing::Length(n) => field(out, b"Content-Length", n.to_string().as_bytes()),
+            Framing::Chunked => field(
+                out,
+                b"Transfer-Encoding",
+                self.transfer_codings
+                    .as_deref()
+                    .unwrap_or("chunked")
+                    .as_bytes(),
+            ),
+            Framing::Empty | Framing::UntilClose => {}
+        }
+        if let Some(proto) = &self.upgrade {
+            field(out, b"Connection", b"upgrade");
+            field(out, b"Upgrade", proto.as_bytes());
+        } else if !self.is_interim() {
+            if !keep_alive {
+                field(out, b"Connection", b"close");
+            } else if client_minor_version == 0 {
+                field(out, b"Connection", b"keep-alive");
+            }
+        }
+        out.extend_from_slice(b"\r\n");
+    }
+}
+
+/// Follows a body's framing over the bytes that carry it, without copying or reading its
+/// content (beyond chunk-size lines and trailers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BodyFraming {
+    state: State,
+    /// Bytes of chunk-size lines and trailer fields seen in the current line (bounded).
+    line: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Bytes left of a Content-Length body.
+    Length(u64),
+    /// Reading a chunk size: its value so far, and whether a digit was seen.
+    Size(u64, bool),
+    /// Past the size, in whitespace or extensions until CR.
+    Extension(u64),
+    /// After the CR of a chunk-size line.
+    SizeLf(u64),
+    /// Bytes left of a chunk's data.
+    Data(u64),
+    /// The CR after a chunk's data.
+    DataCr,
+    /// The LF after a chunk's data.
+    DataLf,
+    /// At the start of a trailer line (an empty one ends the body).
+    TrailerStart,
+    /// Inside a trailer field line.
+    Trailer,
+    /// After the CR of a trailer line; whether the line was empty.
+    TrailerLf(bool),
+    /// Until the sender closes.
+    UntilClose,
+    Done,
+}
+
+/// Why a body's framing is broken (the connection cannot carry anything more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BadBody {
+    /// A chunk size that is not hex, has no digit, or does not fit in 64 bits.
+    ChunkSize,
+    /// A line of the chunked framing not ended by CRLF.
+    LineEnding,
+    /// A chunk-size line or trailer section longer than allowed.
+    TooLong,
+}
+
+impl std::fmt::Display for BadBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BadBody::ChunkSize => "bad chunk size",
+            BadBody::LineEnding => "chunk framing without CRLF",
+            BadBody::TooLong => "chunk line or trailers too long",
+        })
+    }
+}
+
+impl std::error::Error for BadBody {}
+
+/// Longest chunk-size line (extensions included) or trailer section accepted.
+const MAX_FRAMING_LINE: usize = 4096;
+
+impl BodyFraming {
+    /// Starts following a body framed as `framing`.
+    pub fn new(framing: Framing) -> Self {
+        let state = match framing {
+            Framing::Empty | Framing::Length(0) => State::Done,
+            Framing::Length(n) => State::Length(n),
+            Framing::Chunked => State::Size(0, false),
+            Framing::UntilClose => State::UntilClose,
+        };
+        Self { state, line: 0 }
+    }
+
+    /// Whether the whole body has been seen.
+    pub fn is_done(&self) -> bool {
+        self.state == State::Done
+    }
+
+    /// Whether the body ends only when its sender closes.
+    pub fn until_close(&self) -> bool {
+        self.state == State::UntilClose
+    }
+
+    /// Takes the next bytes of the stream: returns how many of them belong to the body
+    /// (the rest, after [`Self::is_done`], belongs to the next message).
+    pub fn advance(&mut self, buf: &[u8]) -> Result<usize, BadBody> {
+        let mut at = 0;
+        while at < buf.len() {
+            match self.state {
+                State::Done => break,
+                State::UntilClose => return Ok(buf.len()),
+                State::Length(left) | State::Data(left) => {
+                    let n = left.min((buf.len() - at) as u64);
+                    at += n as usize;
+                    let left = left - n;
+                    self.state = match self.state {
+                        State::Length(_) if left == 0 => State::Done,
+                        State::Length(_) => State::Length(left),
+                        _ if left == 0 => State::DataCr,
+                        _ => State::Data(left),
+                    };
+                    continue;
+                }
+                _ => {}
+            }
+            let b = buf[at];
+            at += 1;
+            self.line += 1;
+            if self.line > MAX_FRAMING_LINE {
+                return Err(BadBody::TooLong);
+            }
+            self.state = match (self.state, b) {
+                (State::Size(n, _), b) if b.is_ascii_hexdigit() => {
+                    if n > (u64::MAX >> 4) {
+                        return Err(BadBody::ChunkSize);
+                    }
+                    let d = (b as char).to_digit(16).map_or(0, u64::from);
+                    State::Size(n << 4 | d, true)
+                }
+                (State::Size(_, false), _) => return Err(BadBody::ChunkSize),
+                (State::Size(n, true), b'\r') => State::SizeLf(n),
+                (State::Size(n, true), b' ' | b'\t' | b';') => State::Extension(n),
+                (State::Size(..), _) => return Err(BadBody::ChunkSize),
+                (State::Extension(n), b'\r') => State::SizeLf(n),
+                (State::Extension(_), b'\n') => return Err(BadBody::LineEnding),
+                (State::Extension(n), _) => State::Extension(n),
+                (State::SizeLf(0), b'\n') => {
+                    self.line = 0;
+                    State::TrailerStart
+                }
+                (State::SizeLf(n), b'\n') => {
+                    self.line = 0;
+                    State::Data(n)
+                }
+                (State::DataCr, b'\r') => State::DataLf,
+                (State::DataLf, b'\n') => {
+                    self.line = 0;
+                    State::Size(0, false)
+                }
+                (State::TrailerStart, b'\r') => State::TrailerLf(true),
+                (State::Trailer, b'\r') => State::TrailerLf(false),
+                (State::TrailerStart | State::Trailer, b'\n') => return Err(BadBody::LineEnding),
+                (State::TrailerStart | State::Trailer, _) => State::Trailer,
+                (State::TrailerLf(true), b'\n') => State::Done,
+                // The trailer section as a whole is bounded by `line`, not reset per field.
+                (State::TrailerLf(false), b'\n') => State::TrailerStart,
+                (State::SizeLf(_) | State::DataCr | State::DataLf | State::TrailerLf(_), _) => {
+                    return Err(BadBody::LineEnding)
+                }
+                // Not reached: these states move whole runs of bytes above.
+                (State::Length(_) | State::Data(_) | State::UntilClose | State::Done, _) => {
+                    return Err(BadBody::LineEnding)
+                }
+            };
+        }
+        Ok(at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(raw: &str) -> Result<RequestHead, HttpError> {
+        match parse_request_head(raw.as_bytes(), &Limits::default(), ForwardedPolicy::Replace)? {
+            Head::Complete(h, len) => {
+                assert_eq!(len, raw.find("\r\n\r\n").unwrap() + 4);
+                Ok(h)
+            }
+            Head::Incomplete => panic!("incomplete: {raw:?}"),
+        }
+    }
+
+    fn forwarded(h: &RequestHead, policy: ForwardedPolicy) -> String {
+        let mut out = Vec::new();
+        let origin = Origin {
+            client: "192.0.2.7".parse().unwrap(),
+            proto: "https",
+        };
+        h.encode(origin, policy, &mut out);
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn smuggling_shapes_are_refused() {
+        for (raw, why) in [
+            ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", "CL+TE"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n", "duplicate CL"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5, 5\r\n\r\n", "CL list"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: +5\r\n\r\n", "signed CL"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 0x5\r\n\r\n", "hex CL"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 99999999999999999999\r\n\r\n", "huge CL"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, gzip\r\n\r\n", "TE not ending in chunked"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n", "chunked twice"),
+            ("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: xchunked\r\n\r\n", "unknown coding"),
+            ("POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", "TE in 1.0"),
+            ("GET / HTTP/1.1\r\n\r\n", "no Host"),
+            ("GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", "two Hosts"),
+            ("GET / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding : chunked\r\n\r\n", "space before colon"),
+        ] {
+            match req(raw) {
+                Err(e) => assert_eq!(e.status(), 400, "{why}: {e}"),
+                Ok(h) => panic!("{why} accepted: {h:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn framing_of_requests() {
+        let h = req("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 12\r\n\r\n").unwrap();
+        assert_eq!(h.framing, Framing::Length(12));
+        let h =
+            req("POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, Chunked\r\n\r\n").unwrap();
+        assert_eq!(h.framing, Framing::Chunked);
+        assert!(
+            forwarded(&h, ForwardedPolicy::Off).contains("Transfer-Encoding: gzip, chunked\r\n")
+        );
+        let h = req("GET / HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
+        assert_eq!(h.framing, Framing::Empty);
+        assert!(h.keep_alive && h.is_retryable());
+        let h = req("GET / HTTP/1.0\r\n\r\n").unwrap();
+        assert!(!h.keep_alive);
+        let h = req("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n").unwrap();
+        assert!(h.keep_alive);
+        let h = req("GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").unwrap();
+        assert!(!h.keep_alive);
+        let e = req("PUT / HTTP/1.1\r\nHost: a\r\nExpect: 200-ok\r\n\r\n").unwrap_err();
+        assert_eq!(e.status(), 417);
+        assert_eq!(
+            parse_request_head(
+                b"GET / HTTP/1.1\r\nHost: a\r\n",
+                &Limits::default(),
+                ForwardedPolicy::Replace
+            ),
+            Ok(Head::Incomplete)
+        );
+        let big = format!("GET / HTTP/1.1\r\nHost: a\r\nX: {}\r\n", "y".repeat(20000));
+        assert_eq!(
+            parse_request_head(big.as_bytes(), &Limits::default(), ForwardedPolicy::Replace)
+                .unwrap_err()
+                .status(),
+            431
+        );
+    }
+
+    #[test]
+    fn hop_by_hop_fields_go_and_forwarding_fields_are_ours() {
+        let h = req("POST /p?q HTTP/1.1\r\nhost: example.com\r\nConnection: keep-alive, X-Secret\r\n\
+                     X-Secret: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\nProxy-Connection: x\r\n\
+                     X-Forwarded-For: 6.6.6.6\r\nForwarded: for=6.6.6.6\r\nX-Forwarded-Proto: http\r\n\
+                     Expect: 100-continue\r\nContent-Length: 3\r\nAccept: */*\r\n\r\n")
+        .unwrap();
+        assert!(h.expect_continue);
+        let out = forwarded(&h, ForwardedPolicy::Replace);
+        assert_eq!(
+            out,
+            "POST /p?q HTTP/1.1\r\nhost: example.com\r\nAccept: */*\r\n\
+             Forwarded: for=192.0.2.7;proto=https;host=\"example.com\"\r\n\
+             X-Forwarded-For: 192.0.2.7\r\nX-Forwarded-Proto: https\r\nContent-Length: 3\r\n\r\n"
+        );
+        let h = req("GET / HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: 10.0.0.1\r\n\r\n").unwrap();
+        let h2 = parse_request_head(
+            b"GET / HTTP/1.1\r\nHost: a\r\nX-Forwarded-For: 10.0.0.1\r\n\r\n",
+            &Limits::default(),
+            ForwardedPolicy::Append,
+        )
+        .unwrap();
+        let Head::Complete(h2, _) = h2 else { panic!() };
+        let appended = forwarded(&h2, ForwardedPolicy::Append);
+        assert!(
+            appended.contains("X-Forwarded-For: 10.0.0.1\r\n"),
+            "{appended}"
+        );
+        assert!(
+            appended.contains("X-Forwarded-For: 192.0.2.7\r\n"),
+            "{appended}"
+        );
+        let off = forwarded(&h, ForwardedPolicy::Off);
+        assert!(
+            !off.contains("X-Forwarded") && !off.contains("Forwarded:"),
+            "{off}"
+        );
+        let v6 = {
+            let mut out = Vec::new();
+            h.encode(
+                Origin {
+                    client: "::1".parse().unwrap(),
+                    proto: "https",
+                },
+                ForwardedPolicy::Replace,
+                &mut out,
+            );
+            String::from_utf8(out).unwrap()
+        };
+        assert!(v6.contains("Forwarded: for=\"[::1]\";proto=https"), "{v6}");
+    }
+
+    #[test]
+    fn upgrade_needs_connection_upgrade() {
+        let h =
+            req("GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+                .unwrap();
+        assert_eq!(h.upgrade.as_deref(), Some("websocket"));
+        let out = forwarded(&h, ForwardedPolicy::Off);
+        assert!(
+            out.ends_with("Connection: upgrade\r\nUpgrade: websocket\r\n\r\n"),
+            "{out}"
+        );
+        let h = req("GET /ws HTTP/1.1\r\nHost: a\r\nUpgrade: websocket\r\n\r\n").unwrap();
+        assert_eq!(h.upgrade, None);
+        assert!(!forwarded(&h, ForwardedPolicy::Off).contains("pgrade"));
+    }
+
+    fn resp(raw: &str, request: &RequestHead) -> ResponseHead {
+        match parse_response_head(raw.as_bytes(), request, 16384, 64).unwrap() {
+            Head::Complete(h, _) => h,
+            Head::Incomplete => panic!("incomplete"),
+        }
+    }
+
+    #[test]
+    fn framing_of_responses() {
+        let get = req("GET / HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
+        let head = req("HEAD / HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
+        let r = resp("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", &get);
+        assert_eq!((r.framing, r.keep_alive), (Framing::Length(5), true));
+        let r = resp("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", &head);
+        assert_eq!(r.framing, Framing::Empty);
+        let mut out = Vec::new();
+        r.encode(1, true, &mut out);
+        assert_eq!(out, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n");
+        let r = resp("HTTP/1.1 304 Not Modified\r\nETag: \"x\"\r\n\r\n", &get);
+        assert_eq!(r.framing, Framing::Empty);
+        let r = resp("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: keep-alive, foo\r\nfoo: 1\r\n\r\n", &get);
+        assert_eq!((r.framing, r.keep_alive), (Framing::Chunked, true));
+        let mut out = Vec::new();
+        r.encode(0, false, &mut out);
+        assert_eq!(
+            out,
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        );
+        let r = resp("HTTP/1.0 200 OK\r\n\r\n", &get);
+        assert_eq!((r.framing, r.keep_alive), (Framing::UntilClose, false));
+        let r = resp(
+            "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+            &get,
+        );
+        assert_eq!((r.framing, r.keep_alive), (Framing::Chunked, false));
+        let r = resp("HTTP/1.1 100 Continue\r\n\r\n", &get);
+        assert!(r.is_interim());
+        assert!(parse_response_head(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            &get,
+            16384,
+            64
+        )
+        .is_err());
+        assert!(parse_response_head(b"SSH-2.0-OpenSSH\r\n\r\n", &get, 16384, 64).is_err());
+    }
+
+    /// Feeds `body` in pieces of `step` bytes; returns the body length found.
+    fn follow(framing: Framing, body: &[u8], step: usize) -> Result<usize, BadBody> {
+        let mut f = BodyFraming::new(framing);
+        let mut used = 0;
+        for piece in body.chunks(step) {
+            let n = f.advance(piece)?;
+            used += n;
+            if f.is_done() {
+                return Ok(used);
+            }
+            assert_eq!(n, piece.len());
+        }
+        Ok(used)
+    }
+
+    #[test]
+    fn chunked_bodies_end_where_they_end_whatever_the_pieces() {
+        let body = b"5\r\nhello\r\n1a; ext=\"x\"\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nTrailer: t\r\n\r\nGET /next";
+        let end = body.len() - b"GET /next".len();
+        for step in [1, 2, 3, 7, 100] {
+            assert_eq!(follow(Framing::Chunked, body, step), Ok(end), "step {step}");
+        }
+        assert_eq!(follow(Framing::Chunked, b"0\r\n\r\nX", 1), Ok(5));
+        assert_eq!(follow(Framing::Length(4), b"abcdefg", 3), Ok(4));
+        let mut f = BodyFraming::new(Framing::Chunked);
+        assert_eq!(f.advance(b"5\r\nhel"), Ok(6));
+        assert!(!f.is_done());
+    }
+
+    #[test]
+    fn broken_chunk_framing_is_an_error() {
+        for (body, want) in [
+            (&b"g\r\n"[..], BadBody::ChunkSize),
+            (b"\r\n", BadBody::ChunkSize),
+            (b"-1\r\n", BadBody::ChunkSize),
+            (b"10000000000000000\r\n", BadBody::ChunkSize),
+            (b"5\nhello\r\n", BadBody::ChunkSize),
+            (b"5\r\nhelloX\r\n", BadBody::LineEnding),
+            (b"5\r\nhello\n0\r\n\r\n", BadBody::LineEnding),
+            (b"0\r\n\n", BadBody::LineEnding),
+            (b"1;a\nx", BadBody::LineEnding),
+        ] {
+            assert_eq!(follow(Framing::Chunked, body, 1), Err(want), "{body:?}");
+        }
+        let long = format!("1;{}\r\n", "e".repeat(5000));
+        assert_eq!(
+            follow(Framing::Chunked, long.as_bytes(), 64),
+            Err(BadBody::TooLong)
+        );
+    }
+}
