@@ -9,7 +9,6 @@ mod keys;
 mod limits;
 mod lobby;
 mod proxy;
-mod proxy_protocol;
 mod runtime;
 mod serve;
 mod server;

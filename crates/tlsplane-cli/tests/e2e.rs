@@ -42,6 +42,8 @@ mod operations;
 mod panics;
 #[path = "e2e/proxy.rs"]
 mod proxy;
+#[path = "e2e/proxy_http.rs"]
+mod proxy_http;
 #[path = "e2e/reload.rs"]
 mod reload;
 #[path = "e2e/shutdown.rs"]

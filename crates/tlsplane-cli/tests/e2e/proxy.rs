@@ -72,10 +72,23 @@ async fn connect(port: u16, v: Tls) -> Client {
         .await
         .expect("connect");
     let connector = tokio_rustls::TlsConnector::from(ClientOpts::version(v).config());
-    connector
+    let c = connector
         .connect("localhost".try_into().expect("name"), sock)
         .await
-        .expect("handshake with the proxy")
+        .expect("handshake with the proxy");
+    settle_on_kernel_plane().await;
+    c
+}
+
+/// In kernel mode, gives the server time to hand the connection to kTLS before the client
+/// may half-close: the kernel attaches TLS only to an ESTABLISHED socket, so a FIN that comes
+/// first (CLOSE_WAIT) makes it refuse, and `--data-plane kernel` then closes the connection
+/// (`auto` would carry it on the user plane). Bytes sent together with the client's Finished
+/// are another matter (decrypted by rustls, so copied): this keeps them apart too.
+async fn settle_on_kernel_plane() {
+    if crate::support::mode() == crate::support::Mode::Kernel {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
 }
 
 /// Sends `data` and a close_notify while reading everything that comes back, at the same
@@ -499,6 +512,7 @@ async fn read_all_from(port: u16, name: &str) -> Vec<u8> {
         .connect(name.to_string().try_into().expect("name"), sock)
         .await
         .expect("handshake");
+    settle_on_kernel_plane().await;
     let mut got = Vec::new();
     c.read_to_end(&mut got).await.expect("clean end");
     got
@@ -551,4 +565,171 @@ fn sites_by_server_name_have_their_own_backends() {
         assert_eq!(read_all_from(server.port(), "localhost").await, b"default");
     });
     drop(server.stop());
+}
+
+#[test]
+fn kernel_plane_moves_proxied_bytes_by_splice_only() {
+    if !crate::support::kernel_only("splice through kTLS in tlsplane proxy") {
+        return;
+    }
+    let backend = echo_backend();
+    let server = proxy_to(&[backend.to_string()]);
+    let rt = runtime();
+    let n = (4 << 20) + 5;
+    let data: Vec<u8> = (0..n).map(|i| (i % 241) as u8).collect();
+    for v in [Tls::V13, Tls::V12] {
+        let (got, clean) = rt.block_on(async {
+            // (connect waits for the kernel to take over: nothing rides with the Finished.)
+            let c = connect(server.port(), v).await;
+            echo_round(c, data.clone()).await
+        });
+        assert!(got == data, "{v:?}: echo differs");
+        assert!(clean, "{v:?}: close_notify expected");
+    }
+    let stats = server.stop();
+    let each_way = 2 * n as u64;
+    assert_eq!(
+        stats["proxy_bytes_to_backend_spliced"], each_way,
+        "{stats:?}"
+    );
+    assert_eq!(
+        stats["proxy_bytes_to_client_spliced"], each_way,
+        "{stats:?}"
+    );
+    assert_eq!(stats["proxy_bytes_to_backend_copied"], 0, "{stats:?}");
+    assert_eq!(stats["proxy_bytes_to_client_copied"], 0, "{stats:?}");
+    // The client's close_notify met splice (EINVAL) and was read as a record: both ends clean.
+    assert_eq!(stats["close_notify_received"], 2, "{stats:?}");
+}
+
+/// A TLS 1.3 KeyUpdate in the middle of a proxied stream: honoured (user plane, and kernels
+/// that re-key: the stream goes on) or the connection ends with close_notify (kernels that
+/// cannot re-key), never corrupted bytes.
+#[test]
+fn key_update_in_the_middle_of_a_proxied_stream() {
+    use crate::support::client::{End, TlsClient};
+    let backend = echo_backend();
+    let server = proxy_to(&[backend.to_string()]);
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    std::thread::sleep(Duration::from_millis(300));
+    let first: Vec<u8> = (0..50_000).map(|i| (i % 13) as u8).collect();
+    c.write_all(&first).unwrap();
+    let mut got = vec![0u8; first.len()];
+    let mut at = 0;
+    while at < got.len() {
+        match c.read_plain(&mut got[at..]) {
+            Ok(0) => panic!("EOF before the echo"),
+            Ok(n) => at += n,
+            Err(e) => panic!("read: {e}"),
+        }
+    }
+    assert!(got == first);
+    c.conn.refresh_traffic_keys().expect("KeyUpdate");
+    let second = b"after the KeyUpdate".to_vec();
+    let wrote = c.write_all(&second);
+    let _ = c.send_close_notify();
+    let (rest, end) = c.read_to_end();
+    let stats = server.stop();
+    if stats["key_update_unsupported"] == 1 {
+        // This kernel cannot re-key: the server ended the stream cleanly, nothing corrupted.
+        assert!(rest.is_empty() || rest == second, "{rest:?}");
+        assert!(matches!(end, End::CloseNotify | End::Io(..)), "{end:?}");
+    } else {
+        assert!(wrote.is_ok());
+        assert_eq!(
+            rest, second,
+            "the stream must go on under the new key ({end:?})"
+        );
+        assert!(matches!(end, End::CloseNotify), "{end:?}");
+        if crate::support::mode() == crate::support::Mode::Kernel {
+            assert_eq!(stats["key_updates"], 1, "{stats:?}");
+        }
+    }
+}
+
+/// nginx behind the proxy with `listen ... proxy_protocol`, logging `$proxy_protocol_addr`:
+/// a real PROXY-protocol parser, not ours, reads the client's address from our header.
+#[test]
+fn nginx_logs_the_client_address_from_the_proxy_header() {
+    let Some(nginx) = crate::support::tools::find_in_path("nginx") else {
+        eprintln!("SKIPPED: nginx not installed");
+        return;
+    };
+    for version in ["v1", "v2"] {
+        let dir = tempdir();
+        let port = closed_port().port();
+        let log = dir.join("access.log");
+        std::fs::write(
+            dir.join("nginx.conf"),
+            format!(
+                "daemon off; master_process off; worker_processes 1;\n\
+                 pid {d}/nginx.pid; error_log {d}/error.log;\n\
+                 events {{ worker_connections 64; }}\n\
+                 http {{\n\
+                   client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d};\n\
+                   uwsgi_temp_path {d}; scgi_temp_path {d};\n\
+                   log_format pp '$proxy_protocol_addr $proxy_protocol_port';\n\
+                   server {{ listen 127.0.0.1:{port} proxy_protocol; access_log {log} pp;\n\
+                     location / {{ return 200 \"hello from nginx\\n\"; }} }}\n\
+                 }}\n",
+                d = dir.display(),
+                log = log.display()
+            ),
+        )
+        .unwrap();
+        let mut child = std::process::Command::new(&nginx)
+            .arg("-p")
+            .arg(&dir)
+            .arg("-c")
+            .arg(dir.join("nginx.conf"))
+            .arg("-e")
+            .arg(dir.join("error.log"))
+            .stdin(std::process::Stdio::null())
+            .spawn()
+            .expect("start nginx");
+        let up = (0..200).any(|_| {
+            std::thread::sleep(Duration::from_millis(25));
+            TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        assert!(
+            up,
+            "nginx did not listen: {:?}",
+            std::fs::read_to_string(dir.join("error.log"))
+        );
+        // (That probe connection sent no header: nginx logs nothing for it.)
+        let server = Server::builder()
+            .proxy(&[format!("127.0.0.1:{port}")])
+            .arg("--proxy-protocol")
+            .arg(version)
+            .start();
+        let rt = runtime();
+        let (local, response) = rt.block_on(async {
+            let mut c = connect(server.port(), Tls::V13).await;
+            let local = c.get_ref().0.local_addr().unwrap();
+            c.write_all(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            let mut got = Vec::new();
+            c.read_to_end(&mut got).await.expect("clean end");
+            (local, String::from_utf8_lossy(&got).into_owned())
+        });
+        drop(server.stop());
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(
+            response.starts_with("HTTP/1.1 200"),
+            "{version}: {response}"
+        );
+        assert!(
+            response.ends_with("hello from nginx\n"),
+            "{version}: {response}"
+        );
+        let logged = std::fs::read_to_string(&log).unwrap_or_default();
+        assert_eq!(
+            logged.trim(),
+            format!("127.0.0.1 {}", local.port()),
+            "{version}: nginx's $proxy_protocol_addr and port must be the client's"
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

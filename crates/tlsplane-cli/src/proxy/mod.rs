@@ -6,20 +6,26 @@
 //! close_notify becomes `shutdown(SHUT_WR)` towards the backend, the backend's EOF becomes a
 //! close_notify to the client, and a reset on either side resets the other.
 
+mod backend;
+mod http;
+pub mod proxy_protocol;
+mod tcp;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
 use tlsplane::TlsStream;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::config::{Origin, SiteNeeds, Sites};
-use crate::proxy_protocol::{self, TlsFacts};
 use crate::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
 use crate::server::{Product, ServerArgs};
+use backend::{BackendConn, Io, Pool};
+use proxy_protocol::TlsFacts;
+use tcp::{relay, Pipes};
 
 #[derive(Args, Debug, Clone)]
 pub struct ProxyArgs {
@@ -28,6 +34,29 @@ pub struct ProxyArgs {
     /// their own (`to = [...]`) and these serve the sites that do not.
     #[arg(long = "to", value_name = "HOST:PORT|unix:PATH")]
     pub to: Vec<Backend>,
+    /// tcp: bytes both ways unchanged (spliced on the kernel plane). http: an HTTP/1.1
+    /// reverse proxy (heads parsed and rewritten, keep-alive to clients and backends).
+    #[arg(long, value_enum, default_value_t = Mode::Tcp)]
+    pub mode: Mode,
+    /// HTTP mode: the client's own Forwarded / X-Forwarded-For / X-Forwarded-Proto fields are
+    /// replaced by the proxy's (replace), kept with the proxy's added after them (append: a
+    /// trusted proxy stands in front), or passed through with none added (off).
+    #[arg(long, value_enum, default_value_t = ForwardedArg::Replace)]
+    pub forwarded: ForwardedArg,
+    /// HTTP mode: seconds from the first byte of a request to the end of its head.
+    #[arg(long, default_value_t = 10)]
+    pub header_timeout: u64,
+    /// HTTP mode: seconds to wait for the backend to take the request, for the response head,
+    /// and between reads of the response body (504 before the response begins).
+    #[arg(long, default_value_t = 60)]
+    pub backend_timeout: u64,
+    /// HTTP mode: idle keep-alive connections kept per backend per worker (0: a new backend
+    /// connection for every request).
+    #[arg(long, default_value_t = 32)]
+    pub backend_keepalive: usize,
+    /// HTTP mode: seconds an idle backend connection is kept for reuse.
+    #[arg(long, default_value_t = 30)]
+    pub backend_idle_timeout: u64,
     /// Send a PROXY protocol header (v1: text; v2: binary, with the ALPN, the server name and
     /// the TLS version and cipher) to the backend before the client's bytes.
     #[arg(long, value_name = "v1|v2")]
@@ -35,6 +64,11 @@ pub struct ProxyArgs {
     /// Seconds to wait for a backend to accept a connection before trying the next.
     #[arg(long, default_value_t = 5)]
     pub connect_timeout: u64,
+    /// Connections open to one backend at most, across workers, idle keep-alive ones
+    /// included (0: no limit). A backend at its limit is passed over; when all are, the
+    /// client gets 503 (HTTP mode) or is closed (TCP mode).
+    #[arg(long, default_value_t = 0)]
+    pub backend_max_connections: usize,
     /// Seconds a backend that refused or timed out is left out of the rotation (0: never).
     #[arg(long, default_value_t = 10)]
     pub backend_down_time: u64,
@@ -44,6 +78,21 @@ pub struct ProxyArgs {
     pub buffer: u32,
     #[command(flatten)]
     pub server: ServerArgs,
+}
+
+/// What the proxy forwards.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Tcp,
+    Http,
+}
+
+/// `--forwarded`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForwardedArg {
+    Replace,
+    Append,
+    Off,
 }
 
 /// Where a proxy forwards a connection.
@@ -115,6 +164,8 @@ pub struct ProxyStats {
     backend_connect_failures: AtomicU64,
     /// Connections closed because no backend would take them.
     no_backend: AtomicU64,
+    /// Backends passed over at their --backend-max-connections.
+    backend_full: AtomicU64,
     /// Connections ended by an error on the client's side (a reset, a bad record).
     client_errors: AtomicU64,
     /// Connections ended by an error on the backend's side (a reset).
@@ -123,56 +174,31 @@ pub struct ProxyStats {
     idle_timeouts: AtomicU64,
     bytes_to_backend_copied: AtomicU64,
     bytes_to_client_copied: AtomicU64,
-}
-
-/// One site's backends, in rotation, with what passive health checking learnt.
-struct Pool {
-    backends: Vec<Backend>,
-    next: AtomicUsize,
-    /// By backend: left out of the rotation until then.
-    down_until: Vec<Mutex<Option<Instant>>>,
-}
-
-impl Pool {
-    fn new(backends: Vec<Backend>) -> Self {
-        let down_until = backends.iter().map(|_| Mutex::new(None)).collect();
-        Self {
-            backends,
-            next: AtomicUsize::new(0),
-            down_until,
-        }
-    }
-
-    fn is_down(&self, i: usize, now: Instant) -> bool {
-        let g = self.down_until[i].lock().unwrap_or_else(|e| e.into_inner());
-        g.is_some_and(|until| until > now)
-    }
-
-    fn mark_down(&self, i: usize, for_: Duration) {
-        if for_.is_zero() {
-            return;
-        }
-        *self.down_until[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + for_);
-    }
-
-    /// The order to try backends in for one connection: from the next in rotation, those up
-    /// first, then those marked down (a last resort rather than no service at all).
-    fn order(&self) -> Vec<usize> {
-        let n = self.backends.len();
-        let start = self.next.fetch_add(1, Relaxed);
-        let now = Instant::now();
-        let (mut up, down): (Vec<usize>, Vec<usize>) = (0..n)
-            .map(|k| (start + k) % n)
-            .partition(|&i| !self.is_down(i, now));
-        up.extend(down);
-        up
-    }
+    bytes_to_backend_spliced: AtomicU64,
+    bytes_to_client_spliced: AtomicU64,
+    /// HTTP mode: requests read from clients.
+    http_requests: AtomicU64,
+    /// HTTP mode: requests the proxy answered itself with a 4xx (malformed, smuggling
+    /// attempts, misdirected, timed out).
+    http_refused: AtomicU64,
+    /// HTTP mode: 502 answers (backend failed or sent no valid response).
+    http_502: AtomicU64,
+    /// HTTP mode: 504 answers (no response within --backend-timeout).
+    http_504: AtomicU64,
+    /// HTTP mode: requests sent on a kept-alive backend connection.
+    backend_reused: AtomicU64,
+    /// HTTP mode: requests sent again on a new connection after a reused one was closed.
+    backend_retries: AtomicU64,
+    /// HTTP mode: connections switched to TCP mode by `101 Switching Protocols`.
+    upgrades: AtomicU64,
 }
 
 /// The `proxy` product under one configuration.
 pub struct Proxy {
     /// By site number.
     pools: Vec<Pool>,
+    names: Arc<tlsplane::sites::SiteNames>,
+    forwarded: tlsplane_http::forward::ForwardedPolicy,
     args: ProxyArgs,
     stats: Arc<ProxyStats>,
 }
@@ -203,6 +229,11 @@ impl Product for Proxy {
         stats: &Arc<ProxyStats>,
         _runtime: &Arc<RuntimeStats>,
     ) -> anyhow::Result<Self> {
+        if args.mode == Mode::Http && args.proxy_protocol.is_some() {
+            // Backend connections are reused across clients in HTTP mode: a PROXY header
+            // names one client per connection. Forwarded / X-Forwarded-For name each.
+            anyhow::bail!("--proxy-protocol is for --mode tcp; HTTP mode sends the client address in Forwarded and X-Forwarded-For");
+        }
         let pools = sites
             .serve
             .into_iter()
@@ -211,8 +242,15 @@ impl Product for Proxy {
                 Origin::Root(_) => Err(anyhow::anyhow!("site {}: no backends", s.label)),
             })
             .collect::<anyhow::Result<_>>()?;
+        use tlsplane_http::forward::ForwardedPolicy;
         Ok(Self {
             pools,
+            names: sites.names,
+            forwarded: match args.forwarded {
+                ForwardedArg::Replace => ForwardedPolicy::Replace,
+                ForwardedArg::Append => ForwardedPolicy::Append,
+                ForwardedArg::Off => ForwardedPolicy::Off,
+            },
             args: args.clone(),
             stats: stats.clone(),
         })
@@ -233,6 +271,7 @@ impl Product for Proxy {
                 p.backend_connect_failures.load(Relaxed),
             ),
             ("proxy_no_backend", p.no_backend.load(Relaxed)),
+            ("proxy_backend_full", p.backend_full.load(Relaxed)),
             ("proxy_client_errors", p.client_errors.load(Relaxed)),
             ("proxy_backend_errors", p.backend_errors.load(Relaxed)),
             ("proxy_idle_timeouts", p.idle_timeouts.load(Relaxed)),
@@ -244,6 +283,21 @@ impl Product for Proxy {
                 "proxy_bytes_to_client_copied",
                 p.bytes_to_client_copied.load(Relaxed),
             ),
+            (
+                "proxy_bytes_to_backend_spliced",
+                p.bytes_to_backend_spliced.load(Relaxed),
+            ),
+            (
+                "proxy_bytes_to_client_spliced",
+                p.bytes_to_client_spliced.load(Relaxed),
+            ),
+            ("proxy_http_requests", p.http_requests.load(Relaxed)),
+            ("proxy_http_refused", p.http_refused.load(Relaxed)),
+            ("proxy_http_502", p.http_502.load(Relaxed)),
+            ("proxy_http_504", p.http_504.load(Relaxed)),
+            ("proxy_backend_reused", p.backend_reused.load(Relaxed)),
+            ("proxy_backend_retries", p.backend_retries.load(Relaxed)),
+            ("proxy_upgrades", p.upgrades.load(Relaxed)),
         ]
     }
 
@@ -256,7 +310,11 @@ impl Product for Proxy {
         }
         all.dedup();
         eprintln!(
-            "proxy: TCP to {}{}",
+            "proxy: {} to {}{}",
+            match args.mode {
+                Mode::Tcp => "TCP",
+                Mode::Http => "HTTP/1.1",
+            },
             all.join(", "),
             match args.proxy_protocol {
                 Some(v) => format!(" (PROXY protocol {v:?})"),
@@ -274,7 +332,7 @@ impl Handler for Proxy {
         tls: TlsStream,
         peer: SocketAddr,
         phase: Phase<()>,
-        _ctx: ConnContext,
+        mut ctx: ConnContext,
     ) -> Served<()> {
         if let Phase::Handshake = phase {
             // Connecting to a backend and relaying are waits: off the handshake loop.
@@ -282,7 +340,13 @@ impl Handler for Proxy {
         }
         self.stats.connections.fetch_add(1, Relaxed);
         let started = Instant::now();
-        let outcome = self.forward(tls, peer).await;
+        let outcome = match self.args.mode {
+            Mode::Tcp => self.forward(tls, peer).await,
+            Mode::Http => {
+                let mut tls = tls;
+                http::serve(&self, &mut tls, peer, &mut ctx).await
+            }
+        };
         if self.args.server.access_log {
             tracing::info!(%peer, outcome = ?outcome, secs = started.elapsed().as_secs_f64(), "proxied");
         }
@@ -290,9 +354,18 @@ impl Handler for Proxy {
     }
 }
 
+/// Why no backend took a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Unavailable {
+    /// None could be connected to.
+    Down,
+    /// Some were at --backend-max-connections (and the others down).
+    Full,
+}
+
 /// How a proxied connection ended.
 #[derive(Debug)]
-enum Ended {
+pub(super) enum Ended {
     /// Both directions reached their end.
     Closed,
     NoBackend,
@@ -301,116 +374,73 @@ enum Ended {
     IdleTimeout,
 }
 
-/// What the client → backend half of the relay did.
-enum Up {
-    Read(std::io::Result<usize>),
-    Wrote(std::io::Result<usize>),
-}
-
-/// A connected backend, whichever kind.
-enum BackendConn {
-    Tcp(tokio::net::TcpStream),
-    Unix(tokio::net::UnixStream),
-}
-
-impl BackendConn {
-    /// Makes the close that follows a reset (the client reset: the backend must not take
-    /// the truncated stream for a complete one).
-    fn reset_on_close(&self) {
-        let r = match self {
-            BackendConn::Tcp(s) => socket2::SockRef::from(s).set_linger(Some(Duration::ZERO)),
-            // A Unix stream has no reset; its close is an EOF.
-            BackendConn::Unix(_) => Ok(()),
-        };
-        if let Err(e) = r {
-            tracing::debug!(error = %e, "SO_LINGER on the backend socket failed");
-        }
-    }
-}
-
-impl AsyncRead for BackendConn {
-    fn poll_read(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            BackendConn::Tcp(s) => std::pin::Pin::new(s).poll_read(cx, buf),
-            BackendConn::Unix(s) => std::pin::Pin::new(s).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for BackendConn {
-    fn poll_write(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            BackendConn::Tcp(s) => std::pin::Pin::new(s).poll_write(cx, buf),
-            BackendConn::Unix(s) => std::pin::Pin::new(s).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_flush(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            BackendConn::Tcp(s) => std::pin::Pin::new(s).poll_flush(cx),
-            BackendConn::Unix(s) => std::pin::Pin::new(s).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            BackendConn::Tcp(s) => std::pin::Pin::new(s).poll_shutdown(cx),
-            BackendConn::Unix(s) => std::pin::Pin::new(s).poll_shutdown(cx),
-        }
-    }
-}
-
 impl Proxy {
-    async fn connect(&self, site: usize) -> Option<(BackendConn, &Backend)> {
+    /// One attempt to connect to backend `i` of `site`; a failure marks it down.
+    async fn connect_to(&self, site: usize, i: usize, slot: backend::Slot) -> Option<BackendConn> {
         let pool = &self.pools[site];
+        let backend = &pool.backends[i];
         let timeout = Duration::from_secs(self.args.connect_timeout.max(1));
+        let attempt = async {
+            match backend {
+                Backend::Tcp(addr) => {
+                    let s = tokio::net::TcpStream::connect(addr.as_str()).await?;
+                    s.set_nodelay(true)?;
+                    Ok::<_, std::io::Error>(Io::Tcp(s))
+                }
+                Backend::Unix(p) => Ok(Io::Unix(tokio::net::UnixStream::connect(p).await?)),
+            }
+        };
+        match tokio::time::timeout(timeout, attempt).await {
+            Ok(Ok(io)) => return Some(BackendConn::new(io, slot)),
+            Ok(Err(e)) => {
+                tracing::warn!(%backend, error = %e, "backend connect failed; trying the next");
+            }
+            Err(_) => {
+                tracing::warn!(%backend, "backend connect timed out; trying the next");
+            }
+        }
+        self.stats.backend_connect_failures.fetch_add(1, Relaxed);
+        pool.mark_down(i, Duration::from_secs(self.args.backend_down_time));
+        None
+    }
+
+    /// A connection to one of `site`'s backends, in rotation: with `reuse`, an idle
+    /// keep-alive one when this thread holds one for the backend whose turn it is. Returns
+    /// the backend's number and whether the connection was reused.
+    async fn backend_for(
+        &self,
+        site: usize,
+        reuse: bool,
+    ) -> Result<(BackendConn, usize, bool), Unavailable> {
+        let pool = &self.pools[site];
+        let max_idle = Duration::from_secs(self.args.backend_idle_timeout);
+        let mut full = false;
         for i in pool.order() {
-            let backend = &pool.backends[i];
-            let attempt = async {
-                match backend {
-                    Backend::Tcp(addr) => {
-                        let s = tokio::net::TcpStream::connect(addr.as_str()).await?;
-                        s.set_nodelay(true)?;
-                        Ok::<_, std::io::Error>(BackendConn::Tcp(s))
-                    }
-                    Backend::Unix(p) => {
-                        Ok(BackendConn::Unix(tokio::net::UnixStream::connect(p).await?))
-                    }
-                }
-            };
-            match tokio::time::timeout(timeout, attempt).await {
-                Ok(Ok(io)) => return Some((io, backend)),
-                Ok(Err(e)) => {
-                    tracing::warn!(%backend, error = %e, "backend connect failed; trying the next");
-                }
-                Err(_) => {
-                    tracing::warn!(%backend, "backend connect timed out; trying the next");
+            if reuse {
+                if let Some(conn) = pool.take_idle(i, max_idle) {
+                    return Ok((conn, i, true));
                 }
             }
-            self.stats.backend_connect_failures.fetch_add(1, Relaxed);
-            pool.mark_down(i, Duration::from_secs(self.args.backend_down_time));
+            let Some(slot) = pool.slot(i, self.args.backend_max_connections) else {
+                self.stats.backend_full.fetch_add(1, Relaxed);
+                full = true;
+                continue;
+            };
+            if let Some(conn) = self.connect_to(site, i, slot).await {
+                return Ok((conn, i, false));
+            }
         }
-        None
+        Err(if full {
+            Unavailable::Full
+        } else {
+            Unavailable::Down
+        })
     }
 
     /// (In-flight connections during a shutdown go on until the shutdown grace ends them.)
     async fn forward(&self, mut tls: TlsStream, peer: SocketAddr) -> Ended {
         let site = tls.info().site;
-        let Some((mut backend, _which)) = self.connect(site).await else {
+        let Ok((backend, _, _)) = self.backend_for(site, false).await else {
             self.stats.no_backend.fetch_add(1, Relaxed);
             // Nothing was forwarded: tell the client the service is not there rather than
             // leave it waiting (close_notify, then FIN).
@@ -440,14 +470,33 @@ impl Proxy {
                 return Ended::BackendError;
             }
         }
+        // The kernel plane moves bytes by splice when pipes can be had (they cost two
+        // descriptors each: at the fd limit, copying still works).
+        let pipes = if tls.can_splice() {
+            match Pipes::new() {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    tracing::debug!(error = %e, "no pipes for splice; copying instead");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let ended = relay(
             &mut tls,
-            &mut backend,
+            &backend,
+            pipes.as_ref(),
             self.args.buffer as usize,
             Duration::from_secs(self.args.server.idle_timeout),
             &self.stats,
         )
         .await;
+        self.settle(ended, &mut tls, &backend).await
+    }
+
+    /// Counts how a relay ended and passes a reset on to the other side.
+    async fn settle(&self, ended: Ended, tls: &mut TlsStream, backend: &BackendConn) -> Ended {
         match ended {
             Ended::ClientError => {
                 self.stats.client_errors.fetch_add(1, Relaxed);
@@ -455,7 +504,7 @@ impl Proxy {
             }
             Ended::BackendError => {
                 self.stats.backend_errors.fetch_add(1, Relaxed);
-                reset(&tls);
+                reset(tls);
             }
             Ended::IdleTimeout => {
                 self.stats.idle_timeouts.fetch_add(1, Relaxed);
@@ -471,109 +520,4 @@ impl Proxy {
 /// not mistake the truncated stream for a complete one).
 fn reset(tls: &TlsStream) {
     let _ = socket2::SockRef::from(tls.tcp()).set_linger(Some(Duration::ZERO));
-}
-
-/// Moves bytes both ways until both directions have ended (or one side fails).
-///
-/// The TLS stream is one object (its record layer serves both directions), so its reads and
-/// writes take turns; the backend's are independent. A read from the client is cancelled
-/// (it is cancel-safe) when the backend has something for the client; a write to the client is
-/// never cancelled, and while it waits (a client not reading) the proxy stops reading from
-/// that client too (backpressure) but goes on writing what it holds to the backend.
-async fn relay<B: AsyncRead + AsyncWrite + Unpin + ?Sized>(
-    tls: &mut TlsStream,
-    backend: &mut B,
-    buffer: usize,
-    idle: Duration,
-    stats: &ProxyStats,
-) -> Ended {
-    let (mut backend_r, mut backend_w) = tokio::io::split(backend);
-    // Client → backend: bytes read from the client not yet written to the backend.
-    let mut up = vec![0u8; buffer];
-    let (mut up_at, mut up_len) = (0usize, 0usize);
-    let mut client_done = false; // the client will send nothing more
-    let mut backend_shut = false; // ... and the backend was told so
-                                  // Backend → client.
-    let mut down = vec![0u8; buffer];
-    let mut backend_done = false;
-    let mut client_shut = false;
-    let mut deadline = tokio::time::Instant::now() + idle;
-    loop {
-        if client_done && up_at == up_len && !backend_shut {
-            backend_shut = true;
-            if backend_w.shutdown().await.is_err() {
-                return Ended::BackendError;
-            }
-        }
-        if backend_shut && backend_done {
-            if !client_shut {
-                let _ = tls.shutdown().await;
-            }
-            return Ended::Closed;
-        }
-        if backend_done && !client_shut {
-            client_shut = true;
-            if tls.shutdown().await.is_err() {
-                return Ended::ClientError;
-            }
-        }
-        // Client → backend is one of: read from the client (nothing held), or write what is
-        // held to the backend; one future, since both use the same buffer.
-        let up_op = async {
-            if up_at < up_len {
-                Up::Wrote(backend_w.write(&up[up_at..up_len]).await)
-            } else if !client_done {
-                Up::Read(tls.read(&mut up).await)
-            } else {
-                std::future::pending().await
-            }
-        };
-        tokio::select! {
-            up_done = up_op => match up_done {
-                Up::Read(Ok(0)) => client_done = true,
-                Up::Read(Ok(n)) => {
-                    (up_at, up_len) = (0, n);
-                    deadline = tokio::time::Instant::now() + idle;
-                }
-                Up::Read(Err(_)) => return Ended::ClientError,
-                Up::Wrote(Ok(0) | Err(_)) => return Ended::BackendError,
-                Up::Wrote(Ok(n)) => {
-                    up_at += n;
-                    stats.bytes_to_backend_copied.fetch_add(n as u64, Relaxed);
-                    deadline = tokio::time::Instant::now() + idle;
-                }
-            },
-            r = backend_r.read(&mut down), if !backend_done => match r {
-                Ok(0) => backend_done = true,
-                Ok(n) => {
-                    deadline = tokio::time::Instant::now() + idle;
-                    // Write it all to the client; meanwhile keep the backend fed.
-                    let mut write = std::pin::pin!(tls.write_all(&down[..n]));
-                    loop {
-                        tokio::select! {
-                            w = &mut write => {
-                                if w.is_err() {
-                                    return Ended::ClientError;
-                                }
-                                break;
-                            }
-                            r = backend_w.write(&up[up_at..up_len]), if up_at < up_len => match r {
-                                Ok(0) | Err(_) => return Ended::BackendError,
-                                Ok(m) => {
-                                    up_at += m;
-                                    stats.bytes_to_backend_copied.fetch_add(m as u64, Relaxed);
-                                    deadline = tokio::time::Instant::now() + idle;
-                                }
-                            },
-                            _ = tokio::time::sleep_until(deadline) => return Ended::IdleTimeout,
-                        }
-                    }
-                    stats.bytes_to_client_copied.fetch_add(n as u64, Relaxed);
-                    deadline = tokio::time::Instant::now() + idle;
-                }
-                Err(_) => return Ended::BackendError,
-            },
-            _ = tokio::time::sleep_until(deadline) => return Ended::IdleTimeout,
-        }
-    }
 }

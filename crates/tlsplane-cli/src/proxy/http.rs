@@ -1,0 +1,615 @@
+//! HTTP mode (`--mode http`): an HTTP/1.1 reverse proxy.
+//!
+//! One request at a time per client connection (pipelined requests wait in the client's
+//! buffer): its head is parsed and written again for the backend (`tlsplane_http::forward`),
+//! its body moved as it comes, framed but unread; then the response the same way. Backend
+//! connections are kept alive between requests in a per-thread idle list. A request that
+//! asks for `Upgrade` and gets `101` turns the connection into a TCP-mode relay.
+//!
+//! Failures answer with a status when nothing of the response has reached the client yet: 502
+//! when the backend fails or answers with something that is not HTTP/1, 504 when it does not
+//! answer within --backend-timeout. Once the response has begun, a backend failure resets the
+//! client's connection, so a truncated body is never taken for a whole one.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use tlsplane::TlsStream;
+use tlsplane_http::forward::{self, BodyFraming, Framing, Head, Origin, RequestHead, ResponseHead};
+use tlsplane_http::{error_response, Body, Limits};
+use tokio::time::{timeout, timeout_at, Instant};
+
+use super::backend::BackendConn;
+use super::tcp::relay;
+use super::{reset, Ended, Proxy, Unavailable};
+use crate::runtime::ConnContext;
+
+/// Largest response head accepted from a backend.
+const MAX_RESPONSE_HEAD: usize = 65536;
+const MAX_RESPONSE_FIELDS: usize = 128;
+
+/// Bytes read from one side and not yet used: `data[start..end]`.
+struct Buf {
+    data: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl Buf {
+    fn new(capacity: usize) -> Self {
+        Self {
+            data: vec![0; capacity],
+            start: 0,
+            end: 0,
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.data[self.start..self.end]
+    }
+
+    fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.start += n;
+        if self.start >= self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+
+    fn clear(&mut self) {
+        self.start = 0;
+        self.end = 0;
+    }
+
+    /// Room to read into; the held bytes move to the front when the tail is full.
+    fn spare(&mut self) -> &mut [u8] {
+        if self.end == self.data.len() && self.start > 0 {
+            self.data.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        &mut self.data[self.end..]
+    }
+
+    fn filled(&mut self, n: usize) {
+        self.end += n;
+    }
+}
+
+/// Why an exchange with the backend stopped.
+enum Fail {
+    /// The backend connection failed before any byte of the response: worth one retry on a
+    /// new connection when it was a reused one.
+    Stale,
+    /// The backend failed or sent what is not an HTTP/1 response, before the response
+    /// began (502).
+    BadGateway(String),
+    /// No response head within --backend-timeout (504).
+    Timeout,
+    /// The client failed, went away or sent a broken body: nothing more to say to it.
+    Client,
+    /// The client's request body is malformed (400 if nothing was answered yet).
+    BadBody,
+    /// The backend failed after the response began: the client is reset.
+    Midway(String),
+}
+
+/// How the client's connection goes on after one request.
+enum Next {
+    /// Read the next request.
+    KeepAlive,
+    /// The connection has ended this way.
+    End(Ended),
+}
+
+/// Serves requests on one established client connection until it ends.
+pub(super) async fn serve(
+    proxy: &Proxy,
+    tls: &mut TlsStream,
+    peer: SocketAddr,
+    ctx: &mut ConnContext,
+) -> Ended {
+    let capacity = (proxy.args.buffer as usize).max(Limits::default().max_head_bytes);
+    let mut client = Buf::new(capacity);
+    let mut backend = Buf::new(capacity.max(MAX_RESPONSE_HEAD));
+    loop {
+        let request = match read_request(proxy, tls, &mut client, ctx).await {
+            Ok(r) => r,
+            Err(ended) => return ended,
+        };
+        proxy.stats.http_requests.fetch_add(1, Relaxed);
+        match exchange(proxy, tls, peer, &request, &mut client, &mut backend, ctx).await {
+            Next::KeepAlive => {}
+            Next::End(ended) => return ended,
+        }
+    }
+}
+
+/// Reads the next request head: waits idle for its first byte (the wait a full server may
+/// end to make room), then at most --header-timeout for the rest.
+async fn read_request(
+    proxy: &Proxy,
+    tls: &mut TlsStream,
+    client: &mut Buf,
+    ctx: &mut ConnContext,
+) -> Result<RequestHead, Ended> {
+    let limits = Limits::default();
+    let mut deadline: Option<(bool, Instant)> = None;
+    loop {
+        match forward::parse_request_head(client.bytes(), &limits, proxy.forwarded) {
+            Ok(Head::Complete(request, len)) => {
+                client.consume(len);
+                return Ok(request);
+            }
+            Ok(Head::Incomplete) => {}
+            Err(e) => {
+                if proxy.args.server.access_log {
+                    tracing::info!(status = e.status(), error = %e, "bad request");
+                }
+                proxy.stats.http_refused.fetch_add(1, Relaxed);
+                let _ = answer(tls, e.status(), false).await;
+                return Err(Ended::ClientError);
+            }
+        }
+        let in_head = !client.is_empty();
+        if *ctx.stop.borrow() && !in_head {
+            let _ = tls.shutdown().await;
+            return Err(Ended::Closed);
+        }
+        let until = match deadline {
+            Some((phase, at)) if phase == in_head => at,
+            _ => {
+                let secs = if in_head {
+                    proxy.args.header_timeout
+                } else {
+                    proxy.args.server.idle_timeout
+                };
+                let at = Instant::now() + Duration::from_secs(secs);
+                deadline = Some((in_head, at));
+                at
+            }
+        };
+        let (stop, idle) = (&mut ctx.stop, &ctx.idle);
+        let read = timeout_at(until, tls.read(client.spare()));
+        let read = if in_head {
+            Some(read.await)
+        } else {
+            tokio::select! {
+                r = idle.wait(read) => r,
+                _ = stop.changed() => None,
+            }
+        };
+        match read {
+            // Evicted to make room, or shutting down: close between requests.
+            None => {
+                let _ = tls.shutdown().await;
+                return Err(Ended::Closed);
+            }
+            Some(Ok(Ok(0))) => {
+                if in_head {
+                    return Err(Ended::ClientError);
+                }
+                let _ = tls.shutdown().await;
+                return Err(Ended::Closed);
+            }
+            Some(Ok(Ok(n))) => client.filled(n),
+            Some(Ok(Err(_))) => return Err(Ended::ClientError),
+            Some(Err(_)) if in_head => {
+                proxy.stats.http_refused.fetch_add(1, Relaxed);
+                let _ = answer(tls, 408, false).await;
+                return Err(Ended::ClientError);
+            }
+            Some(Err(_)) => {
+                proxy.stats.idle_timeouts.fetch_add(1, Relaxed);
+                let _ = tls.shutdown().await;
+                return Err(Ended::IdleTimeout);
+            }
+        }
+    }
+}
+
+/// Sends a response the proxy makes itself (an error), then closes unless `keep_alive`.
+async fn answer(tls: &mut TlsStream, status: u16, keep_alive: bool) -> std::io::Result<()> {
+    let r = error_response(status, keep_alive);
+    let mut out = r.head;
+    if let Body::Bytes(b) = r.body {
+        out.extend_from_slice(&b);
+    }
+    tls.write_all(&out).await?;
+    if !keep_alive {
+        tls.shutdown().await?;
+    }
+    Ok(())
+}
+
+/// Forwards one request and its response.
+async fn exchange(
+    proxy: &Proxy,
+    tls: &mut TlsStream,
+    peer: SocketAddr,
+    request: &RequestHead,
+    client: &mut Buf,
+    backend: &mut Buf,
+    ctx: &ConnContext,
+) -> Next {
+    let site = tls.info().site;
+    let keep_alive = request.keep_alive && !*ctx.stop.borrow();
+    let has_body = request.framing != Framing::Empty;
+    let log = |status: u16, backend: &str| {
+        if proxy.args.server.access_log {
+            tracing::info!(%peer, method = %request.method, target = %request.target, status, backend, "proxied");
+        }
+    };
+    let misdirected = request.host.as_deref().is_some_and(|h| {
+        let name = host_name(h);
+        proxy.names.lookup(name) != Some(site)
+    });
+    if misdirected {
+        // The Host belongs to another site than the one the TLS connection was set up for
+        // (RFC 9110 §15.5.20). The body, if any, was not read: close after.
+        proxy.stats.http_refused.fetch_add(1, Relaxed);
+        log(421, "-");
+        return match answer(tls, 421, keep_alive && !has_body).await {
+            Ok(()) if keep_alive && !has_body => Next::KeepAlive,
+            _ => Next::End(Ended::Closed),
+        };
+    }
+    if request.expect_continue && has_body {
+        // The proxy answers the expectation itself (and does not forward it): the body is
+        // read now whatever the backend would have said.
+        if tls
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .await
+            .is_err()
+        {
+            return Next::End(Ended::ClientError);
+        }
+    }
+    let mut head = Vec::with_capacity(1024);
+    let origin = Origin {
+        client: peer.ip(),
+        proto: "https",
+    };
+    request.encode(origin, proxy.forwarded, &mut head);
+    let mut retried = false;
+    let fail = loop {
+        let (conn, which, reused) = match proxy.backend_for(site, !retried).await {
+            Ok(c) => c,
+            Err(why) => {
+                proxy.stats.no_backend.fetch_add(1, Relaxed);
+                // 503 when backends are at their connection limit (try again later), 502
+                // when none could be reached.
+                let status = match why {
+                    Unavailable::Full => 503,
+                    Unavailable::Down => {
+                        proxy.stats.http_502.fetch_add(1, Relaxed);
+                        502
+                    }
+                };
+                log(status, "-");
+                // Nothing of the body was read: the connection can go on only without one.
+                let keep = keep_alive && !has_body;
+                return match answer(tls, status, keep).await {
+                    Ok(()) if keep => Next::KeepAlive,
+                    _ => Next::End(Ended::NoBackend),
+                };
+            }
+        };
+        proxy.stats.forwarded.fetch_add(1, Relaxed);
+        if reused {
+            proxy.stats.backend_reused.fetch_add(1, Relaxed);
+        }
+        backend.clear();
+        let label = proxy.pools[site].backends[which].to_string();
+        match forward_one(
+            proxy, tls, request, &head, client, backend, &conn, keep_alive,
+        )
+        .await
+        {
+            Ok(Forwarded::Done {
+                status,
+                reusable,
+                keep,
+            }) => {
+                log(status, &label);
+                if reusable {
+                    proxy.pools[site].put_idle(
+                        which,
+                        conn,
+                        proxy.args.backend_keepalive,
+                        Duration::from_secs(proxy.args.backend_idle_timeout),
+                    );
+                }
+                if keep {
+                    return Next::KeepAlive;
+                }
+                let _ = tls.shutdown().await;
+                return Next::End(Ended::Closed);
+            }
+            Ok(Forwarded::Upgraded(status)) => {
+                log(status, &label);
+                proxy.stats.upgrades.fetch_add(1, Relaxed);
+                return Next::End(tunnel(proxy, tls, client, backend, &conn).await);
+            }
+            Err(Fail::Stale) if reused && !retried && request.is_retryable() => {
+                // The backend closed an idle connection as we reused it: once more on a new one.
+                proxy.stats.backend_retries.fetch_add(1, Relaxed);
+                retried = true;
+            }
+            Err(Fail::Stale) => {
+                break Fail::BadGateway(format!("{label}: closed before a response"))
+            }
+            Err(Fail::Timeout) => {
+                proxy.pools[site]
+                    .mark_down(which, Duration::from_secs(proxy.args.backend_down_time));
+                log(504, &label);
+                break Fail::Timeout;
+            }
+            Err(Fail::BadGateway(why)) => break Fail::BadGateway(format!("{label}: {why}")),
+            Err(Fail::Midway(why)) => {
+                conn.reset_on_close();
+                break Fail::Midway(format!("{label}: {why}"));
+            }
+            Err(other) => {
+                // The client's side failed: the backend must not take what it got for a
+                // whole request.
+                conn.reset_on_close();
+                break other;
+            }
+        }
+    };
+    match fail {
+        Fail::BadGateway(why) => {
+            tracing::warn!(%peer, error = %why, "bad gateway");
+            proxy.stats.backend_errors.fetch_add(1, Relaxed);
+            proxy.stats.http_502.fetch_add(1, Relaxed);
+            log(502, "-");
+            let _ = answer(tls, 502, false).await;
+            Next::End(Ended::BackendError)
+        }
+        Fail::Timeout => {
+            proxy.stats.http_504.fetch_add(1, Relaxed);
+            let _ = answer(tls, 504, false).await;
+            Next::End(Ended::BackendError)
+        }
+        Fail::BadBody => {
+            proxy.stats.http_refused.fetch_add(1, Relaxed);
+            log(400, "-");
+            let _ = answer(tls, 400, false).await;
+            Next::End(Ended::ClientError)
+        }
+        Fail::Midway(why) => {
+            tracing::warn!(%peer, error = %why, "backend failed in the middle of a response");
+            proxy.stats.backend_errors.fetch_add(1, Relaxed);
+            reset(tls);
+            Next::End(Ended::BackendError)
+        }
+        Fail::Client | Fail::Stale => {
+            proxy.stats.client_errors.fetch_add(1, Relaxed);
+            Next::End(Ended::ClientError)
+        }
+    }
+}
+
+/// The host name of a `Host` value (no port, no IPv6 brackets).
+fn host_name(host: &str) -> &str {
+    if let Some(rest) = host.strip_prefix('[') {
+        return rest.split_once(']').map_or(rest, |(ip, _)| ip);
+    }
+    match host.rsplit_once(':') {
+        Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => host,
+    }
+}
+
+/// How one forwarded exchange ended.
+enum Forwarded {
+    /// The response went to the client whole. `reusable`: the backend connection may carry
+    /// another request; `keep`: the client's connection goes on.
+    Done {
+        status: u16,
+        reusable: bool,
+        keep: bool,
+    },
+    /// `101`: both sides now speak another protocol.
+    Upgraded(u16),
+}
+
+/// Sends the request (head and body) and relays the response.
+#[allow(clippy::too_many_arguments)]
+async fn forward_one(
+    proxy: &Proxy,
+    tls: &mut TlsStream,
+    request: &RequestHead,
+    head: &[u8],
+    client: &mut Buf,
+    backend: &mut Buf,
+    conn: &BackendConn,
+    keep_alive: bool,
+) -> Result<Forwarded, Fail> {
+    let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
+    let idle = Duration::from_secs(proxy.args.server.idle_timeout);
+    let stats = &proxy.stats;
+
+    // The head, with the body bytes already at hand, in one write.
+    let mut body = BodyFraming::new(request.framing);
+    let n = body.advance(client.bytes()).map_err(|_| Fail::BadBody)?;
+    let mut out = Vec::with_capacity(head.len() + n);
+    out.extend_from_slice(head);
+    out.extend_from_slice(&client.bytes()[..n]);
+    client.consume(n);
+    match timeout(backend_timeout, conn.write_all(&out)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => return Err(Fail::Stale),
+        Err(_) => return Err(Fail::Timeout),
+    }
+    stats
+        .bytes_to_backend_copied
+        .fetch_add(out.len() as u64, Relaxed);
+    drop(out);
+    while !body.is_done() {
+        match timeout(idle, tls.read(client.spare())).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Err(Fail::Client),
+            Ok(Ok(n)) => client.filled(n),
+        }
+        let n = body.advance(client.bytes()).map_err(|_| Fail::BadBody)?;
+        match timeout(backend_timeout, conn.write_all(&client.bytes()[..n])).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(Fail::BadGateway(format!("writing the request body: {e}"))),
+            Err(_) => return Err(Fail::Timeout),
+        }
+        stats.bytes_to_backend_copied.fetch_add(n as u64, Relaxed);
+        client.consume(n);
+    }
+
+    // The response head, after any interim ones.
+    let response = loop {
+        let response = read_response_head(conn, backend, request, backend_timeout).await?;
+        if !response.is_interim() {
+            break response;
+        }
+        // 100 Continue was the proxy's to send; others (103 Early Hints) go to 1.1 clients.
+        if response.status != 100 && request.minor_version == 1 {
+            let mut out = Vec::new();
+            response.encode(1, true, &mut out);
+            tls.write_all(&out).await.map_err(|_| Fail::Client)?;
+        }
+    };
+    if response.status == 101 {
+        if request.upgrade.is_none() {
+            return Err(Fail::BadGateway(
+                "101 to a request that asked for no upgrade".into(),
+            ));
+        }
+        let mut out = Vec::new();
+        response.encode(1, true, &mut out);
+        tls.write_all(&out).await.map_err(|_| Fail::Client)?;
+        return Ok(Forwarded::Upgraded(101));
+    }
+    let keep = keep_alive && response.framing != Framing::UntilClose;
+    relay_response(proxy, tls, &response, backend, conn, keep, backend_timeout).await?;
+    Ok(Forwarded::Done {
+        status: response.status,
+        reusable: response.keep_alive
+            && response.framing != Framing::UntilClose
+            && backend.is_empty(),
+        keep,
+    })
+}
+
+async fn read_response_head(
+    conn: &BackendConn,
+    backend: &mut Buf,
+    request: &RequestHead,
+    wait: Duration,
+) -> Result<ResponseHead, Fail> {
+    let until = Instant::now() + wait;
+    let mut any = !backend.is_empty();
+    loop {
+        match forward::parse_response_head(
+            backend.bytes(),
+            request,
+            MAX_RESPONSE_HEAD,
+            MAX_RESPONSE_FIELDS,
+        ) {
+            Ok(Head::Complete(response, len)) => {
+                backend.consume(len);
+                return Ok(response);
+            }
+            Ok(Head::Incomplete) => {}
+            Err(e) => return Err(Fail::BadGateway(e.to_string())),
+        }
+        match timeout_at(until, conn.read(backend.spare())).await {
+            Err(_) => return Err(Fail::Timeout),
+            Ok(Ok(0)) | Ok(Err(_)) if !any => return Err(Fail::Stale),
+            Ok(Ok(0)) => return Err(Fail::BadGateway("closed within the response head".into())),
+            Ok(Err(e)) => return Err(Fail::BadGateway(e.to_string())),
+            Ok(Ok(n)) => {
+                any = true;
+                backend.filled(n);
+            }
+        }
+    }
+}
+
+/// Sends the response head and body to the client as the backend delivers them.
+async fn relay_response(
+    proxy: &Proxy,
+    tls: &mut TlsStream,
+    response: &ResponseHead,
+    backend: &mut Buf,
+    conn: &BackendConn,
+    keep: bool,
+    wait: Duration,
+) -> Result<(), Fail> {
+    let stats = &proxy.stats;
+    let mut body = BodyFraming::new(response.framing);
+    // Nothing has reached the client yet: broken framing here is still a 502.
+    let n = body
+        .advance(backend.bytes())
+        .map_err(|e| Fail::BadGateway(e.to_string()))?;
+    let mut out = Vec::with_capacity(512 + n);
+    response.encode(1, keep, &mut out);
+    out.extend_from_slice(&backend.bytes()[..n]);
+    backend.consume(n);
+    tls.write_all(&out).await.map_err(|_| Fail::Client)?;
+    stats
+        .bytes_to_client_copied
+        .fetch_add(out.len() as u64, Relaxed);
+    drop(out);
+    while !body.is_done() {
+        match timeout(wait, conn.read(backend.spare())).await {
+            Ok(Ok(0)) if body.until_close() => break,
+            Ok(Ok(0)) => return Err(Fail::Midway("closed in the middle of the body".into())),
+            Ok(Ok(n)) => backend.filled(n),
+            Ok(Err(e)) => return Err(Fail::Midway(e.to_string())),
+            Err(_) => return Err(Fail::Midway("timed out in the middle of the body".into())),
+        }
+        let n = body
+            .advance(backend.bytes())
+            .map_err(|e| Fail::Midway(e.to_string()))?;
+        tls.write_all(&backend.bytes()[..n])
+            .await
+            .map_err(|_| Fail::Client)?;
+        stats.bytes_to_client_copied.fetch_add(n as u64, Relaxed);
+        backend.consume(n);
+    }
+    Ok(())
+}
+
+/// After `101 Switching Protocols`: what each side sent past the heads, then TCP mode.
+async fn tunnel(
+    proxy: &Proxy,
+    tls: &mut TlsStream,
+    client: &mut Buf,
+    backend: &mut Buf,
+    conn: &BackendConn,
+) -> Ended {
+    if !backend.is_empty() {
+        if tls.write_all(backend.bytes()).await.is_err() {
+            return Ended::ClientError;
+        }
+        backend.clear();
+    }
+    if !client.is_empty() {
+        if conn.write_all(client.bytes()).await.is_err() {
+            return Ended::BackendError;
+        }
+        client.clear();
+    }
+    let ended = relay(
+        tls,
+        conn,
+        None,
+        proxy.args.buffer as usize,
+        Duration::from_secs(proxy.args.server.idle_timeout),
+        &proxy.stats,
+    )
+    .await;
+    proxy.settle(ended, tls, conn).await
+}
