@@ -234,6 +234,21 @@ fn get_with(port: u16, config: &std::sync::Arc<rustls::ClientConfig>) -> Option<
 
 #[test]
 fn full_and_resumed_handshakes_have_separate_client_rates() {
+    // The budgets refill at 1/s: a run slower than that (emulated guests are) may see a
+    // refill where the limit should fire, so such a run is repeated, up to three times.
+    for attempt in 1..=3 {
+        match separate_client_rates_once() {
+            Ok(()) => return,
+            Err(slow) if attempt < 3 => {
+                eprintln!("attempt {attempt} too slow to judge ({slow:?}); again")
+            }
+            Err(slow) => panic!("three runs too slow to judge the 1/s budgets: {slow:?}"),
+        }
+    }
+}
+
+/// One run; `Err` (how long it took) when it was too slow to judge and an outcome differed.
+fn separate_client_rates_once() -> Result<(), Duration> {
     let server = Server::builder()
         .arg("--client-handshake-rate")
         .arg("1")
@@ -245,27 +260,27 @@ fn full_and_resumed_handshakes_have_separate_client_rates() {
     let port = server.port();
     let started = std::time::Instant::now();
     let config = resuming_client();
-    assert_eq!(
+    let outcomes = [
         get_with(port, &config),
-        Some(false),
-        "the first is a full handshake"
-    );
-    // Resumptions draw on their own budget (burst 2), not on the full handshakes'.
-    assert_eq!(get_with(port, &config), Some(true));
-    assert_eq!(get_with(port, &config), Some(true));
-    assert_eq!(
+        // Resumptions draw on their own budget (burst 2), not on the full handshakes'.
         get_with(port, &config),
-        None,
-        "a 3rd resumption within the burst"
-    );
-    // One full handshake is left of its burst; the next is refused (at its ClientHello: this
-    // client has resumed lately, so it is heard out).
-    assert_eq!(get_with(port, &resuming_client()), Some(false));
-    assert_eq!(get_with(port, &resuming_client()), None);
-    assert!(
-        started.elapsed() < Duration::from_millis(900),
-        "too slow for the budgets to hold still (1/s): {:?}",
-        started.elapsed()
+        get_with(port, &config),
+        // A 3rd resumption within the burst: refused.
+        get_with(port, &config),
+        // One full handshake is left of its burst; the next is refused (at its ClientHello:
+        // this client has resumed lately, so it is heard out).
+        get_with(port, &resuming_client()),
+        get_with(port, &resuming_client()),
+    ];
+    let took = started.elapsed();
+    let want = [Some(false), Some(true), Some(true), None, Some(false), None];
+    if outcomes != want && took >= Duration::from_millis(900) {
+        let _ = server.stop();
+        return Err(took);
+    }
+    assert_eq!(
+        outcomes, want,
+        "full, resumed, resumed, refused resumption, full, refused full ({took:?})"
     );
     assert!(served_from(SECOND, port), "another address was refused");
     let stats = server.stop();
@@ -276,6 +291,7 @@ fn full_and_resumed_handshakes_have_separate_client_rates() {
         stats["handshakes"], 5,
         "refusals must cost no handshake: {stats:?}"
     );
+    Ok(())
 }
 
 #[test]
