@@ -309,6 +309,34 @@ impl TlsStream {
         tlsplane_sys::queued_bytes(std::os::fd::AsFd::as_fd(&self.sock)).map_or(true, |n| n > 0)
     }
 
+    /// Waits until a read would not wait for the peer, holding no buffer meanwhile (a relay
+    /// lends its buffers only to connections with bytes to move). It may return early on the
+    /// kernel plane (readiness there is the socket's); the read that follows then waits.
+    pub async fn readable(&mut self) -> io::Result<()> {
+        loop {
+            if self.input_pending() {
+                return Ok(());
+            }
+            self.sock.readable().await?;
+            if matches!(self.plane, Plane::Kernel(_)) {
+                return Ok(());
+            }
+            // Readiness is kept until an operation meets EAGAIN, so it may be stale: a peek
+            // that would block clears it. A byte (a record is coming) or the end: the read
+            // will see it. An error is returned here: the kernel reports it once, and a read
+            // after this peek would take a reset for a clean end.
+            let probe = self.sock.try_io(tokio::io::Interest::READABLE, || {
+                let mut byte = [std::mem::MaybeUninit::<u8>::uninit()];
+                socket2::SockRef::from(&self.sock).peek(&mut byte)
+            });
+            match probe {
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// The client closed (close_notify) with or right after its Finished: nothing more will
     /// come from it.
     pub fn peer_closed(&self) -> bool {

@@ -149,6 +149,29 @@ impl BackendConn {
         }
     }
 
+    /// Reads into `buf`, sized to `size` only once there is something to read; an empty read
+    /// (EAGAIN) gives the buffer back before waiting.
+    pub(super) async fn read_lent(&self, buf: &mut Vec<u8>, size: usize) -> std::io::Result<usize> {
+        loop {
+            let r = match &self.io {
+                Io::Tcp(s) => {
+                    s.readable().await?;
+                    buf.resize(size, 0);
+                    s.try_read(buf)
+                }
+                Io::Unix(s) => {
+                    s.readable().await?;
+                    buf.resize(size, 0);
+                    s.try_read(buf)
+                }
+            };
+            match r {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => *buf = Vec::new(),
+                r => return r,
+            }
+        }
+    }
+
     pub(super) async fn write(&self, buf: &[u8]) -> std::io::Result<usize> {
         loop {
             let r = match &self.io {

@@ -29,19 +29,39 @@ use crate::runtime::ConnContext;
 const MAX_RESPONSE_HEAD: usize = 65536;
 const MAX_RESPONSE_FIELDS: usize = 128;
 
-/// Bytes read from one side and not yet used: `data[start..end]`.
+/// Bytes read from one side and not yet used: `data[start..end]`. Allocated when bytes
+/// come, grown (to `limit`) when they fill it, given back when empty between requests: an
+/// idle keep-alive connection holds no buffer.
 struct Buf {
     data: Vec<u8>,
     start: usize,
     end: usize,
+    initial: usize,
+    limit: usize,
 }
 
 impl Buf {
-    fn new(capacity: usize) -> Self {
+    fn new(initial: usize, limit: usize) -> Self {
         Self {
-            data: vec![0; capacity],
+            data: Vec::new(),
             start: 0,
             end: 0,
+            initial: initial.min(limit),
+            limit,
+        }
+    }
+
+    /// Gives the memory back if nothing is held.
+    fn release(&mut self) {
+        if self.is_empty() {
+            self.data = Vec::new();
+        }
+    }
+
+    /// Full size, for moving a body.
+    fn grow_to_limit(&mut self) {
+        if self.data.len() < self.limit {
+            self.data.resize(self.limit, 0);
         }
     }
 
@@ -66,12 +86,19 @@ impl Buf {
         self.end = 0;
     }
 
-    /// Room to read into; the held bytes move to the front when the tail is full.
+    /// Room to read into; the held bytes move to the front when the tail is full, and the
+    /// buffer grows when they fill it.
     fn spare(&mut self) -> &mut [u8] {
+        if self.data.is_empty() {
+            self.data.resize(self.initial, 0);
+        }
         if self.end == self.data.len() && self.start > 0 {
             self.data.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
+        }
+        if self.end == self.data.len() && self.data.len() < self.limit {
+            self.data.resize((self.data.len() * 2).min(self.limit), 0);
         }
         &mut self.data[self.end..]
     }
@@ -115,8 +142,8 @@ pub(super) async fn serve(
     ctx: &mut ConnContext,
 ) -> Ended {
     let capacity = (proxy.args.buffer as usize).max(Limits::default().max_head_bytes);
-    let mut client = Buf::new(capacity);
-    let mut backend = Buf::new(capacity.max(MAX_RESPONSE_HEAD));
+    let mut client = Buf::new(2048, capacity);
+    let mut backend = Buf::new(capacity, capacity.max(MAX_RESPONSE_HEAD));
     loop {
         let request = match read_request(proxy, tls, &mut client, ctx).await {
             Ok(r) => r,
@@ -124,7 +151,7 @@ pub(super) async fn serve(
         };
         proxy.stats.http_requests.fetch_add(1, Relaxed);
         match exchange(proxy, tls, peer, &request, &mut client, &mut backend, ctx).await {
-            Next::KeepAlive => {}
+            Next::KeepAlive => backend.release(),
             Next::End(ended) => return ended,
         }
     }
@@ -175,10 +202,15 @@ async fn read_request(
             }
         };
         let (stop, idle) = (&mut ctx.stop, &ctx.idle);
-        let read = timeout_at(until, tls.read(client.spare()));
         let read = if in_head {
-            Some(read.await)
+            Some(timeout_at(until, tls.read(client.spare())).await)
         } else {
+            // Between requests: no buffer until the next one starts to come.
+            client.release();
+            let read = timeout_at(until, async {
+                tls.readable().await?;
+                tls.read(client.spare()).await
+            });
             tokio::select! {
                 r = idle.wait(read) => r,
                 _ = stop.changed() => None,
@@ -452,6 +484,9 @@ async fn forward_one(
         .bytes_to_backend_copied
         .fetch_add(out.len() as u64, Relaxed);
     drop(out);
+    if !body.is_done() {
+        client.grow_to_limit();
+    }
     while !body.is_done() {
         match timeout(idle, tls.read(client.spare())).await {
             Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Err(Fail::Client),

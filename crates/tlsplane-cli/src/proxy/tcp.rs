@@ -96,13 +96,15 @@ pub(super) async fn relay(
     idle: Duration,
     stats: &ProxyStats,
 ) -> Ended {
+    // Buffers are lent to a direction only while bytes move, so an idle connection holds
+    // none (on the kernel plane, pipes carry the bytes: `up` only takes what splice cannot).
     // Client → backend.
-    let mut up = vec![0u8; if pipes.is_some() { 16384 } else { buffer }];
+    let mut up: Vec<u8> = Vec::new();
     let mut up_held = Held::Nothing;
     let mut client_done = false; // the client will send nothing more
     let mut backend_shut = false; // ... and the backend was told so
                                   // Backend → client.
-    let mut down = vec![0u8; if pipes.is_some() { 0 } else { buffer }];
+    let mut down: Vec<u8> = Vec::new();
     let mut backend_done = false;
     let mut client_shut = false;
     let mut deadline = tokio::time::Instant::now() + idle;
@@ -131,14 +133,20 @@ pub(super) async fn relay(
         let up_op = async {
             match (up_held, pipes) {
                 (Held::Nothing, _) if client_done => std::future::pending().await,
-                (Held::Nothing, Some(p)) => Up::Read(
-                    tls.splice_out(p.up.write.as_fd(), p.capacity, &mut up)
-                        .await,
-                ),
-                (Held::Nothing, None) => Up::Read(tls.read(&mut up).await.map(|n| match n {
-                    0 => Spliced::End,
-                    n => Spliced::Buf(n),
-                })),
+                (Held::Nothing, Some(p)) => {
+                    // Control records and what came with the Finished: a few bytes at a time.
+                    up.resize(512, 0);
+                    Up::Read(
+                        tls.splice_out(p.up.write.as_fd(), p.capacity, &mut up)
+                            .await,
+                    )
+                }
+                (Held::Nothing, None) => {
+                    Up::Read(lent_read(tls, &mut up, buffer).await.map(|n| match n {
+                        0 => Spliced::End,
+                        n => Spliced::Buf(n),
+                    }))
+                }
                 (held, _) => {
                     let (r, spliced) = to_backend(backend, held, &up, pipes).await;
                     Up::Wrote(r, spliced)
@@ -152,7 +160,7 @@ pub(super) async fn relay(
                     .await
                     .map(|n| (n, Held::Pipe(n))),
                 None => backend
-                    .read(&mut down)
+                    .read_lent(&mut down, buffer)
                     .await
                     .map(|n| (n, Held::Buf { at: 0, len: n })),
             }
@@ -218,4 +226,15 @@ pub(super) async fn relay(
             _ = tokio::time::sleep_until(deadline) => return Ended::IdleTimeout,
         }
     }
+}
+
+/// Reads from the client into `buf`, sized to `size` only once there is something to read
+/// (and given back when there is not).
+async fn lent_read(tls: &mut TlsStream, buf: &mut Vec<u8>, size: usize) -> std::io::Result<usize> {
+    if !tls.input_pending() {
+        *buf = Vec::new();
+        tls.readable().await?;
+    }
+    buf.resize(size, 0);
+    tls.read(buf).await
 }

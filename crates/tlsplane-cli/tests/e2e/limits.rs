@@ -258,29 +258,34 @@ fn separate_client_rates_once() -> Result<(), Duration> {
         .arg("1")
         .start();
     let port = server.port();
-    let started = std::time::Instant::now();
     let config = resuming_client();
-    let outcomes = [
+    // Each budget is drained within three handshakes in a row (a refill takes a second): the
+    // full handshakes' (burst 2), then the resumptions' (burst 2), which the first did not
+    // touch. (That a client which resumed lately is heard out to its ClientHello is for the
+    // unit tests: its timing is too tight for an emulated guest.)
+    let started = std::time::Instant::now();
+    let full = [
         get_with(port, &config),
-        // Resumptions draw on their own budget (burst 2), not on the full handshakes'.
-        get_with(port, &config),
-        get_with(port, &config),
-        // A 3rd resumption within the burst: refused.
-        get_with(port, &config),
-        // One full handshake is left of its burst; the next is refused (at its ClientHello:
-        // this client has resumed lately, so it is heard out).
         get_with(port, &resuming_client()),
         get_with(port, &resuming_client()),
     ];
-    let took = started.elapsed();
-    let want = [Some(false), Some(true), Some(true), None, Some(false), None];
+    let full_took = started.elapsed();
+    let started = std::time::Instant::now();
+    let resumed = [
+        get_with(port, &config),
+        get_with(port, &config),
+        get_with(port, &config),
+    ];
+    let took = full_took.max(started.elapsed());
+    let outcomes = [full, resumed].concat();
+    let want = [Some(false), Some(false), None, Some(true), Some(true), None];
     if outcomes != want && took >= Duration::from_millis(900) {
         let _ = server.stop();
         return Err(took);
     }
     assert_eq!(
         outcomes, want,
-        "full, resumed, resumed, refused resumption, full, refused full ({took:?})"
+        "full, full, refused full, resumed, resumed, refused resumption ({took:?})"
     );
     assert!(served_from(SECOND, port), "another address was refused");
     let stats = server.stop();
