@@ -150,8 +150,13 @@ impl BackendConn {
     }
 
     /// Reads into `buf`, sized to `size` only once there is something to read; an empty read
-    /// (EAGAIN) gives the buffer back before waiting.
-    pub(super) async fn read_lent(&self, buf: &mut Vec<u8>, size: usize) -> std::io::Result<usize> {
+    /// (EAGAIN) gives the buffer back before waiting, unless `keep` (bytes are streaming).
+    pub(super) async fn read_lent(
+        &self,
+        buf: &mut Vec<u8>,
+        size: usize,
+        keep: bool,
+    ) -> std::io::Result<usize> {
         loop {
             let r = match &self.io {
                 Io::Tcp(s) => {
@@ -166,7 +171,11 @@ impl BackendConn {
                 }
             };
             match r {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => *buf = Vec::new(),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if !keep {
+                        *buf = Vec::new();
+                    }
+                }
                 r => return r,
             }
         }

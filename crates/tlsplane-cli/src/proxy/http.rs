@@ -150,7 +150,19 @@ pub(super) async fn serve(
             Err(ended) => return ended,
         };
         proxy.stats.http_requests.fetch_add(1, Relaxed);
-        match exchange(proxy, tls, peer, &request, &mut client, &mut backend, ctx).await {
+        // Boxed: the exchange's state is large and only lives while a request is served,
+        // not while the connection waits for the next one.
+        match Box::pin(exchange(
+            proxy,
+            tls,
+            peer,
+            &request,
+            &mut client,
+            &mut backend,
+            ctx,
+        ))
+        .await
+        {
             Next::KeepAlive => backend.release(),
             Next::End(ended) => return ended,
         }
@@ -179,13 +191,13 @@ async fn read_request(
                     tracing::info!(status = e.status(), error = %e, "bad request");
                 }
                 proxy.stats.http_refused.fetch_add(1, Relaxed);
-                let _ = answer(tls, e.status(), false).await;
+                let _ = Box::pin(answer(tls, e.status(), false)).await;
                 return Err(Ended::ClientError);
             }
         }
         let in_head = !client.is_empty();
         if *ctx.stop.borrow() && !in_head {
-            let _ = tls.shutdown().await;
+            let _ = Box::pin(tls.shutdown()).await;
             return Err(Ended::Closed);
         }
         let until = match deadline {
@@ -203,13 +215,13 @@ async fn read_request(
         };
         let (stop, idle) = (&mut ctx.stop, &ctx.idle);
         let read = if in_head {
-            Some(timeout_at(until, tls.read(client.spare())).await)
+            Some(timeout_at(until, Box::pin(tls.read(client.spare()))).await)
         } else {
             // Between requests: no buffer until the next one starts to come.
             client.release();
             let read = timeout_at(until, async {
                 tls.readable().await?;
-                tls.read(client.spare()).await
+                Box::pin(tls.read(client.spare())).await
             });
             tokio::select! {
                 r = idle.wait(read) => r,
@@ -219,26 +231,26 @@ async fn read_request(
         match read {
             // Evicted to make room, or shutting down: close between requests.
             None => {
-                let _ = tls.shutdown().await;
+                let _ = Box::pin(tls.shutdown()).await;
                 return Err(Ended::Closed);
             }
             Some(Ok(Ok(0))) => {
                 if in_head {
                     return Err(Ended::ClientError);
                 }
-                let _ = tls.shutdown().await;
+                let _ = Box::pin(tls.shutdown()).await;
                 return Err(Ended::Closed);
             }
             Some(Ok(Ok(n))) => client.filled(n),
             Some(Ok(Err(_))) => return Err(Ended::ClientError),
             Some(Err(_)) if in_head => {
                 proxy.stats.http_refused.fetch_add(1, Relaxed);
-                let _ = answer(tls, 408, false).await;
+                let _ = Box::pin(answer(tls, 408, false)).await;
                 return Err(Ended::ClientError);
             }
             Some(Err(_)) => {
                 proxy.stats.idle_timeouts.fetch_add(1, Relaxed);
-                let _ = tls.shutdown().await;
+                let _ = Box::pin(tls.shutdown()).await;
                 return Err(Ended::IdleTimeout);
             }
         }
@@ -360,7 +372,7 @@ async fn exchange(
                 if keep {
                     return Next::KeepAlive;
                 }
-                let _ = tls.shutdown().await;
+                let _ = Box::pin(tls.shutdown()).await;
                 return Next::End(Ended::Closed);
             }
             Ok(Forwarded::Upgraded(status)) => {

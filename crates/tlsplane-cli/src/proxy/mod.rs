@@ -444,7 +444,7 @@ impl Proxy {
             self.stats.no_backend.fetch_add(1, Relaxed);
             // Nothing was forwarded: tell the client the service is not there rather than
             // leave it waiting (close_notify, then FIN).
-            let _ = tls.shutdown().await;
+            let _ = Box::pin(tls.shutdown()).await;
             return Ended::NoBackend;
         };
         self.stats.forwarded.fetch_add(1, Relaxed);
@@ -508,7 +508,7 @@ impl Proxy {
             }
             Ended::IdleTimeout => {
                 self.stats.idle_timeouts.fetch_add(1, Relaxed);
-                let _ = tls.shutdown().await;
+                let _ = Box::pin(tls.shutdown()).await;
             }
             _ => {}
         }

@@ -105,6 +105,9 @@ pub(super) async fn relay(
     let mut backend_shut = false; // ... and the backend was told so
                                   // Backend → client.
     let mut down: Vec<u8> = Vec::new();
+    // The last read from the backend filled the buffer: more is likely on its way, so the
+    // buffer is kept over the next wait.
+    let mut down_streaming = false;
     let mut backend_done = false;
     let mut client_shut = false;
     let mut deadline = tokio::time::Instant::now() + idle;
@@ -118,13 +121,13 @@ pub(super) async fn relay(
         }
         if backend_shut && backend_done {
             if !client_shut {
-                let _ = tls.shutdown().await;
+                let _ = Box::pin(tls.shutdown()).await;
             }
             return Ended::Closed;
         }
         if backend_done && !client_shut {
             client_shut = true;
-            if tls.shutdown().await.is_err() {
+            if Box::pin(tls.shutdown()).await.is_err() {
                 return Ended::ClientError;
             }
         }
@@ -136,9 +139,11 @@ pub(super) async fn relay(
                 (Held::Nothing, Some(p)) => {
                     // Control records and what came with the Finished: a few bytes at a time.
                     up.resize(512, 0);
+                    if !tls.input_pending() {
+                        tls.readable().await.ok();
+                    }
                     Up::Read(
-                        tls.splice_out(p.up.write.as_fd(), p.capacity, &mut up)
-                            .await,
+                        Box::pin(tls.splice_out(p.up.write.as_fd(), p.capacity, &mut up)).await,
                     )
                 }
                 (Held::Nothing, None) => {
@@ -160,7 +165,7 @@ pub(super) async fn relay(
                     .await
                     .map(|n| (n, Held::Pipe(n))),
                 None => backend
-                    .read_lent(&mut down, buffer)
+                    .read_lent(&mut down, buffer, down_streaming)
                     .await
                     .map(|n| (n, Held::Buf { at: 0, len: n })),
             }
@@ -187,9 +192,12 @@ pub(super) async fn relay(
                 Ok((0, _)) => backend_done = true,
                 Ok((n, held)) => {
                     deadline = tokio::time::Instant::now() + idle;
+                    down_streaming = n == buffer;
                     // Write it all to the client; meanwhile keep the backend fed.
                     let spliced = matches!(held, Held::Pipe(_));
-                    let mut write = std::pin::pin!(async {
+                    // Boxed, as the reads are: a future's size counts in every connection's
+                    // task, idle or not.
+                    let mut write = Box::pin(async {
                         match (held, pipes) {
                             (Held::Pipe(n), Some(p)) => tls.splice_in(p.down.read.as_fd(), n).await,
                             _ => tls.write_all(&down[..n]).await,
@@ -236,5 +244,5 @@ async fn lent_read(tls: &mut TlsStream, buf: &mut Vec<u8>, size: usize) -> std::
         tls.readable().await?;
     }
     buf.resize(size, 0);
-    tls.read(buf).await
+    Box::pin(tls.read(buf)).await
 }
