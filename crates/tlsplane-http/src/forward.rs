@@ -342,20 +342,21 @@ impl RequestHead {
         self.method == "HEAD"
     }
 
-    /// The head to send to the backend: HTTP/1.1, canonical form, framing and forwarding
-    /// fields written by the proxy. The backend connection is kept alive unless the request
-    /// upgrades.
+    /// The head to send to the backend: canonical form, framing and forwarding fields written
+    /// by the proxy, the backend connection kept alive unless the request upgrades. An
+    /// HTTP/1.0 request goes as HTTP/1.0 (with `Connection: keep-alive`), so that the backend
+    /// answers in a framing an HTTP/1.0 client reads (never chunked).
     pub fn encode(&self, origin: Origin<'_>, forwarded: ForwardedPolicy, out: &mut Vec<u8>) {
         out.extend_from_slice(self.method.as_bytes());
         out.push(b' ');
         out.extend_from_slice(self.target.as_bytes());
-        out.extend_from_slice(b" HTTP/1.1\r\n");
+        out.extend_from_slice(if self.minor_version == 0 {
+            b" HTTP/1.0\r\n"
+        } else {
+            b" HTTP/1.1\r\n"
+        });
         for (name, value) in &self.fields {
             field(out, name.as_bytes(), value);
-        }
-        if self.minor_version == 0 && self.host.is_none() {
-            // HTTP/1.1 to the backend needs a Host; an HTTP/1.0 client may have sent none.
-            field(out, b"Host", b"");
         }
         if forwarded != ForwardedPolicy::Off {
             let ip = origin.client.to_string();
@@ -391,6 +392,8 @@ impl RequestHead {
         if let Some(proto) = &self.upgrade {
             field(out, b"Connection", b"upgrade");
             field(out, b"Upgrade", proto.as_bytes());
+        } else if self.minor_version == 0 {
+            field(out, b"Connection", b"keep-alive");
         }
         out.extend_from_slice(b"\r\n");
     }
@@ -823,6 +826,18 @@ mod tests {
             String::from_utf8(out).unwrap()
         };
         assert!(v6.contains("Forwarded: for=\"[::1]\";proto=https"), "{v6}");
+    }
+
+    #[test]
+    fn http_1_0_goes_as_1_0_so_that_no_chunked_response_comes_back() {
+        let h = req("GET /x HTTP/1.0\r\nUser-Agent: old\r\n\r\n").unwrap();
+        let out = forwarded(&h, ForwardedPolicy::Off);
+        assert_eq!(
+            out,
+            "GET /x HTTP/1.0\r\nUser-Agent: old\r\nConnection: keep-alive\r\n\r\n"
+        );
+        let get = req("GET / HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
+        assert!(forwarded(&get, ForwardedPolicy::Off).starts_with("GET / HTTP/1.1\r\n"));
     }
 
     #[test]
