@@ -36,21 +36,23 @@ pub struct LimitArgs {
     /// handshakes are still served (default: 3/4 of --max-handshakes-per-worker).
     #[arg(long)]
     pub max_full_handshakes_per_worker: Option<usize>,
-    /// Full handshakes per second from one client address, sustained.
-    #[arg(long, default_value_t = 0)]
-    pub client_handshake_rate: u32,
-    /// ... and in a burst (default: the rate).
+    /// Full handshakes from one client address, sustained: per second (`20`, `20/s`) or per
+    /// minute (`30/min`).
+    #[arg(long, default_value_t = Rate::ZERO)]
+    pub client_handshake_rate: Rate,
+    /// ... and in a burst (default: the per-second rate, at least 1).
     #[arg(long)]
     pub client_handshake_burst: Option<u32>,
-    /// Resumed handshakes (a session ticket this server issued) per second from one client
-    /// address; burst = 2 × rate. Counted apart from full handshakes: a resumption costs no
-    /// signature, so it can be allowed more.
-    #[arg(long, default_value_t = 0)]
-    pub client_resumed_rate: u32,
-    /// Handshakes per second one client address may leave unfinished (failed, reset or timed
-    /// out before Finished) before its new connections are refused; burst = 2 × rate.
-    #[arg(long, default_value_t = 0)]
-    pub client_incomplete_rate: u32,
+    /// Resumed handshakes (a session ticket this server issued) from one client address, as
+    /// --client-handshake-rate; burst = 2 × the per-second rate, at least 2. Counted apart
+    /// from full handshakes: a resumption costs no signature, so it can be allowed more.
+    #[arg(long, default_value_t = Rate::ZERO)]
+    pub client_resumed_rate: Rate,
+    /// Handshakes one client address may leave unfinished (failed, reset or timed out before
+    /// Finished) before its new connections are refused, as --client-handshake-rate; burst =
+    /// 2 × the per-second rate, at least 2.
+    #[arg(long, default_value_t = Rate::ZERO)]
+    pub client_incomplete_rate: Rate,
     /// Longest ClientHello accepted, bytes; a longer one gets an illegal_parameter alert from
     /// its 4-byte header, before it is read.
     #[arg(long, default_value_t = tlsplane::config::DEFAULT_MAX_CLIENT_HELLO)]
@@ -83,6 +85,67 @@ impl LimitArgs {
 
     pub fn first_byte_timeout(&self) -> Option<Duration> {
         (self.first_byte_timeout > 0.0).then(|| Duration::from_secs_f64(self.first_byte_timeout))
+    }
+}
+
+/// Events per second, written `N` or `N/s` (per second) or `N/min` (per minute); 0 is
+/// "no limit". A per-minute form is there for budgets below one a second (nginx's `r/m`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rate {
+    per_second: f64,
+}
+
+impl Rate {
+    pub const ZERO: Rate = Rate { per_second: 0.0 };
+
+    #[cfg(test)]
+    fn per_second(n: u32) -> Rate {
+        Rate {
+            per_second: n as f64,
+        }
+    }
+
+    fn is_limit(self) -> bool {
+        self.per_second > 0.0
+    }
+
+    /// A bucket of twice the per-second rate, at least 2 (so that a client may retry once).
+    fn double_burst(self) -> f64 {
+        (2.0 * self.per_second).max(2.0)
+    }
+}
+
+impl std::fmt::Display for Rate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.per_second {
+            0.0 => f.write_str("0"),
+            r if r.fract() == 0.0 => write!(f, "{r}/s"),
+            r => write!(f, "{}/min", (r * 60.0).round()),
+        }
+    }
+}
+
+impl std::str::FromStr for Rate {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Rate, String> {
+        let (count, per) = match s.split_once('/') {
+            None => (s, 1.0),
+            Some((count, "s" | "sec" | "second")) => (count, 1.0),
+            Some((count, "m" | "min" | "minute")) => (count, 60.0),
+            Some((_, unit)) => {
+                return Err(format!(
+                    "unknown unit {unit:?}: write N (per second), N/s or N/min"
+                ))
+            }
+        };
+        let n: u32 = count
+            .trim()
+            .parse()
+            .map_err(|_| format!("{count:?} is not a whole number of events"))?;
+        Ok(Rate {
+            per_second: n as f64 / per,
+        })
     }
 }
 
@@ -189,20 +252,20 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn full(burst: u32, now: Instant) -> Self {
+    fn full(burst: f64, now: Instant) -> Self {
         Bucket {
-            tokens: burst as f64,
+            tokens: burst,
             at: now,
         }
     }
 
-    fn refill(&mut self, rate: u32, burst: u32, now: Instant) {
+    fn refill(&mut self, rate: Rate, burst: f64, now: Instant) {
         let dt = now.saturating_duration_since(self.at).as_secs_f64();
-        self.tokens = (self.tokens + dt * rate as f64).min(burst as f64);
+        self.tokens = (self.tokens + dt * rate.per_second).min(burst);
         self.at = now;
     }
 
-    fn take(&mut self, rate: u32, burst: u32, now: Instant) -> bool {
+    fn take(&mut self, rate: Rate, burst: f64, now: Instant) -> bool {
         self.refill(rate, burst, now);
         if self.tokens >= 1.0 {
             self.tokens -= 1.0;
@@ -212,7 +275,7 @@ impl Bucket {
         }
     }
 
-    fn has(&mut self, rate: u32, burst: u32, now: Instant) -> bool {
+    fn has(&mut self, rate: Rate, burst: f64, now: Instant) -> bool {
         self.refill(rate, burst, now);
         self.tokens >= 1.0
     }
@@ -288,14 +351,14 @@ impl Ticket {
         let verdict = if resumption {
             c.resumer_at = Some(now);
             let r = a.client_resumed_rate;
-            if r > 0 && !c.resumed.take(r, r * 2, now) {
+            if r.is_limit() && !c.resumed.take(r, r.double_burst(), now) {
                 Err(Refusal::ClientResumedRate)
             } else {
                 Ok(())
             }
         } else {
             let r = a.client_handshake_rate;
-            if r > 0 && !c.handshakes.take(r, burst, now) {
+            if r.is_limit() && !c.handshakes.take(r, burst, now) {
                 Err(Refusal::ClientHandshakeRate)
             } else {
                 Ok(())
@@ -317,8 +380,8 @@ impl Drop for Ticket {
         let mut clients = self.admission.lock();
         if let Some(c) = clients.get_mut(&key) {
             c.connections = c.connections.saturating_sub(1);
-            if !self.handshake_done && rate > 0 {
-                c.incomplete.take(rate, rate * 2, Instant::now());
+            if !self.handshake_done && rate.is_limit() {
+                c.incomplete.take(rate, rate.double_burst(), Instant::now());
             }
         }
     }
@@ -327,9 +390,9 @@ impl Drop for Ticket {
 impl Admission {
     pub fn new(args: LimitArgs) -> Arc<Self> {
         let per_client = args.client_max_connections > 0
-            || args.client_handshake_rate > 0
-            || args.client_resumed_rate > 0
-            || args.client_incomplete_rate > 0;
+            || args.client_handshake_rate.is_limit()
+            || args.client_resumed_rate.is_limit()
+            || args.client_incomplete_rate.is_limit();
         Arc::new(Admission {
             args,
             per_client,
@@ -342,11 +405,11 @@ impl Admission {
         self.clients.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn handshake_burst(&self) -> u32 {
-        self.args
-            .client_handshake_burst
-            .unwrap_or(self.args.client_handshake_rate)
-            .max(1)
+    fn handshake_burst(&self) -> f64 {
+        match self.args.client_handshake_burst {
+            Some(b) => b.max(1) as f64,
+            None => self.args.client_handshake_rate.per_second.ceil().max(1.0),
+        }
     }
 
     /// Decides on a connection just accepted. `open` is the number of connections open now
@@ -379,18 +442,17 @@ impl Admission {
         if clients.len() >= SWEEP_ABOVE && !clients.contains_key(&key) {
             sweep(&mut clients, a, burst, now);
         }
-        let resumed_burst = a.client_resumed_rate * 2;
         let c = clients.entry(key).or_insert_with(|| Client {
             connections: 0,
             handshakes: Bucket::full(burst, now),
-            resumed: Bucket::full(resumed_burst, now),
-            incomplete: Bucket::full(inc * 2, now),
+            resumed: Bucket::full(a.client_resumed_rate.double_burst(), now),
+            incomplete: Bucket::full(inc.double_burst(), now),
             resumer_at: None,
         });
         if a.client_max_connections > 0 && c.connections >= a.client_max_connections {
             return Err(Refusal::ClientConnections);
         }
-        if inc > 0 && !c.incomplete.has(inc, inc * 2, now) {
+        if inc.is_limit() && !c.incomplete.has(inc, inc.double_burst(), now) {
             return Err(Refusal::ClientIncomplete);
         }
         // The rate tokens are taken at the ClientHello ([`Ticket::on_hello`]), once it is
@@ -399,7 +461,7 @@ impl Admission {
         let resumer = c
             .resumer_at
             .is_some_and(|t| now.saturating_duration_since(t) < RESUMER_FOR);
-        if rate > 0 && !resumer && !c.handshakes.has(rate, burst, now) {
+        if rate.is_limit() && !resumer && !c.handshakes.has(rate, burst, now) {
             return Err(Refusal::ClientHandshakeRate);
         }
         c.connections += 1;
@@ -413,27 +475,27 @@ impl Admission {
 
 /// Forgets clients with no connection whose buckets are full again (forgetting them loses
 /// nothing: a new entry starts full).
-fn sweep(clients: &mut HashMap<ClientKey, Client>, a: &LimitArgs, burst: u32, now: Instant) {
+fn sweep(clients: &mut HashMap<ClientKey, Client>, a: &LimitArgs, burst: f64, now: Instant) {
     let inc = a.client_incomplete_rate;
     clients.retain(|_, c| {
         if c.connections > 0 {
             return true;
         }
-        let hs_full = a.client_handshake_rate == 0 || {
+        let hs_full = !a.client_handshake_rate.is_limit() || {
             c.handshakes.refill(a.client_handshake_rate, burst, now);
-            c.handshakes.tokens >= burst as f64
+            c.handshakes.tokens >= burst
         };
         let q = a.client_resumed_rate;
-        let resumed_full = q == 0 || {
-            c.resumed.refill(q, q * 2, now);
-            c.resumed.tokens >= (q * 2) as f64
+        let resumed_full = !q.is_limit() || {
+            c.resumed.refill(q, q.double_burst(), now);
+            c.resumed.tokens >= q.double_burst()
         };
         let recent = c
             .resumer_at
             .is_some_and(|t| now.saturating_duration_since(t) < RESUMER_FOR);
-        let inc_full = inc == 0 || {
-            c.incomplete.refill(inc, inc * 2, now);
-            c.incomplete.tokens >= (inc * 2) as f64
+        let inc_full = !inc.is_limit() || {
+            c.incomplete.refill(inc, inc.double_burst(), now);
+            c.incomplete.tokens >= inc.double_burst()
         };
         !(hs_full && resumed_full && inc_full && !recent)
     });
@@ -454,11 +516,11 @@ mod tests {
             max_connections: 0,
             max_handshakes_per_worker: 0,
             client_max_connections: 0,
-            client_handshake_rate: 0,
+            client_handshake_rate: Rate::ZERO,
             client_handshake_burst: None,
-            client_incomplete_rate: 0,
+            client_incomplete_rate: Rate::ZERO,
             max_full_handshakes_per_worker: None,
-            client_resumed_rate: 0,
+            client_resumed_rate: Rate::ZERO,
             max_client_hello: 16384,
             first_byte_timeout: 0.0,
             handshake_evict_after: 0.0,
@@ -484,9 +546,35 @@ mod tests {
     }
 
     #[test]
+    fn rates_are_read_per_second_or_per_minute() {
+        let r = |s: &str| s.parse::<Rate>().map(|r| r.per_second);
+        assert_eq!(r("20"), Ok(20.0));
+        assert_eq!(r("20/s"), Ok(20.0));
+        assert_eq!(r("30/min"), Ok(0.5));
+        assert_eq!(r("0"), Ok(0.0));
+        assert!(r("1.5").is_err());
+        assert!(r("3/h").unwrap_err().contains("N/min"));
+        assert!(r("-1").is_err());
+        assert_eq!("30/min".parse::<Rate>().unwrap().to_string(), "30/min");
+        assert_eq!("7".parse::<Rate>().unwrap().to_string(), "7/s");
+    }
+
+    #[test]
+    fn a_per_minute_rate_refills_a_token_in_its_fraction_of_a_minute() {
+        let rate: Rate = "6/min".parse().unwrap();
+        let t0 = Instant::now();
+        let mut b = Bucket::full(2.0, t0);
+        assert!(b.take(rate, 2.0, t0));
+        assert!(b.take(rate, 2.0, t0));
+        assert!(!b.take(rate, 2.0, t0 + Duration::from_secs(9)));
+        assert!(b.take(rate, 2.0, t0 + Duration::from_millis(10_001)));
+        assert!(!b.take(rate, 2.0, t0 + Duration::from_millis(10_002)));
+    }
+
+    #[test]
     fn handshake_rate_refuses_the_excess_of_a_burst_per_client() {
         let mut a = args();
-        a.client_handshake_rate = 1;
+        a.client_handshake_rate = Rate::per_second(1);
         a.client_handshake_burst = Some(5);
         let adm = Admission::new(a);
         let mut tickets = Vec::new();
@@ -507,8 +595,8 @@ mod tests {
     #[test]
     fn resumptions_have_their_own_budget_and_a_resumer_is_heard_out() {
         let mut a = args();
-        a.client_handshake_rate = 1;
-        a.client_resumed_rate = 1; // burst 2
+        a.client_handshake_rate = Rate::per_second(1);
+        a.client_resumed_rate = Rate::per_second(1); // burst 2
         let adm = Admission::new(a);
         let p = peer("10.0.0.1:1");
         adm.admit(p, 0, 0).unwrap().on_hello(false, 0).unwrap();
@@ -550,7 +638,7 @@ mod tests {
     #[test]
     fn refusals_at_the_hello_are_not_incomplete_handshakes() {
         let mut a = args();
-        a.client_incomplete_rate = 1; // burst 2
+        a.client_incomplete_rate = Rate::per_second(1); // burst 2
         a.max_full_handshakes_per_worker = Some(1);
         let adm = Admission::new(a);
         let p = peer("10.0.0.1:1");
@@ -579,7 +667,7 @@ mod tests {
     #[test]
     fn incomplete_handshakes_close_the_door_until_the_budget_refills() {
         let mut a = args();
-        a.client_incomplete_rate = 1; // burst 2
+        a.client_incomplete_rate = Rate::per_second(1); // burst 2
         let adm = Admission::new(a);
         let mut done = adm.admit(peer("10.0.0.1:1"), 0, 0).unwrap();
         done.handshake_done();
@@ -614,13 +702,13 @@ mod tests {
     #[test]
     fn sweep_forgets_only_idle_clients_with_full_buckets() {
         let mut a = args();
-        a.client_handshake_rate = 1000;
+        a.client_handshake_rate = Rate::per_second(1000);
         let adm = Admission::new(a.clone());
         let _held = adm.admit(peer("10.0.0.1:1"), 0, 0).unwrap();
         drop(adm.admit(peer("10.0.0.2:1"), 0, 0).unwrap());
         let later = Instant::now() + Duration::from_secs(5);
         let mut clients = adm.lock();
-        sweep(&mut clients, &a, 1000, later);
+        sweep(&mut clients, &a, 1000.0, later);
         assert!(clients.contains_key(&ClientKey::V4(0x0a00_0001)));
         assert!(!clients.contains_key(&ClientKey::V4(0x0a00_0002)));
     }
