@@ -114,6 +114,17 @@ fi
 echo "$old_modprobe" > /proc/sys/kernel/modprobe
 modprobe chacha20poly1305 2>/dev/null || true
 
-step "end-to-end suite (same tests as natively) with the kernel plane required"
-run /bin/e2e --test-threads=1
+if [ "$VM_LABEL" = new ]; then
+	step "end-to-end suite (same tests as natively) with the kernel plane required"
+	run /bin/e2e --test-threads=1
+else
+	# Under emulation the whole suite takes 7-9 minutes a kernel; the older kernels run the
+	# tests whose bytes cross the kernel's TLS code (records, alerts, sendfile, splice,
+	# KeyUpdate, close_notify, shutdown; each suite is in the cipher matrix above), and the
+	# newest runs everything, so that CI stays well under its time limit.
+	step "end-to-end tests of the data path with the kernel plane required (all of them: kernel 'new')"
+	run /bin/e2e --test-threads=1 --skip proxy_http \
+		alerts:: bad_input:: coalesced:: content:: control:: http:: kernel:: proxy:: \
+		shutdown::
+fi
 finish

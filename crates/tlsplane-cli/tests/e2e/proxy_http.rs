@@ -575,6 +575,8 @@ fn a_backend_at_its_connection_limit_gets_no_more_503_instead() {
         .arg("1")
         .start();
     let port = server.port();
+    // The other client's handshake first: in a slow guest it could outlast the 3 s below.
+    let mut c = TlsClient::connect_version(port, Tls::V12);
     // One request holds the backend's only connection for 3 s ...
     let slow = std::thread::spawn(move || {
         let mut c = TlsClient::connect_version(port, Tls::V13);
@@ -582,9 +584,21 @@ fn a_backend_at_its_connection_limit_gets_no_more_503_instead() {
         c.close();
         r.status
     });
-    std::thread::sleep(Duration::from_millis(1000));
+    let until = Instant::now() + Duration::from_secs(20);
+    while !seen
+        .heads
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|h| h.contains("/slow"))
+    {
+        assert!(
+            Instant::now() < until,
+            "the slow request never reached the backend"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     // ... so another client is told to come back later, and its connection stays usable.
-    let mut c = TlsClient::connect_version(port, Tls::V12);
     assert_eq!(c.get("/bytes/10").status, 503);
     assert_eq!(slow.join().expect("slow client"), 200);
     // The connection is free again (idle, and reused).
