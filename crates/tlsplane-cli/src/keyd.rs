@@ -36,6 +36,10 @@ pub struct KeydArgs {
     /// Started by `serve` (its pid): the token comes on stdin, and the daemon exits with it.
     #[arg(long, hide = true)]
     pub parent: Option<u32>,
+    /// The socket's mode, octal: 666 when it serves a server of another user (`serve --user`;
+    /// then its directory is root's and the peer's uid and the token decide).
+    #[arg(long, hide = true, default_value = "600", value_parser = parse_mode)]
+    pub socket_mode: u32,
 }
 
 /// What the daemon loads keys from, again on each RELOAD.
@@ -184,7 +188,10 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
     let listener = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
     listener.bind(&SockAddr::unix(&args.socket)?)?;
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&args.socket, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::set_permissions(
+        &args.socket,
+        std::fs::Permissions::from_mode(args.socket_mode),
+    )?;
     listener.listen(128)?;
     let mut allowed = vec![tlsplane_sys::current_uid(), 0];
     allowed.extend(&args.allow_uid);
@@ -357,6 +364,13 @@ fn answer(req: &[u8], store: &RwLock<Store>, source: &Source) -> Vec<u8> {
 }
 
 /// Where a daemon started by hand writes its token: next to its socket.
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s, 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{s:?} is not an octal file mode"))
+}
+
 pub fn token_path(socket: &Path) -> PathBuf {
     let mut p = socket.as_os_str().to_owned();
     p.push(".token");

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use rustls::sign::SigningKey;
 use tlsplane::keyd::{Endpoint, KeydClient, TOKEN_LEN};
 
+use crate::privileges::{Event, Launcher, RunAs};
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeydMode {
     /// Start a key daemon (a child process of this server) and supervise it.
@@ -39,25 +41,25 @@ impl FromStr for KeydMode {
 }
 
 /// A key daemon this server started.
-struct Spawned {
-    child: Child,
-    /// Its stdin: the daemon drops its keys and exits when this closes.
-    stdin: Option<ChildStdin>,
-    /// The private (0700) directory of its socket.
-    dir: PathBuf,
+enum Spawned {
+    /// Our child.
+    Child {
+        child: Child,
+        /// Its stdin: the daemon drops its keys and exits when this closes.
+        stdin: Option<ChildStdin>,
+        /// The private (0700) directory of its socket.
+        dir: PathBuf,
+    },
+    /// The launcher's child (`--user`), which the launcher stops and cleans up after.
+    Launched { pid: u32 },
 }
 
 impl Drop for Spawned {
     fn drop(&mut self) {
-        // An orderly exit first (it zeroizes), then the hard way.
-        drop(self.stdin.take());
-        let deadline = Instant::now() + Duration::from_secs(1);
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
+        if let Spawned::Child { child, stdin, dir } = self {
+            crate::privileges::stop_daemon(child, stdin.take());
+            let _ = std::fs::remove_dir_all(dir);
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -68,17 +70,30 @@ pub struct Keys {
     daemon_args: Vec<OsString>,
     client: Mutex<Option<Arc<KeydClient>>>,
     spawned: Mutex<Option<Spawned>>,
+    /// With `--user`: what starts daemons as root once this server is not.
+    launcher: Mutex<Option<Launcher>>,
     stopping: AtomicBool,
 }
 
 impl Keys {
-    /// Starts (or connects to) the key daemon for the keys `daemon_args` name.
-    pub fn start(mode: KeydMode, daemon_args: Vec<OsString>) -> anyhow::Result<Arc<Self>> {
+    /// Starts (or connects to) the key daemon for the keys `daemon_args` name. `run_as`:
+    /// the user this server becomes once its ports are bound; its daemons are then started by
+    /// a launcher that stays root (see [`crate::privileges`]).
+    pub fn start(
+        mode: KeydMode,
+        daemon_args: Vec<OsString>,
+        run_as: Option<&RunAs>,
+    ) -> anyhow::Result<Arc<Self>> {
+        let launcher = match (&mode, run_as) {
+            (KeydMode::On, Some(user)) => Some(Launcher::start(user.uid, &daemon_args)?),
+            _ => None,
+        };
         let keys = Arc::new(Self {
             mode,
             daemon_args,
             client: Mutex::new(None),
             spawned: Mutex::new(None),
+            launcher: Mutex::new(launcher),
             stopping: AtomicBool::new(false),
         });
         match &keys.mode {
@@ -115,7 +130,35 @@ impl Keys {
             .secure_random
             .fill(token.as_mut())
             .map_err(|_| anyhow::anyhow!("no random token"))?;
-        let dir = private_dir()?;
+        let mut launcher = self.launcher.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(launcher) = launcher.as_mut() {
+            let (pid, socket) = launcher.spawn(&crate::keyd::encode_hex(token.as_ref()))?;
+            let endpoint = Endpoint { socket, token };
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let client = loop {
+                match KeydClient::connect(endpoint.clone()) {
+                    Ok(c) => break c,
+                    Err(_) if Instant::now() < deadline => {
+                        if let Some(Event::Exited { pid: p, status }) =
+                            launcher.next(Duration::from_millis(5))
+                        {
+                            if p == pid {
+                                anyhow::bail!(
+                                    "the key daemon exited ({status}) before it listened"
+                                );
+                            }
+                        }
+                    }
+                    Err(e) => anyhow::bail!("the key daemon did not answer within 30 s: {e}"),
+                }
+            };
+            *self.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
+            *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(Spawned::Launched { pid });
+            return Ok(());
+        }
+        drop(launcher);
+        let dir = private_dir(0o700)?;
         let socket = dir.join("keyd.sock");
         let exe = std::env::current_exe()?;
         let mut child = Command::new(exe)
@@ -133,7 +176,7 @@ impl Keys {
         let hex = crate::keyd::encode_hex(token.as_ref());
         stdin.write_all(hex.as_bytes())?;
         stdin.write_all(b"\n")?;
-        let spawned = Spawned {
+        let mut spawned = Spawned::Child {
             child,
             stdin: Some(stdin),
             dir,
@@ -141,13 +184,14 @@ impl Keys {
         let endpoint = Endpoint { socket, token };
         // It loads every key before it listens: wait for that (or for its death).
         let deadline = Instant::now() + Duration::from_secs(30);
-        let mut spawned = spawned;
         let client = loop {
             match KeydClient::connect(endpoint.clone()) {
                 Ok(c) => break c,
                 Err(_) if Instant::now() < deadline => {
-                    if let Some(status) = spawned.child.try_wait()? {
-                        anyhow::bail!("the key daemon exited ({status}) before it listened");
+                    if let Spawned::Child { child, .. } = &mut spawned {
+                        if let Some(status) = child.try_wait()? {
+                            anyhow::bail!("the key daemon exited ({status}) before it listened");
+                        }
                     }
                     std::thread::sleep(Duration::from_millis(5));
                 }
@@ -222,13 +266,7 @@ impl Keys {
                 if keys.stopping.load(Relaxed) {
                     return;
                 }
-                let died = {
-                    let mut s = keys.spawned.lock().unwrap_or_else(|e| e.into_inner());
-                    match s.as_mut().map(|s| s.child.try_wait()) {
-                        Some(Ok(Some(status))) => Some(status),
-                        _ => None,
-                    }
-                };
+                let died = keys.died();
                 let Some(status) = died else { continue };
                 tracing::error!(
                     "the key daemon exited ({status}); handshakes fail until it is restarted"
@@ -256,16 +294,43 @@ impl Keys {
             });
     }
 
+    /// How the daemon this server started ended, if it has.
+    fn died(&self) -> Option<String> {
+        let launched = {
+            let mut s = self.spawned.lock().unwrap_or_else(|e| e.into_inner());
+            match s.as_mut() {
+                Some(Spawned::Child { child, .. }) => {
+                    return match child.try_wait() {
+                        Ok(Some(status)) => Some(status.to_string()),
+                        _ => None,
+                    }
+                }
+                Some(Spawned::Launched { pid }) => *pid,
+                None => return None,
+            }
+        };
+        let mut l = self.launcher.lock().unwrap_or_else(|e| e.into_inner());
+        let l = l.as_mut()?;
+        if l.is_gone() {
+            return Some("with its launcher".into());
+        }
+        match l.next(Duration::ZERO) {
+            Some(Event::Exited { pid, status }) if pid == launched => Some(status),
+            _ => None,
+        }
+    }
+
     /// Stops supervision and the daemon (at exit).
     pub fn stop(&self) {
         self.stopping.store(true, Relaxed);
         *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.launcher.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 }
 
-/// A new 0700 directory for a daemon's socket, under $XDG_RUNTIME_DIR or the temporary
-/// directory.
-fn private_dir() -> anyhow::Result<PathBuf> {
+/// A new directory for a daemon's socket (0700, or 0711 for a daemon that serves another
+/// user), under $XDG_RUNTIME_DIR or the temporary directory.
+pub fn private_dir(mode: u32) -> anyhow::Result<PathBuf> {
     use std::os::unix::fs::DirBuilderExt;
     let base = std::env::var_os("XDG_RUNTIME_DIR")
         .map(PathBuf::from)
@@ -285,5 +350,10 @@ fn private_dir() -> anyhow::Result<PathBuf> {
         .mode(0o700)
         .create(&dir)
         .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
+    if mode != 0o700 {
+        // After creation: the umask would have masked the mode given to mkdir.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))?;
+    }
     Ok(dir)
 }

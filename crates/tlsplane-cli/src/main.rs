@@ -8,6 +8,7 @@ mod keyd;
 mod keys;
 mod limits;
 mod lobby;
+mod privileges;
 mod proxy;
 mod runtime;
 mod serve;
@@ -42,6 +43,9 @@ enum Command {
     /// The key daemon: holds private keys and signs for servers over a private Unix socket
     /// (`serve` starts one itself unless --keyd off; start one by hand for --keyd unix:PATH).
     Keyd(keyd::KeydArgs),
+    /// Started by a server with --user, as root: starts its key daemons.
+    #[command(hide = true)]
+    KeydLauncher(privileges::LauncherArgs),
     /// Load generators: TLS handshakes per second, HTTPS throughput.
     #[command(subcommand)]
     Bench(tlsplane_bench::BenchCommand),
@@ -105,6 +109,7 @@ fn main() {
         Command::CheckConfig(args) => check::check_config(args),
         Command::Reload(args) => check::reload(args),
         Command::Keyd(args) => keyd::run(args),
+        Command::KeydLauncher(args) => privileges::run_launcher(args),
         Command::Bench(cmd) => tlsplane_bench::run(cmd),
     };
     if let Err(e) = result {

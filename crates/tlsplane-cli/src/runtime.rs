@@ -46,6 +46,8 @@ pub struct RuntimeConfig {
     /// Written with the server's pid once it listens (removed at exit), for `tlsplane reload`;
     /// the outcome of each reload goes to the same path with `.reload` appended.
     pub pid_file: Option<std::path::PathBuf>,
+    /// Who the server becomes once it listens (`--user`).
+    pub run_as: Option<crate::privileges::RunAs>,
 }
 
 /// Counters of the runtime itself (the TLS layer has its own, in `tlsplane::stats`).
@@ -263,6 +265,11 @@ pub fn run<H: Handler>(
         .as_deref()
         .map(PidFile::create)
         .transpose()?;
+    // Everything that needs root is done: the ports are bound, the key daemon runs, the pid
+    // file is written.
+    if let Some(user) = &config.run_as {
+        user.switch()?;
+    }
     let shared = Arc::new(Shared {
         current: std::sync::RwLock::new(Arc::new(first)),
         config: config.clone(),

@@ -31,6 +31,12 @@ pub struct ServerArgs {
     /// `unix:PATH` uses a daemon started by hand with `tlsplane keyd --socket PATH`.
     #[arg(long, default_value = "on", value_name = "on|off|unix:PATH")]
     pub keyd: crate::keys::KeydMode,
+    /// Once its ports are bound, switch to this user (NAME, with its groups, or UID[:GID]);
+    /// needs root. The key daemon keeps root and the keys: the server cannot read them. The
+    /// configuration, certificates and what is served must be readable by this user (a reload
+    /// reads them again), and the pid file's directory writable by it.
+    #[arg(long, value_name = "NAME|UID[:GID]")]
+    pub user: Option<crate::privileges::RunAs>,
     /// Write the server's pid here once it listens (removed at exit), for `tlsplane reload`.
     #[arg(long, value_name = "FILE")]
     pub pid_file: Option<PathBuf>,
@@ -193,6 +199,9 @@ pub fn server_options_of<A: clap::Args + clap::FromArgMatches>(
 pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Result<()> {
     let (args, file) = with_config_file::<P>(args, given)?;
     let server = P::server(&args).clone();
+    if let Some(user) = &server.user {
+        user.check_can_switch()?;
+    }
     // Before the kTLS probe and the certificates: a taken port is the cheapest error to find.
     runtime::refuse_taken(&server.listen)?;
     match tlsplane_sys::raise_nofile_limit() {
@@ -207,7 +216,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         Some(f) => vec!["--config".into(), f.path.clone().into()],
         None => vec!["--key".into(), flag_key.clone().into()],
     };
-    let keys = Keys::start(server.keyd.clone(), daemon_args)?;
+    let keys = Keys::start(server.keyd.clone(), daemon_args, server.user.as_ref())?;
     eprintln!(
         "private keys: {}",
         match &server.keyd {
@@ -255,6 +264,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         handshake_nice: server.handshake_nice,
         limits: server.limits.clone(),
         pid_file: server.pid_file.clone(),
+        run_as: server.user.clone(),
     };
     let runtime_stats = Arc::new(RuntimeStats::default());
     let stats = Arc::new(P::Stats::default());

@@ -307,6 +307,65 @@ pub fn current_uid() -> u32 {
     unsafe { libc::getuid() }
 }
 
+/// A user's id and primary group id, from the password database (`getpwnam_r`).
+pub fn lookup_user(name: &str) -> io::Result<Option<(u32, u32)>> {
+    let cname = std::ffi::CString::new(name)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a user name"))?;
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        // SAFETY: a zeroed passwd is a valid value of this plain C struct.
+        let mut pwd: libc::passwd = unsafe { zeroed() };
+        let mut found: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: every pointer is valid for the call: the name is NUL-terminated, `buf` is
+        // `buf.len()` bytes that outlive the call, `pwd` and `found` are ours.
+        let rc = unsafe {
+            libc::getpwnam_r(
+                cname.as_ptr(),
+                &mut pwd,
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                &mut found,
+            )
+        };
+        match rc {
+            0 if found.is_null() => return Ok(None),
+            0 => return Ok(Some((pwd.pw_uid, pwd.pw_gid))),
+            libc::ERANGE if buf.len() < 1 << 20 => buf.resize(buf.len() * 4, 0),
+            e => return Err(io::Error::from_raw_os_error(e)),
+        }
+    }
+}
+
+/// Switches the whole process (every thread: glibc applies set*id to all of them) to `uid`
+/// and `gid` for good: real, effective and saved ids, and the supplementary groups of `name`
+/// (or only `gid` without a name). Then checks that root cannot be regained.
+pub fn switch_user(name: Option<&str>, uid: u32, gid: u32) -> io::Result<()> {
+    match name {
+        Some(name) => {
+            let cname = std::ffi::CString::new(name)
+                .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a user name"))?;
+            // SAFETY: a NUL-terminated name and an integer.
+            cvt(unsafe { libc::initgroups(cname.as_ptr(), gid) })?;
+        }
+        None => {
+            let groups = [gid];
+            // SAFETY: `groups` holds 1 valid gid_t for the duration of the call.
+            cvt(unsafe { libc::setgroups(1, groups.as_ptr()) })?;
+        }
+    }
+    // SAFETY: integer arguments only; groups first, while we may still change them.
+    cvt(unsafe { libc::setresgid(gid, gid, gid) })?;
+    // SAFETY: integer arguments only.
+    cvt(unsafe { libc::setresuid(uid, uid, uid) })?;
+    if uid != 0 {
+        // SAFETY: integer argument only; it must fail now.
+        if unsafe { libc::setuid(0) } == 0 {
+            return Err(io::Error::other("root could be regained after the switch"));
+        }
+    }
+    Ok(())
+}
+
 /// Sends SIGHUP to a process (`tlsplane reload`).
 pub fn send_sighup(pid: i32) -> io::Result<()> {
     if pid <= 0 {

@@ -106,7 +106,16 @@ fn found_in_memory(pid: u32, needles: &[Vec<u8>]) -> Vec<bool> {
     found
 }
 
-/// The key daemon `serve` started: its child whose command line says `keyd`.
+fn parent_of(pid: u32) -> Option<u32> {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()?
+        .rsplit_once(')')
+        .and_then(|(_, r)| r.split_whitespace().nth(1))
+        .and_then(|p| p.parse().ok())
+}
+
+/// The key daemon `serve` started: its child whose command line says `keyd`, or with
+/// `--user` its launcher's.
 fn keyd_pid(server_pid: u32) -> u32 {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -114,15 +123,12 @@ fn keyd_pid(server_pid: u32) -> u32 {
             let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
                 continue;
             };
-            let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            let Some(ppid) = parent_of(pid) else {
                 continue;
             };
-            let ppid: Option<u32> = stat
-                .rsplit_once(')')
-                .and_then(|(_, r)| r.split_whitespace().nth(1))
-                .and_then(|p| p.parse().ok());
             let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if ppid == Some(server_pid) && cmdline.split(|&b| b == 0).any(|a| a == b"keyd") {
+            let ours = ppid == server_pid || parent_of(ppid) == Some(server_pid);
+            if ours && cmdline.split(|&b| b == 0).any(|a| a == b"keyd") {
                 return pid;
             }
         }
@@ -319,4 +325,186 @@ fn an_external_keyd_serves_the_server_that_holds_its_token() {
     );
     let _ = keyd.kill();
     let _ = keyd.wait();
+}
+
+/// `/proc/PID/status`'s `Uid:` or `Gid:` line: real, effective, saved, filesystem.
+fn ids(pid: u32, which: &str) -> String {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(which))
+        .unwrap()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A site whose document root and certificate nobody may read but whose key only root may
+/// (0600), and a configuration for it.
+fn site_for_another_user(test: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    // Its own directory, searchable by all: the fixtures' may not be.
+    let dir = std::env::temp_dir().join(format!("tlsplane-e2e-{test}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(dir.join("www")).unwrap();
+    let leaf = fixtures::pki().leaf(CertKind::P256);
+    fs::copy(&leaf.cert_pem, dir.join("cert.pem")).unwrap();
+    fs::copy(&leaf.key_pem, dir.join("key.pem")).unwrap();
+    fs::write(dir.join("www/index.html"), "served as nobody\n").unwrap();
+    let mode = |p: &Path, m: u32| fs::set_permissions(p, fs::Permissions::from_mode(m)).unwrap();
+    for d in [&dir, &dir.join("www")] {
+        mode(d, 0o755);
+    }
+    mode(&dir.join("cert.pem"), 0o644);
+    mode(&dir.join("www/index.html"), 0o644);
+    mode(&dir.join("key.pem"), 0o600);
+    let config = dir.join("tlsplane.toml");
+    fs::write(
+        &config,
+        "[[site]]\ndefault = true\nroot = \"www\"\n[[site.cert]]\nchain = \"cert.pem\"\nkey = \"key.pem\"\n",
+    )
+    .unwrap();
+    mode(&config, 0o644);
+    (dir, config)
+}
+
+fn hup(pid: u32) {
+    assert!(Command::new("kill")
+        .args(["-HUP", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+}
+
+/// Waits for a stderr line containing `what`, at most 5 s.
+fn wait_line(server: &crate::support::Server, what: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(l) = server.stderr_lines().into_iter().find(|l| l.contains(what)) {
+            return l;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no line with {what:?}: {:#?}",
+            server.stderr_lines()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn with_user_the_server_runs_unprivileged_and_keyd_keeps_the_keys() {
+    if process_uid() != 0 {
+        eprintln!("SKIPPED: switching users needs root");
+        return;
+    }
+    const NOBODY: &str = "65534 65534 65534 65534";
+    let (dir, config) = site_for_another_user("user");
+    let server = Server::builder()
+        .config_file(&config)
+        .arg("--user")
+        .arg("65534:65534")
+        .start();
+    let port = server.port();
+    let mut kept = TlsClient::connect_version(port, Tls::V13);
+    assert_eq!(kept.get("/index.html").status, 200);
+    assert_eq!(ids(server.pid(), "Uid:"), NOBODY, "the server's user ids");
+    assert_eq!(ids(server.pid(), "Gid:"), NOBODY, "the server's group ids");
+    let keyd = keyd_pid(server.pid());
+    assert_eq!(ids(keyd, "Uid:"), "0 0 0 0", "keyd keeps root");
+    let secret = secrets(&dir.join("key.pem"));
+    assert!(
+        found_in_memory(server.pid(), &secret).iter().all(|f| !f),
+        "key material in the server"
+    );
+
+    // A reload re-reads the key through keyd, as root.
+    hup(server.pid());
+    wait_line(&server, "configuration reloaded");
+    // A killed keyd comes back from the launcher, with the key the server cannot read.
+    assert!(Command::new("kill")
+        .args(["-KILL", &keyd.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let killed = Instant::now();
+    loop {
+        let (r, _) = try_handshake(port);
+        if r.is_ok() {
+            break;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(2),
+            "no handshake 2 s after keyd was killed: {r:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let again = keyd_pid(server.pid());
+    assert_ne!(again, keyd, "a new daemon runs");
+    assert_eq!(ids(again, "Uid:"), "0 0 0 0", "the new keyd is root's too");
+    assert_eq!(kept.get("/index.html").status, 200, "a connection was lost");
+    kept.close();
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_restarts"), 1, "{stats:?}");
+    assert_eq!(stats.get("reload_failures"), 0, "{stats:?}");
+
+    // The proof that the server cannot open the key: with the key in the server
+    // (--keyd off, read before the switch), a reload must read it again, and fails.
+    let server = Server::builder()
+        .config_file(&config)
+        .arg("--user")
+        .arg("65534:65534")
+        .arg("--keyd")
+        .arg("off")
+        .start();
+    assert_eq!(ids(server.pid(), "Uid:"), NOBODY);
+    hup(server.pid());
+    let failed = wait_line(&server, "reload failed");
+    assert!(
+        failed.contains("key.pem") && failed.contains("ermission denied"),
+        "the reload should fail on the key file: {failed}"
+    );
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    assert_eq!(
+        c.get("/index.html").status,
+        200,
+        "the old set stays in force"
+    );
+    c.close();
+    let stats = server.stop();
+    assert_eq!(stats.get("reload_failures"), 1, "{stats:?}");
+    let _ = fs::remove_dir_all(dir);
+}
+
+#[test]
+fn with_user_but_not_root_the_server_refuses_to_start() {
+    if process_uid() == 0 {
+        // As root the switch is allowed; the refusal is for everyone else. Use a user id
+        // that root is not, run through `setpriv` when it exists.
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(server_bin())
+            .args(["serve", "--listen", "127.0.0.1:0", "--user", "0"])
+            .output();
+        let Ok(out) = out else {
+            eprintln!("SKIPPED: no setpriv");
+            return;
+        };
+        let err = String::from_utf8_lossy(&out.stderr);
+        if err.contains("setpriv:") {
+            // E.g. the binary's directory is not searchable by that user.
+            eprintln!("SKIPPED: setpriv could not run the server: {err}");
+            return;
+        }
+        assert!(!out.status.success(), "{err}");
+        assert!(err.contains("only root can switch users"), "{err}");
+        return;
+    }
+    let out = Command::new(server_bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--user", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("only root can switch users"), "{err}");
 }

@@ -1,0 +1,352 @@
+//! `--user`: a server started as root gives root up once its ports are bound, as nginx's
+//! workers do, while its private keys stay with a key daemon that keeps root.
+//!
+//! A key daemon killed after the switch must come back with the keys, which the server can
+//! no longer read; so with `--user` the server first starts a launcher (`tlsplane
+//! keyd-launcher`, hidden) that stays root and whose only job is to start key daemons when
+//! the server asks. The launcher chooses where each daemon listens (a fresh root-owned
+//! directory): a server that was taken over can ask for a new daemon, never for a root
+//! process to touch a path of its choosing.
+
+use std::ffi::OsString;
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Who the server becomes: `NAME` (its primary group and supplementary groups) or
+/// `UID[:GID]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunAs {
+    pub name: Option<String>,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl FromStr for RunAs {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<RunAs, String> {
+        let numeric = |t: &str| t.parse::<u32>().ok();
+        if let Some(uid) = s.split(':').next().and_then(numeric) {
+            let gid = match s.split_once(':') {
+                None => uid,
+                Some((_, g)) => numeric(g).ok_or_else(|| format!("{s:?}: not UID:GID"))?,
+            };
+            return Ok(RunAs {
+                name: None,
+                uid,
+                gid,
+            });
+        }
+        match tlsplane_sys::lookup_user(s) {
+            Ok(Some((uid, gid))) => Ok(RunAs {
+                name: Some(s.to_string()),
+                uid,
+                gid,
+            }),
+            Ok(None) => Err(format!("no user {s:?} on this system")),
+            Err(e) => Err(format!("cannot look up user {s:?}: {e}")),
+        }
+    }
+}
+
+impl std::fmt::Display for RunAs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.name {
+            Some(n) => write!(f, "{n} (uid {}, gid {})", self.uid, self.gid),
+            None => write!(f, "uid {}, gid {}", self.uid, self.gid),
+        }
+    }
+}
+
+impl RunAs {
+    /// Refuses to start when the switch cannot happen (not root).
+    pub fn check_can_switch(&self) -> anyhow::Result<()> {
+        let me = tlsplane_sys::current_uid();
+        if me != 0 && me != self.uid {
+            anyhow::bail!("--user {self}: only root can switch users (this is uid {me})");
+        }
+        Ok(())
+    }
+
+    /// Switches this process for good (after the ports are bound).
+    pub fn switch(&self) -> anyhow::Result<()> {
+        tlsplane_sys::switch_user(self.name.as_deref(), self.uid, self.gid)
+            .map_err(|e| anyhow::anyhow!("cannot switch to {self}: {e}"))?;
+        eprintln!("running as {self}");
+        Ok(())
+    }
+}
+
+/// Arguments of the hidden `keyd-launcher` subcommand.
+#[derive(clap::Args, Debug)]
+pub struct LauncherArgs {
+    /// The server's pid: the launcher dies with it.
+    #[arg(long)]
+    pub parent: u32,
+    /// The server's user id after the switch, allowed to use the daemons.
+    #[arg(long)]
+    pub allow_uid: u32,
+    /// What each daemon loads (`--config FILE` or `--key PEM`).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub daemon_args: Vec<OsString>,
+}
+
+/// The launcher's protocol, one line each way: `spawn HEXTOKEN` → `spawned PID SOCKET` or
+/// `failed REASON`; and unasked, `exited PID STATUS` when a daemon it started ends. Closing
+/// its stdin stops the daemon and the launcher.
+pub fn run_launcher(args: LauncherArgs) -> anyhow::Result<()> {
+    tlsplane_sys::set_non_dumpable()?;
+    tlsplane_sys::die_with_parent(libc::SIGKILL, args.parent)?;
+    let current: Arc<Mutex<Option<Daemon>>> = Arc::default();
+    let out = Arc::new(Mutex::new(std::io::stdout()));
+    let say = {
+        let out = out.clone();
+        move |line: String| {
+            let mut o = out.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = writeln!(o, "{line}");
+            let _ = o.flush();
+        }
+    };
+    {
+        let (current, say) = (current.clone(), say.clone());
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(20));
+            let mut c = current.lock().unwrap_or_else(|e| e.into_inner());
+            let ended = match c.as_mut() {
+                Some(d) => match d.child.try_wait() {
+                    Ok(Some(status)) => Some((d.child.id(), status)),
+                    _ => None,
+                },
+                None => None,
+            };
+            if let Some((pid, status)) = ended {
+                if let Some(d) = c.take() {
+                    let _ = std::fs::remove_dir_all(&d.dir);
+                }
+                say(format!("exited {pid} {status}"));
+            }
+        });
+    }
+    let stop = |c: &mut Option<Daemon>| {
+        if let Some(mut d) = c.take() {
+            stop_daemon(&mut d.child, d.stdin.take());
+            let _ = std::fs::remove_dir_all(&d.dir);
+        }
+    };
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        let line = zeroize::Zeroizing::new(line?);
+        let Some(hex) = line.strip_prefix("spawn ") else {
+            say("failed unknown request".into());
+            continue;
+        };
+        let mut c = current.lock().unwrap_or_else(|e| e.into_inner());
+        stop(&mut c);
+        match start_daemon(&args, hex.trim()) {
+            Ok((child, stdin, dir, socket)) => {
+                say(format!("spawned {} {}", child.id(), socket.display()));
+                *c = Some(Daemon {
+                    child,
+                    stdin: Some(stdin),
+                    dir,
+                });
+            }
+            Err(e) => say(format!("failed {e:#}")),
+        }
+    }
+    stop(&mut current.lock().unwrap_or_else(|e| e.into_inner()));
+    Ok(())
+}
+
+/// The daemon a launcher started last: the process, the pipe whose closing stops it, and its
+/// socket's directory.
+struct Daemon {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    dir: PathBuf,
+}
+
+/// An orderly exit first (the daemon zeroizes its keys when its stdin closes), then SIGKILL.
+pub fn stop_daemon(child: &mut Child, stdin: Option<ChildStdin>) {
+    drop(stdin);
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn start_daemon(
+    args: &LauncherArgs,
+    hex: &str,
+) -> anyhow::Result<(Child, ChildStdin, PathBuf, PathBuf)> {
+    let mut token = zeroize::Zeroizing::new([0u8; tlsplane::keyd::TOKEN_LEN]);
+    crate::keyd::decode_hex(hex, &mut token).ok_or_else(|| anyhow::anyhow!("not a token"))?;
+    // Root's directory, searchable by all: the server (another user now) reaches the socket
+    // but cannot replace it. Who may use it is checked per connection (SO_PEERCRED) and by
+    // the token.
+    let dir = crate::keys::private_dir(0o711)?;
+    let socket = dir.join("keyd.sock");
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("keyd")
+        .arg("--socket")
+        .arg(&socket)
+        .args(&args.daemon_args)
+        .arg("--parent")
+        .arg(std::process::id().to_string())
+        .arg("--allow-uid")
+        .arg(args.allow_uid.to_string())
+        .arg("--socket-mode")
+        .arg("666")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("cannot start the key daemon: {e}"))?;
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    stdin.write_all(crate::keyd::encode_hex(token.as_ref()).as_bytes())?;
+    stdin.write_all(b"\n")?;
+    Ok((child, stdin, dir, socket))
+}
+
+/// The server's end of a launcher.
+pub struct Launcher {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+/// What the launcher said about a daemon.
+pub enum Event {
+    Spawned { pid: u32, socket: PathBuf },
+    Failed(String),
+    Exited { pid: u32, status: String },
+}
+
+impl Launcher {
+    /// Starts one, as root, before the server switches users.
+    pub fn start(allow_uid: u32, daemon_args: &[OsString]) -> anyhow::Result<Launcher> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("keyd-launcher")
+            .arg("--parent")
+            .arg(std::process::id().to_string())
+            .arg("--allow-uid")
+            .arg(allow_uid.to_string())
+            .arg("--")
+            .args(daemon_args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("cannot start the key daemon launcher: {e}"))?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("keyd-launcher".into())
+            .spawn(move || {
+                for line in std::io::BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            })?;
+        Ok(Launcher {
+            child,
+            stdin,
+            lines,
+        })
+    }
+
+    /// Asks for a daemon with `token`; its pid and socket.
+    pub fn spawn(&mut self, hex_token: &str) -> anyhow::Result<(u32, PathBuf)> {
+        let stdin = self
+            .stdin
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("the key daemon launcher is stopped"))?;
+        let request = zeroize::Zeroizing::new(format!("spawn {hex_token}\n"));
+        stdin
+            .write_all(request.as_bytes())
+            .and_then(|()| stdin.flush())
+            .map_err(|e| anyhow::anyhow!("the key daemon launcher is gone: {e}"))?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.next(left) {
+                Some(Event::Spawned { pid, socket }) => return Ok((pid, socket)),
+                Some(Event::Failed(why)) => anyhow::bail!("{why}"),
+                // The end of the daemon this one replaces.
+                Some(Event::Exited { .. }) => continue,
+                None if self.child.try_wait()?.is_some() => {
+                    anyhow::bail!("the key daemon launcher is gone")
+                }
+                None => anyhow::bail!("the key daemon launcher did not answer"),
+            }
+        }
+    }
+
+    /// The launcher's next word, waiting up to `wait`.
+    pub fn next(&mut self, wait: Duration) -> Option<Event> {
+        let line = self.lines.recv_timeout(wait).ok()?;
+        let mut words = line.splitn(3, ' ');
+        match (words.next(), words.next(), words.next()) {
+            (Some("spawned"), Some(pid), Some(socket)) => Some(Event::Spawned {
+                pid: pid.parse().ok()?,
+                socket: PathBuf::from(socket),
+            }),
+            (Some("exited"), Some(pid), rest) => Some(Event::Exited {
+                pid: pid.parse().ok()?,
+                status: rest.unwrap_or("").to_string(),
+            }),
+            (Some("failed"), first, rest) => Some(Event::Failed(
+                [first, rest]
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            )),
+            _ => Some(Event::Failed(format!(
+                "unexpected word from the launcher: {line}"
+            ))),
+        }
+    }
+
+    /// Whether the launcher itself has ended.
+    pub fn is_gone(&mut self) -> bool {
+        !matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        // The launcher stops its daemon (orderly) and exits when its stdin closes.
+        stop_daemon(&mut self.child, self.stdin.take());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn users_are_named_or_numbered() {
+        let root: RunAs = "root".parse().unwrap();
+        assert_eq!(
+            (root.uid, root.gid, root.name.as_deref()),
+            (0, 0, Some("root"))
+        );
+        let n: RunAs = "65534".parse().unwrap();
+        assert_eq!((n.uid, n.gid, n.name), (65534, 65534, None));
+        let ng: RunAs = "1000:33".parse().unwrap();
+        assert_eq!((ng.uid, ng.gid), (1000, 33));
+        assert!("1000:x".parse::<RunAs>().is_err());
+        assert!("no-such-user-here"
+            .parse::<RunAs>()
+            .unwrap_err()
+            .contains("no user"));
+    }
+}
