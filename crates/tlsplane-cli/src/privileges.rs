@@ -9,7 +9,7 @@
 //! process to touch a path of its choosing.
 
 use std::ffi::OsString;
-use std::io::{BufRead, Write};
+use std::io::{BufRead, Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::str::FromStr;
@@ -137,9 +137,17 @@ pub fn run_launcher(args: LauncherArgs) -> anyhow::Result<()> {
             let _ = std::fs::remove_dir_all(&d.dir);
         }
     };
-    let stdin = std::io::stdin();
-    for line in stdin.lock().lines() {
-        let line = zeroize::Zeroizing::new(line?);
+    let mut stdin = std::io::stdin().lock();
+    loop {
+        // Bounded: the server on the other end may be one that was taken over.
+        let mut line = zeroize::Zeroizing::new(String::new());
+        if (&mut stdin).take(256).read_line(&mut line)? == 0 {
+            break;
+        }
+        if !line.ends_with('\n') {
+            say("failed request too long".into());
+            break;
+        }
         let Some(hex) = line.strip_prefix("spawn ") else {
             say("failed unknown request".into());
             continue;
