@@ -124,6 +124,19 @@ enum Fail {
     BadBody,
     /// The backend failed after the response began: the client is reset.
     Midway(String),
+    /// Past --request-timeout: 408, 504 or a reset, by how far the request got.
+    Deadline(Progress),
+}
+
+/// How far a request got, for what to do at its --request-timeout.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Progress {
+    /// The proxy was waiting for more of the client's body (408).
+    Receiving,
+    /// The request was with the backend, no response yet (504).
+    Waiting,
+    /// Something of the response had been sent to the client (reset).
+    Responding,
 }
 
 /// How the client's connection goes on after one request.
@@ -320,6 +333,8 @@ async fn exchange(
         proto: "https",
     };
     request.encode(origin, proxy.forwarded, &mut head);
+    let deadline = (proxy.args.request_timeout > 0)
+        .then(|| Instant::now() + Duration::from_secs(proxy.args.request_timeout));
     let mut retried = false;
     let fail = loop {
         let (conn, which, reused) = match proxy.backend_for(site, !retried).await {
@@ -350,11 +365,28 @@ async fn exchange(
         }
         backend.clear();
         let label = proxy.pools[site].backends[which].to_string();
-        match forward_one(
-            proxy, tls, request, &head, client, backend, &conn, keep_alive,
-        )
-        .await
-        {
+        let mut progress = Progress::Waiting;
+        let forwarded = forward_one(
+            proxy,
+            tls,
+            request,
+            &head,
+            client,
+            backend,
+            &conn,
+            keep_alive,
+            &mut progress,
+        );
+        // A deadline over the whole exchange, and not only over its waits: a backend that
+        // trickles its response, or a client its body, is still cut off.
+        let outcome = match deadline {
+            None => forwarded.await,
+            Some(at) => match timeout_at(at, forwarded).await {
+                Ok(r) => r,
+                Err(_) => Err(Fail::Deadline(progress)),
+            },
+        };
+        match outcome {
             Ok(Forwarded::Done {
                 status,
                 reusable,
@@ -395,6 +427,17 @@ async fn exchange(
                 break Fail::Timeout;
             }
             Err(Fail::BadGateway(why)) => break Fail::BadGateway(format!("{label}: {why}")),
+            Err(Fail::Deadline(progress)) => {
+                // The backend has part of a request or of a response: it cannot be reused.
+                conn.reset_on_close();
+                match progress {
+                    Progress::Receiving => log(408, &label),
+                    Progress::Waiting => log(504, &label),
+                    // Like a backend failing midway: a reset, and no status to log.
+                    Progress::Responding => {}
+                }
+                break Fail::Deadline(progress);
+            }
             Err(Fail::Midway(why)) => {
                 conn.reset_on_close();
                 break Fail::Midway(format!("{label}: {why}"));
@@ -437,6 +480,27 @@ async fn exchange(
             proxy.stats.client_errors.fetch_add(1, Relaxed);
             Next::End(Ended::ClientError)
         }
+        Fail::Deadline(progress) => {
+            proxy.stats.request_timeouts.fetch_add(1, Relaxed);
+            tracing::debug!(%peer, ?progress, "request past --request-timeout");
+            match progress {
+                Progress::Receiving => {
+                    proxy.stats.http_refused.fetch_add(1, Relaxed);
+                    let _ = answer(tls, 408, false).await;
+                    Next::End(Ended::ClientError)
+                }
+                Progress::Waiting => {
+                    proxy.stats.http_504.fetch_add(1, Relaxed);
+                    let _ = answer(tls, 504, false).await;
+                    Next::End(Ended::BackendError)
+                }
+                Progress::Responding => {
+                    // Part of the response is out: only a reset says it is not whole.
+                    reset(tls);
+                    Next::End(Ended::BackendError)
+                }
+            }
+        }
     }
 }
 
@@ -475,11 +539,15 @@ async fn forward_one(
     backend: &mut Buf,
     conn: &BackendConn,
     keep_alive: bool,
+    progress: &mut Progress,
 ) -> Result<Forwarded, Fail> {
     let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
     let idle = Duration::from_secs(proxy.args.server.idle_timeout);
     let stats = &proxy.stats;
 
+    // Until the response begins, a deadline is the backend's to answer for (504), except
+    // while the proxy waits for more of the client's body (408).
+    *progress = Progress::Waiting;
     // The head, with the body bytes already at hand, in one write.
     let mut body = BodyFraming::new(request.framing);
     let n = body.advance(client.bytes()).map_err(|_| Fail::BadBody)?;
@@ -500,10 +568,12 @@ async fn forward_one(
         client.grow_to_limit();
     }
     while !body.is_done() {
+        *progress = Progress::Receiving;
         match timeout(idle, tls.read(client.spare())).await {
             Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Err(Fail::Client),
             Ok(Ok(n)) => client.filled(n),
         }
+        *progress = Progress::Waiting;
         let n = body.advance(client.bytes()).map_err(|_| Fail::BadBody)?;
         match timeout(backend_timeout, conn.write_all(&client.bytes()[..n])).await {
             Ok(Ok(())) => {}
@@ -522,6 +592,7 @@ async fn forward_one(
         }
         // 100 Continue was the proxy's to send; others (103 Early Hints) go to 1.1 clients.
         if response.status != 100 && request.minor_version == 1 {
+            *progress = Progress::Responding;
             let mut out = Vec::new();
             response.encode(1, true, &mut out);
             tls.write_all(&out).await.map_err(|_| Fail::Client)?;
@@ -533,12 +604,14 @@ async fn forward_one(
                 "101 to a request that asked for no upgrade".into(),
             ));
         }
+        *progress = Progress::Responding;
         let mut out = Vec::new();
         response.encode(1, true, &mut out);
         tls.write_all(&out).await.map_err(|_| Fail::Client)?;
         return Ok(Forwarded::Upgraded(101));
     }
     let keep = keep_alive && response.framing != Framing::UntilClose;
+    *progress = Progress::Responding;
     relay_response(proxy, tls, &response, backend, conn, keep, backend_timeout).await?;
     Ok(Forwarded::Done {
         status: response.status,

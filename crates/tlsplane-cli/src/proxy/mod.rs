@@ -50,6 +50,12 @@ pub struct ProxyArgs {
     /// and between reads of the response body (504 before the response begins).
     #[arg(long, default_value_t = 60)]
     pub backend_timeout: u64,
+    /// HTTP mode: seconds a request may take in all, from the end of its head to the end of
+    /// its response (0: no total, each wait is bounded by its own timeout). Past it: 408 while
+    /// the client is still sending its body, 504 while the backend has not answered, a reset
+    /// once the response has begun.
+    #[arg(long, default_value_t = 0)]
+    pub request_timeout: u64,
     /// HTTP mode: idle keep-alive connections kept per backend per worker (0: a new backend
     /// connection for every request).
     #[arg(long, default_value_t = 32)]
@@ -185,6 +191,8 @@ pub struct ProxyStats {
     http_502: AtomicU64,
     /// HTTP mode: 504 answers (no response within --backend-timeout).
     http_504: AtomicU64,
+    /// HTTP mode: requests past --request-timeout (answered 408 or 504, or reset).
+    request_timeouts: AtomicU64,
     /// HTTP mode: requests sent on a kept-alive backend connection.
     backend_reused: AtomicU64,
     /// HTTP mode: requests sent again on a new connection after a reused one was closed.
@@ -295,6 +303,7 @@ impl Product for Proxy {
             ("proxy_http_refused", p.http_refused.load(Relaxed)),
             ("proxy_http_502", p.http_502.load(Relaxed)),
             ("proxy_http_504", p.http_504.load(Relaxed)),
+            ("proxy_request_timeouts", p.request_timeouts.load(Relaxed)),
             ("proxy_backend_reused", p.backend_reused.load(Relaxed)),
             ("proxy_backend_retries", p.backend_retries.load(Relaxed)),
             ("proxy_upgrades", p.upgrades.load(Relaxed)),

@@ -29,6 +29,7 @@ struct Seen {
 /// - `/die`: a head announcing 1 MB, 1000 bytes of it, then a reset;
 /// - `/silent`: reads the request and closes without a response;
 /// - `/slow`: answers after 3 s;
+/// - `/trickle`: 100 bytes announced, one every 100 ms;
 /// - `/ws`: `101 Switching Protocols`, then echoes bytes.
 fn http_backend() -> (SocketAddr, Arc<Seen>) {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -76,7 +77,10 @@ fn backend_conn(c: TcpStream, seen: &Seen) {
         let mut body = Vec::new();
         if let Some(n) = field("content-length") {
             body.resize(n.parse().expect("CL"), 0);
-            r.read_exact(&mut body).expect("body");
+            if r.read_exact(&mut body).is_err() {
+                // The proxy gave up on the request (its --request-timeout).
+                return;
+            }
         } else if field("transfer-encoding").is_some() {
             loop {
                 let mut line = String::new();
@@ -144,6 +148,15 @@ fn backend_conn(c: TcpStream, seen: &Seen) {
         } else if target == "/slow" {
             std::thread::sleep(Duration::from_secs(3));
             ok(&mut w, b"late")
+        } else if target == "/trickle" {
+            let _ = write!(w, "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n");
+            for b in pattern(100) {
+                if w.write_all(&[b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Ok(())
         } else if target == "/ws" {
             let _ = write!(
                 w,
@@ -607,4 +620,55 @@ fn a_backend_at_its_connection_limit_gets_no_more_503_instead() {
     assert_eq!(seen.connections.load(SeqCst), 1, "the limit was exceeded");
     let stats = server.stop();
     assert_eq!(stats["proxy_backend_full"], 1, "{stats:?}");
+}
+
+#[test]
+fn request_timeout_bounds_a_request_as_a_whole() {
+    let (backend, _) = http_backend();
+    let server = http_proxy(&backend.to_string())
+        .arg("--request-timeout")
+        .arg("1")
+        .start();
+    let port = server.port();
+
+    // A backend that answers after 3 s: 504 at the deadline, not after --backend-timeout (60).
+    let mut c = TlsClient::connect_version(port, Tls::V13);
+    let asked = Instant::now();
+    assert_eq!(c.get("/slow").status, 504);
+    let took = asked.elapsed();
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_millis(2900),
+        "504 after {took:?}"
+    );
+    drop(c);
+
+    // A response that trickles (each wait well within its own timeout): cut off with a
+    // reset at the deadline, never taken for whole.
+    let mut c = TlsClient::connect_version(port, Tls::V13);
+    c.write_all(&crate::support::get_request("/trickle", ""))
+        .expect("write");
+    let (status, _) = c.read_head().expect("head");
+    assert_eq!(status, 200);
+    let (rest, end) = c.read_to_end();
+    assert!(
+        rest.len() < 100,
+        "the body cannot be whole: {} bytes",
+        rest.len()
+    );
+    assert!(
+        !matches!(end, End::CloseNotify),
+        "a response cut off at the deadline must not end cleanly"
+    );
+
+    // A client that sends 10 bytes of a 100-byte body and then nothing: 408.
+    let mut c = TlsClient::connect_version(port, Tls::V13);
+    c.write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
+        .expect("write");
+    let (status, _) = c.read_head().expect("head");
+    assert_eq!(status, 408);
+    drop(c);
+
+    let stats = server.stop();
+    assert_eq!(stats["proxy_request_timeouts"], 3, "{stats:?}");
+    assert_eq!(stats["proxy_http_504"], 1, "{stats:?}");
 }
