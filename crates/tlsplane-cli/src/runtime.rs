@@ -259,6 +259,21 @@ pub fn run<H: Handler>(
     if config.listen.is_empty() {
         bail!("no --listen address");
     }
+    // The signal handlers before anything says we listen (the port line, the pid file): a
+    // SIGHUP from `tlsplane reload` right after start-up must reload, not kill the server
+    // with the default action.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (mut term, mut int, mut hup) = {
+        use tokio::signal::unix::{signal, SignalKind};
+        let _in_rt = rt.enter();
+        (
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::hangup())?,
+        )
+    };
     let per_worker = bind_all(&config.listen, config.workers)?;
     let mut pid_file = config
         .pid_file
@@ -296,15 +311,7 @@ pub fn run<H: Handler>(
         );
     }
 
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
     rt.block_on(async {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        // SIGHUP's default action would kill the server and every connection with it.
-        let mut hup = signal(SignalKind::hangup())?;
         let mut requests = requests;
         loop {
             let why = tokio::select! {

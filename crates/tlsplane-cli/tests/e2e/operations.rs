@@ -275,6 +275,38 @@ fn sighup_reloads_and_the_server_keeps_serving() {
     server.stop();
 }
 
+/// The port line (and the pid file) come after the signal handlers: a SIGHUP the moment a
+/// server says it listens reloads it. (In an emulated guest, a SIGHUP in that window killed
+/// a server whose handlers were installed later.)
+#[test]
+fn sighup_right_after_start_reloads() {
+    let mut server = Server::start();
+    let status = Command::new("kill")
+        .args(["-HUP", &server.pid().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !server
+        .stderr_lines()
+        .iter()
+        .any(|l| l.contains("configuration reloaded"))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no reload after an early SIGHUP: {:?}",
+            server.stderr_lines()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    server.assert_alive();
+    assert_eq!(
+        fetch(server.port(), Tls::V13, &fixtures::get().hello.url).status,
+        200
+    );
+    server.stop();
+}
+
 fn run_server(args: &[&std::ffi::OsStr]) -> tools::Output {
     let mut cmd = Command::new(server_bin());
     cmd.arg("serve")
