@@ -133,25 +133,12 @@ impl Keys {
         let mut launcher = self.launcher.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(launcher) = launcher.as_mut() {
             let (pid, socket) = launcher.spawn(&crate::keyd::encode_hex(token.as_ref()))?;
-            let endpoint = Endpoint { socket, token };
-            let deadline = Instant::now() + Duration::from_secs(30);
-            let client = loop {
-                match KeydClient::connect(endpoint.clone()) {
-                    Ok(c) => break c,
-                    Err(_) if Instant::now() < deadline => {
-                        if let Some(Event::Exited { pid: p, status }) =
-                            launcher.next(Duration::from_millis(5))
-                        {
-                            if p == pid {
-                                anyhow::bail!(
-                                    "the key daemon exited ({status}) before it listened"
-                                );
-                            }
-                        }
-                    }
-                    Err(e) => anyhow::bail!("the key daemon did not answer within 30 s: {e}"),
-                }
-            };
+            let client = wait_until_listening(Endpoint { socket, token }, || {
+                Ok(match launcher.next(Duration::from_millis(5)) {
+                    Some(Event::Exited { pid: p, status }) if p == pid => Some(status),
+                    _ => None,
+                })
+            })?;
             *self.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
             *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) =
                 Some(Spawned::Launched { pid });
@@ -160,44 +147,17 @@ impl Keys {
         drop(launcher);
         let dir = private_dir(0o700)?;
         let socket = dir.join("keyd.sock");
-        let exe = std::env::current_exe()?;
-        let mut child = Command::new(exe)
-            .arg("keyd")
-            .arg("--socket")
-            .arg(&socket)
-            .args(&self.daemon_args)
-            .arg("--parent")
-            .arg(std::process::id().to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .map_err(|e| anyhow::anyhow!("cannot start the key daemon: {e}"))?;
-        let mut stdin = child.stdin.take().expect("piped stdin");
-        let hex = crate::keyd::encode_hex(token.as_ref());
-        stdin.write_all(hex.as_bytes())?;
-        stdin.write_all(b"\n")?;
-        let mut spawned = Spawned::Child {
+        let (mut child, stdin) = start_daemon_process(&socket, &self.daemon_args, &[], &token)?;
+        let client = wait_until_listening(Endpoint { socket, token }, || {
+            Ok(child.try_wait()?.map(|status| status.to_string()))
+        });
+        let spawned = Spawned::Child {
             child,
             stdin: Some(stdin),
             dir,
         };
-        let endpoint = Endpoint { socket, token };
-        // It loads every key before it listens: wait for that (or for its death).
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let client = loop {
-            match KeydClient::connect(endpoint.clone()) {
-                Ok(c) => break c,
-                Err(_) if Instant::now() < deadline => {
-                    if let Spawned::Child { child, .. } = &mut spawned {
-                        if let Some(status) = child.try_wait()? {
-                            anyhow::bail!("the key daemon exited ({status}) before it listened");
-                        }
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => anyhow::bail!("the key daemon did not answer within 30 s: {e}"),
-            }
-        };
+        // On an error, dropping `spawned` stops the daemon and removes its directory.
+        let client = client?;
         *self.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
         *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) = Some(spawned);
         Ok(())
@@ -325,6 +285,54 @@ impl Keys {
         self.stopping.store(true, Relaxed);
         *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) = None;
         *self.launcher.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
+/// Starts `tlsplane keyd` listening on `socket` for the keys `daemon_args` name, a child of
+/// this process (dying with it), with `extra` arguments, and hands it `token` on its stdin,
+/// which it keeps open: the daemon exits when that closes.
+pub fn start_daemon_process(
+    socket: &Path,
+    daemon_args: &[OsString],
+    extra: &[&str],
+    token: &[u8; TOKEN_LEN],
+) -> anyhow::Result<(Child, ChildStdin)> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("keyd")
+        .arg("--socket")
+        .arg(socket)
+        .args(daemon_args)
+        .arg("--parent")
+        .arg(std::process::id().to_string())
+        .args(extra)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("cannot start the key daemon: {e}"))?;
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    stdin.write_all(crate::keyd::encode_hex(token).as_bytes())?;
+    stdin.write_all(b"\n")?;
+    Ok((child, stdin))
+}
+
+/// Connects to a daemon just started, which loads every key before it listens: waits for
+/// that, at most 30 s, or for `exited` to say how it ended first.
+fn wait_until_listening(
+    endpoint: Endpoint,
+    mut exited: impl FnMut() -> anyhow::Result<Option<String>>,
+) -> anyhow::Result<Arc<KeydClient>> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match KeydClient::connect(endpoint.clone()) {
+            Ok(c) => return Ok(c),
+            Err(_) if Instant::now() < deadline => {
+                if let Some(status) = exited()? {
+                    anyhow::bail!("the key daemon exited ({status}) before it listened");
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => anyhow::bail!("the key daemon did not answer within 30 s: {e}"),
+        }
     }
 }
 

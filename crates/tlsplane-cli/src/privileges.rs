@@ -200,24 +200,13 @@ fn start_daemon(
     // the token.
     let dir = crate::keys::private_dir(0o711)?;
     let socket = dir.join("keyd.sock");
-    let mut child = Command::new(std::env::current_exe()?)
-        .arg("keyd")
-        .arg("--socket")
-        .arg(&socket)
-        .args(&args.daemon_args)
-        .arg("--parent")
-        .arg(std::process::id().to_string())
-        .arg("--allow-uid")
-        .arg(args.allow_uid.to_string())
-        .arg("--socket-mode")
-        .arg("666")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .map_err(|e| anyhow::anyhow!("cannot start the key daemon: {e}"))?;
-    let mut stdin = child.stdin.take().expect("piped stdin");
-    stdin.write_all(crate::keyd::encode_hex(token.as_ref()).as_bytes())?;
-    stdin.write_all(b"\n")?;
+    let allow = args.allow_uid.to_string();
+    let (child, stdin) = crate::keys::start_daemon_process(
+        &socket,
+        &args.daemon_args,
+        &["--allow-uid", &allow, "--socket-mode", "666"],
+        &token,
+    )?;
     Ok((child, stdin, dir, socket))
 }
 

@@ -450,6 +450,10 @@ async fn exchange(
             }
         }
     };
+    if let Fail::Deadline(progress) = &fail {
+        proxy.stats.request_timeouts.fetch_add(1, Relaxed);
+        tracing::debug!(%peer, ?progress, "request past --request-timeout");
+    }
     match fail {
         Fail::BadGateway(why) => {
             tracing::warn!(%peer, error = %why, "bad gateway");
@@ -459,7 +463,7 @@ async fn exchange(
             let _ = answer(tls, 502, false).await;
             Next::End(Ended::BackendError)
         }
-        Fail::Timeout => {
+        Fail::Timeout | Fail::Deadline(Progress::Waiting) => {
             proxy.stats.http_504.fetch_add(1, Relaxed);
             let _ = answer(tls, 504, false).await;
             Next::End(Ended::BackendError)
@@ -480,26 +484,15 @@ async fn exchange(
             proxy.stats.client_errors.fetch_add(1, Relaxed);
             Next::End(Ended::ClientError)
         }
-        Fail::Deadline(progress) => {
-            proxy.stats.request_timeouts.fetch_add(1, Relaxed);
-            tracing::debug!(%peer, ?progress, "request past --request-timeout");
-            match progress {
-                Progress::Receiving => {
-                    proxy.stats.http_refused.fetch_add(1, Relaxed);
-                    let _ = answer(tls, 408, false).await;
-                    Next::End(Ended::ClientError)
-                }
-                Progress::Waiting => {
-                    proxy.stats.http_504.fetch_add(1, Relaxed);
-                    let _ = answer(tls, 504, false).await;
-                    Next::End(Ended::BackendError)
-                }
-                Progress::Responding => {
-                    // Part of the response is out: only a reset says it is not whole.
-                    reset(tls);
-                    Next::End(Ended::BackendError)
-                }
-            }
+        Fail::Deadline(Progress::Receiving) => {
+            proxy.stats.http_refused.fetch_add(1, Relaxed);
+            let _ = answer(tls, 408, false).await;
+            Next::End(Ended::ClientError)
+        }
+        Fail::Deadline(Progress::Responding) => {
+            // Part of the response is out: only a reset says it is not whole.
+            reset(tls);
+            Next::End(Ended::BackendError)
         }
     }
 }
