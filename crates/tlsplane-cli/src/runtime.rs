@@ -285,6 +285,11 @@ pub fn run<H: Handler>(
     if let Some(user) = &config.run_as {
         user.switch()?;
     }
+    // Said once the server is what it will stay (the user it runs as included): scripts and
+    // tests take this line for "ready".
+    for l in per_worker.first().into_iter().flatten() {
+        eprintln!("listening on https://{}", l.local_addr()?);
+    }
     let shared = Arc::new(Shared {
         current: std::sync::RwLock::new(Arc::new(first)),
         config: config.clone(),
@@ -427,7 +432,6 @@ fn bind_all(
             let l = bind_reuseport(actual).with_context(|| format!("cannot listen on {actual}"))?;
             if i == 0 {
                 actual = l.local_addr()?;
-                eprintln!("listening on https://{actual}");
             }
             slot.push(l);
         }
