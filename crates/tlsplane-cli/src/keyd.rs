@@ -3,10 +3,11 @@
 //!
 //! Started by `serve` (the default), it reads its token from stdin, drops its keys and exits
 //! when stdin closes (the server stops or is gone) or on SIGTERM, and is killed if the server
-//! dies (`PR_SET_PDEATHSIG`, SIGKILL, which also ends a stopped daemon). Started by hand (`--keyd unix:PATH` on the server), it writes its
-//! token to `PATH.token` (mode 0600). Either way it is non-dumpable (`PR_SET_DUMPABLE 0`: no
-//! core file, no ptrace or /proc/PID/mem by other processes of its user), opens no network
-//! socket, and drops (zeroizes) its keys before it exits.
+//! dies (`PR_SET_PDEATHSIG`, SIGKILL, which also ends a stopped daemon). Started by hand
+//! (`--keyd unix:PATH` on the server), it writes its token to `PATH.token` (mode 0600). Either
+//! way it is non-dumpable (`PR_SET_DUMPABLE 0`: no core file, no ptrace or /proc/PID/mem by
+//! other processes of its user), opens no network socket, and drops (zeroizes) its keys before
+//! it exits. SIGUSR1 makes it say on stderr how many signatures it made and their mean cost.
 
 use std::collections::HashMap;
 use std::io::{BufRead, Read};
@@ -216,25 +217,27 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
             exit("the server is gone");
         });
     }
+    // Handlers before the "listening" line: a signal sent as soon as the daemon is up must
+    // not meet the default action (which for SIGUSR1 is to die).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (mut term, mut int, mut usr1) = rt.block_on(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        anyhow::Ok((
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::user_defined1())?,
+        ))
+    })?;
     std::thread::spawn(move || {
-        let rt = match tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-        {
-            Ok(rt) => rt,
-            Err(_) => return,
-        };
         let why = rt.block_on(async {
-            use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut term), Ok(mut int)) = (
-                signal(SignalKind::terminate()),
-                signal(SignalKind::interrupt()),
-            ) else {
-                return std::future::pending().await;
-            };
-            tokio::select! {
-                _ = term.recv() => "SIGTERM",
-                _ = int.recv() => "SIGINT",
+            loop {
+                tokio::select! {
+                    _ = term.recv() => break "SIGTERM",
+                    _ = int.recv() => break "SIGINT",
+                    _ = usr1.recv() => report_signatures(),
+                }
             }
         });
         exit(why);
@@ -288,6 +291,25 @@ fn serve_conn(
             return;
         }
     }
+}
+
+/// SIGUSR1: how many signatures the daemon made and what one cost inside the signing library
+/// (its clock, not the server's), on stderr. The server's own view of the same signatures,
+/// round trip included, is its `keyd_signatures` / `keyd_wait_ns` counters.
+fn report_signatures() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let stats = tlsplane::stats::global();
+    let (n, ns) = (
+        stats.signatures.load(Relaxed),
+        stats.signature_ns.load(Relaxed),
+    );
+    let mean_us = if n == 0 {
+        0.0
+    } else {
+        ns as f64 / n as f64 / 1e3
+    };
+    let total_ms = ns as f64 / 1e6;
+    eprintln!("keyd: {n} signatures in {total_ms:.1} ms, {mean_us:.1} µs each in the signer");
 }
 
 fn err(why: impl AsRef<str>) -> Vec<u8> {

@@ -264,7 +264,14 @@ impl Signer for RemoteSigner {
         req.extend_from_slice(&self.handle.to_be_bytes());
         req.extend_from_slice(&u16::from(self.scheme).to_be_bytes());
         req.extend_from_slice(message);
-        self.client.call(&req).map_err(|e| {
+        let started = std::time::Instant::now();
+        let signature = self.client.call(&req);
+        if signature.is_ok() {
+            let stats = crate::stats::global();
+            crate::stats::bump(&stats.keyd_signatures);
+            crate::stats::add(&stats.keyd_wait_ns, started.elapsed().as_nanos() as u64);
+        }
+        signature.map_err(|e| {
             crate::stats::bump(&crate::stats::global().keyd_sign_failures);
             tracing::debug!(error = %e, "keyd signature failed");
             rustls::Error::General(format!("signature by keyd failed: {e}"))

@@ -84,6 +84,14 @@ counters! {
     /// Signatures the key daemon did not deliver (it is down, slow or refused): each failed
     /// a handshake.
     keyd_sign_failures,
+    /// Signatures made by this process with a key it holds (the server with `--keyd off`, or
+    /// the key daemon), and the time spent making them (in the signing library, ns).
+    signatures,
+    signature_ns,
+    /// Signatures the key daemon made for this server, and the time the handshakes waited for
+    /// them (request sent to reply read, ns: the round trip and the daemon's signature).
+    keyd_signatures,
+    keyd_wait_ns,
 }
 
 /// Connections open now, by plane: gauges (they go down), apart from the counters.

@@ -197,6 +197,41 @@ fn try_handshake(port: u16) -> (Result<(), String>, Duration) {
     (r, t.elapsed())
 }
 
+/// Signatures are counted and timed where they are made: by the daemon (its SIGUSR1 report),
+/// never by the server when keyd holds the keys (which also shows the server signs nothing
+/// itself), and by the server with `--keyd off`; the server times its waits on keyd.
+#[test]
+fn signatures_are_counted_where_they_are_made() {
+    let server = Server::builder().start();
+    some_handshakes(server.port());
+    let keyd = keyd_pid(server.pid());
+    send_signal(keyd, "-USR1");
+    let line = wait_line(&server, " signatures in ");
+    let made: u64 = line
+        .split("keyd: ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {line:?}"));
+    assert!(made >= 2, "{line}");
+    assert_eq!(
+        keyd_pid(server.pid()),
+        keyd,
+        "SIGUSR1 must not end the daemon"
+    );
+    let stats = server.stop();
+    assert_eq!(stats.get("signatures"), 0, "the server signed: {stats:?}");
+    assert_eq!(stats.get("keyd_signatures"), made, "{stats:?}");
+    assert!(stats.get("keyd_wait_ns") > 0, "{stats:?}");
+
+    let server = Server::builder().arg("--keyd").arg("off").start();
+    some_handshakes(server.port());
+    let stats = server.stop();
+    assert!(stats.get("signatures") >= 2, "{stats:?}");
+    assert!(stats.get("signature_ns") > 0, "{stats:?}");
+    assert_eq!(stats.get("keyd_signatures"), 0, "{stats:?}");
+}
+
 #[test]
 fn a_dead_keyd_fails_handshakes_fast_and_is_restarted_without_losing_connections() {
     // Handshake-only connections close before the kernel could take them.
@@ -369,8 +404,12 @@ fn site_for_another_user(test: &str) -> (std::path::PathBuf, std::path::PathBuf)
 }
 
 fn hup(pid: u32) {
+    send_signal(pid, "-HUP");
+}
+
+fn send_signal(pid: u32, signal: &str) {
     assert!(Command::new("kill")
-        .args(["-HUP", &pid.to_string()])
+        .args([signal, &pid.to_string()])
         .status()
         .unwrap()
         .success());
