@@ -20,21 +20,36 @@ pub(super) struct Pool {
     next: AtomicUsize,
     /// By backend: left out of the rotation until then.
     down_until: Vec<Mutex<Option<Instant>>>,
-    /// By backend: connections open (in use or idle), across workers.
-    open: Vec<Arc<AtomicUsize>>,
+    /// By backend: connections open (in use or idle) across workers, and how idle ones held
+    /// by other workers are asked back.
+    shared: Vec<Arc<BackendShared>>,
+}
+
+/// What the workers share about one backend's connections.
+#[derive(Default)]
+pub(super) struct BackendShared {
+    /// Open, in use or idle (what --backend-max-connections bounds).
+    open: AtomicUsize,
+    /// Of those, idle in some worker's keep-alive list.
+    idle: AtomicUsize,
+    /// Idle connections other workers asked to have closed (a worker at the limit, with none
+    /// idle of its own): the worker holding one closes its oldest and takes one off.
+    evict_wanted: AtomicUsize,
+    /// Woken when a connection closes (a place under the limit is free).
+    freed: tokio::sync::Notify,
 }
 
 impl Pool {
     pub(super) fn new(backends: Vec<Backend>) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         let down_until = backends.iter().map(|_| Mutex::new(None)).collect();
-        let open = backends.iter().map(|_| Arc::default()).collect();
+        let shared = backends.iter().map(|_| Arc::default()).collect();
         Self {
             id: NEXT_ID.fetch_add(1, Relaxed),
             backends,
             next: AtomicUsize::new(0),
             down_until,
-            open,
+            shared,
         }
     }
 
@@ -71,11 +86,12 @@ pub(super) struct BackendConn {
 }
 
 /// One of a backend's connections under --backend-max-connections; given back when dropped.
-pub(super) struct Slot(Arc<AtomicUsize>);
+pub(super) struct Slot(Arc<BackendShared>);
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
+        self.0.open.fetch_sub(1, Relaxed);
+        self.0.freed.notify_waiters();
     }
 }
 
@@ -253,14 +269,87 @@ impl BackendConn {
     }
 }
 
-/// Idle connections by (pool, backend), newest last, with when each went idle.
-type IdleLists = HashMap<(u64, usize), Vec<(BackendConn, Instant)>>;
+/// One backend's idle connections in one worker, oldest first, with when each went idle.
+struct IdleList {
+    shared: Arc<BackendShared>,
+    conns: std::collections::VecDeque<(BackendConn, Instant)>,
+}
+
+impl IdleList {
+    fn pop_newest(&mut self) -> Option<(BackendConn, Instant)> {
+        let c = self.conns.pop_back()?;
+        self.shared.idle.fetch_sub(1, Relaxed);
+        Some(c)
+    }
+
+    fn drop_oldest(&mut self) -> bool {
+        let dropped = self.conns.pop_front().is_some();
+        if dropped {
+            self.shared.idle.fetch_sub(1, Relaxed);
+        }
+        dropped
+    }
+
+    fn drop_expired(&mut self, max_idle: Duration) {
+        while self
+            .conns
+            .front()
+            .is_some_and(|(_, since)| since.elapsed() >= max_idle)
+        {
+            self.drop_oldest();
+        }
+    }
+
+    /// Closes idle connections as long as other workers want some and this list has them.
+    fn serve_evictions(&mut self) {
+        while !self.conns.is_empty()
+            && self
+                .shared
+                .evict_wanted
+                .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            self.drop_oldest();
+        }
+    }
+}
 
 thread_local! {
-    /// Idle keep-alive backend connections, by (pool, backend), newest last. Per thread: a
-    /// connection belongs to the event loop it was registered with, and each connection loop
-    /// is one thread.
-    static IDLE: RefCell<IdleLists> = RefCell::new(HashMap::new());
+    /// Idle keep-alive backend connections, by (pool, backend). Per thread: a connection
+    /// belongs to the event loop it was registered with, and each connection loop is one
+    /// thread.
+    static IDLE: RefCell<HashMap<(u64, usize), IdleList>> = RefCell::new(HashMap::new());
+    /// This thread's wake-up for eviction requests, once it holds idle connections.
+    static EVICTOR: RefCell<Option<Arc<tokio::sync::Notify>>> = const { RefCell::new(None) };
+}
+
+/// The eviction wake-ups of every thread that has held idle connections.
+static EVICTORS: Mutex<Vec<Arc<tokio::sync::Notify>>> = Mutex::new(Vec::new());
+
+/// Starts this thread's evictor (once): a task that, when asked, closes idle connections
+/// other workers need closed to stay under --backend-max-connections.
+fn ensure_evictor() {
+    EVICTOR.with_borrow_mut(|evictor| {
+        if evictor.is_some() {
+            return;
+        }
+        let wake = Arc::new(tokio::sync::Notify::new());
+        *evictor = Some(wake.clone());
+        EVICTORS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(wake.clone());
+        tokio::spawn(async move {
+            loop {
+                wake.notified().await;
+                IDLE.with_borrow_mut(|idle| {
+                    for list in idle.values_mut() {
+                        list.serve_evictions();
+                    }
+                });
+            }
+        });
+    });
 }
 
 impl Pool {
@@ -269,7 +358,7 @@ impl Pool {
     pub(super) fn take_idle(&self, i: usize, max_idle: Duration) -> Option<BackendConn> {
         IDLE.with_borrow_mut(|idle| {
             let list = idle.get_mut(&(self.id, i))?;
-            while let Some((conn, since)) = list.pop() {
+            while let Some((conn, since)) = list.pop_newest() {
                 if since.elapsed() < max_idle && conn.is_reusable() {
                     return Some(conn);
                 }
@@ -279,21 +368,28 @@ impl Pool {
     }
 
     /// Keeps `conn` (to backend `i`, at the end of a response) for the next request, up to
-    /// `keep` per backend; expired ones of every pool go at the same time.
+    /// `keep` per backend; expired ones of every pool go at the same time, and so do any
+    /// that other workers asked for in the meantime.
     pub(super) fn put_idle(&self, i: usize, conn: BackendConn, keep: usize, max_idle: Duration) {
         if keep == 0 {
             return;
         }
+        ensure_evictor();
         IDLE.with_borrow_mut(|idle| {
             idle.retain(|_, list| {
-                list.retain(|(_, since)| since.elapsed() < max_idle);
-                !list.is_empty()
+                list.drop_expired(max_idle);
+                !list.conns.is_empty()
             });
-            let list = idle.entry((self.id, i)).or_default();
-            if list.len() >= keep {
-                list.remove(0);
+            let list = idle.entry((self.id, i)).or_insert_with(|| IdleList {
+                shared: self.shared[i].clone(),
+                conns: Default::default(),
+            });
+            if list.conns.len() >= keep {
+                list.drop_oldest();
             }
-            list.push((conn, Instant::now()));
+            list.conns.push_back((conn, Instant::now()));
+            list.shared.idle.fetch_add(1, Relaxed);
+            list.serve_evictions();
         });
     }
 }
@@ -302,10 +398,51 @@ impl Pool {
     /// A place for one more connection to backend `i`, unless it has `max` open already
     /// (0: no limit).
     pub(super) fn slot(&self, i: usize, max: usize) -> Option<Slot> {
-        let open = &self.open[i];
-        let before = open.fetch_add(1, Relaxed);
-        let slot = Slot(open.clone());
+        let shared = &self.shared[i];
+        let before = shared.open.fetch_add(1, Relaxed);
+        let slot = Slot(shared.clone());
         (max == 0 || before < max).then_some(slot)
+    }
+
+    /// Like [`Pool::slot`], but when the backend is at its limit with connections idle in
+    /// other workers, has one of them closed and takes its place (waiting at most `wait`;
+    /// `evicted` counts each such place). Idle connections must not make a backend look full
+    /// to the workers that do not hold them.
+    pub(super) async fn slot_or_evict(
+        &self,
+        i: usize,
+        max: usize,
+        wait: Duration,
+        evicted: &AtomicU64,
+    ) -> Option<Slot> {
+        if let Some(slot) = self.slot(i, max) {
+            return Some(slot);
+        }
+        let shared = &self.shared[i];
+        let deadline = tokio::time::Instant::now() + wait;
+        while shared.idle.load(Relaxed) > 0 {
+            let freed = shared.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            shared.evict_wanted.fetch_add(1, Relaxed);
+            for wake in EVICTORS.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                wake.notify_one();
+            }
+            let woken = tokio::time::timeout_at(deadline, freed).await.is_ok();
+            if let Some(slot) = self.slot(i, max) {
+                evicted.fetch_add(1, Relaxed);
+                return Some(slot);
+            }
+            // Nobody served the request (its connection was taken, or expired first): do not
+            // leave it to close a connection later for nobody.
+            let _ = shared
+                .evict_wanted
+                .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
+            if !woken {
+                break;
+            }
+        }
+        None
     }
 }
 

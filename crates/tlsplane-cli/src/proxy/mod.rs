@@ -71,8 +71,10 @@ pub struct ProxyArgs {
     #[arg(long, default_value_t = 5)]
     pub connect_timeout: u64,
     /// Connections open to one backend at most, across workers, idle keep-alive ones
-    /// included (0: no limit). A backend at its limit is passed over; when all are, the
-    /// client gets 503 (HTTP mode) or is closed (TCP mode).
+    /// included (0: no limit). A worker that finds a backend at its limit while other workers
+    /// hold idle connections to it has one of those closed and takes its place; a backend at
+    /// its limit with none idle is passed over; when all are, the client gets 503 (HTTP
+    /// mode) or is closed (TCP mode).
     #[arg(long, default_value_t = 0)]
     pub backend_max_connections: usize,
     /// Seconds a backend that refused or timed out is left out of the rotation (0: never).
@@ -172,6 +174,9 @@ pub struct ProxyStats {
     no_backend: AtomicU64,
     /// Backends passed over at their --backend-max-connections.
     backend_full: AtomicU64,
+    /// Idle backend connections closed in one worker to make room under
+    /// --backend-max-connections for a request in another.
+    backend_idle_evicted: AtomicU64,
     /// Connections ended by an error on the client's side (a reset, a bad record).
     client_errors: AtomicU64,
     /// Connections ended by an error on the backend's side (a reset).
@@ -280,6 +285,10 @@ impl Product for Proxy {
             ),
             ("proxy_no_backend", p.no_backend.load(Relaxed)),
             ("proxy_backend_full", p.backend_full.load(Relaxed)),
+            (
+                "proxy_backend_idle_evicted",
+                p.backend_idle_evicted.load(Relaxed),
+            ),
             ("proxy_client_errors", p.client_errors.load(Relaxed)),
             ("proxy_backend_errors", p.backend_errors.load(Relaxed)),
             ("proxy_idle_timeouts", p.idle_timeouts.load(Relaxed)),
@@ -430,7 +439,10 @@ impl Proxy {
                     return Ok((conn, i, true));
                 }
             }
-            let Some(slot) = pool.slot(i, self.args.backend_max_connections) else {
+            let wait = Duration::from_secs(self.args.connect_timeout);
+            let max = self.args.backend_max_connections;
+            let evicted = &self.stats.backend_idle_evicted;
+            let Some(slot) = pool.slot_or_evict(i, max, wait, evicted).await else {
                 self.stats.backend_full.fetch_add(1, Relaxed);
                 full = true;
                 continue;

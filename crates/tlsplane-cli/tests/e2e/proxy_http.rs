@@ -623,6 +623,36 @@ fn a_backend_at_its_connection_limit_gets_no_more_503_instead() {
 }
 
 #[test]
+fn an_idle_backend_connection_in_one_worker_leaves_room_for_another() {
+    let (backend, seen) = http_backend();
+    let server = http_proxy(&backend.to_string())
+        .workers(2)
+        .arg("--backend-max-connections")
+        .arg("1")
+        .start();
+    let port = server.port();
+    // New client connections land on either worker (SO_REUSEPORT hashes the address pair),
+    // and each request leaves its backend connection idle in the worker that served it: the
+    // other worker must not find the backend full (the chance that all 24 land on one worker
+    // is 2^-23).
+    for n in 0..24 {
+        let mut c = TlsClient::connect_version(port, Tls::V13);
+        assert_eq!(c.get("/bytes/10").status, 200, "request {n}");
+        c.close();
+    }
+    let stats = server.stop();
+    assert_eq!(stats["proxy_backend_full"], 0, "{stats:?}");
+    let evicted = stats["proxy_backend_idle_evicted"];
+    assert!(evicted >= 1, "both workers served requests: {stats:?}");
+    // Every other request reused the one idle connection of its worker: the limit held.
+    assert_eq!(
+        seen.connections.load(SeqCst) as u64,
+        evicted + 1,
+        "{stats:?}"
+    );
+}
+
+#[test]
 fn request_timeout_bounds_a_request_as_a_whole() {
     let (backend, _) = http_backend();
     let server = http_proxy(&backend.to_string())
