@@ -677,8 +677,18 @@ fn handshake_loop<H: Handler>(
                 (shared.clone(), starter.clone(), lobby.clone(), stop.clone());
             let handshaking = handshaking.clone();
             accepts.push(tokio::spawn(async move {
+                // --client-block: this listener's drop filter follows the blocked addresses,
+                // re-made when one is added and when the first of them is due to leave.
+                let mut blocks = shared.admission.subscribe_blocks();
+                let mut unblock_at: Option<tokio::time::Instant> = None;
                 loop {
                     tokio::select! {
+                        Ok(()) = blocks.changed() => {
+                            unblock_at = refilter(&l, &shared.admission);
+                        }
+                        _ = sleep_until_some(unblock_at) => {
+                            unblock_at = refilter(&l, &shared.admission);
+                        }
                         r = accept_unregistered(&l) => match r {
                             Ok((tcp, peer)) => {
                                 let mut open = shared.in_flight.load(Relaxed);
@@ -708,6 +718,9 @@ fn handshake_loop<H: Handler>(
                                         shared.stats.limits.count(refusal);
                                         tracing::debug!(%peer, ?refusal, "connection refused by a limit");
                                         limits::reset(tcp);
+                                        if shared.admission.block_refused(peer, refusal) {
+                                            shared.stats.limits.client_blocks.fetch_add(1, Relaxed);
+                                        }
                                         continue;
                                     }
                                 };
@@ -753,6 +766,28 @@ fn handshake_loop<H: Handler>(
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     });
+}
+
+/// Attaches to `l` the drop filter for the addresses blocked now; when to do it again.
+fn refilter(
+    l: &tokio::io::unix::AsyncFd<std::net::TcpListener>,
+    admission: &limits::Admission,
+) -> Option<tokio::time::Instant> {
+    let (program, next) = admission.block_filter(std::time::Instant::now());
+    use std::os::fd::AsFd;
+    if let Err(e) = tlsplane_sys::set_socket_filter(l.get_ref().as_fd(), &program) {
+        // Without the filter, those clients are refused at accept as before.
+        tracing::warn!(error = %e, "cannot attach the client block filter to a listener");
+    }
+    next.map(tokio::time::Instant::from_std)
+}
+
+/// Sleeps until `at`, or for ever.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// accept(2) without registering the new socket with the event loop: a connection refused by

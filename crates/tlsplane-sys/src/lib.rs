@@ -252,6 +252,49 @@ pub fn queued_bytes(sock: BorrowedFd<'_>) -> io::Result<usize> {
     Ok(n.max(0) as usize)
 }
 
+/// Attaches a classic BPF program to a socket (`SO_ATTACH_FILTER`), replacing any other; with
+/// an empty program, detaches the socket's filter (`SO_DETACH_FILTER`; none attached is fine).
+/// On a listening TCP socket the program sees each SYN (and handshake ACK) before the kernel
+/// makes a connection of it; returning 0 drops the packet. Connections accepted later start
+/// with the filter the listener had when they were made.
+pub fn set_socket_filter(sock: BorrowedFd<'_>, program: &[libc::sock_filter]) -> io::Result<()> {
+    if program.is_empty() {
+        let none: libc::c_int = 0;
+        // SAFETY: SO_DETACH_FILTER reads no option value; the pointer and length are valid.
+        let r = cvt(unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_DETACH_FILTER,
+                (&none as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        });
+        return match r {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            r => r.map(drop),
+        };
+    }
+    let len = u16::try_from(program.len())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "BPF program too long"))?;
+    let fprog = libc::sock_fprog {
+        len,
+        filter: program.as_ptr().cast_mut(),
+    };
+    // SAFETY: fprog points at `program`, valid for `len` instructions for the duration of the
+    // call; the kernel copies (and checks) the program and keeps no pointer to it.
+    cvt(unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ATTACH_FILTER,
+            (&fprog as *const libc::sock_fprog).cast(),
+            std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
+        )
+    })?;
+    Ok(())
+}
+
 /// Sets the nice value of the calling thread only (Linux schedules threads, and
 /// `setpriority(PRIO_PROCESS, tid)` addresses one). Raising it needs no privilege.
 pub fn set_current_thread_nice(nice: i32) -> io::Result<()> {

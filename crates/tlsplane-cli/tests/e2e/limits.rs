@@ -443,3 +443,69 @@ fn slow_handshakes_give_way_to_new_connections_at_the_cap() {
     assert_eq!(stats["handshakes_evicted"], 3, "{stats:?}");
     assert_eq!(stats["limit_max_handshakes_per_worker"], 1, "{stats:?}");
 }
+
+/// Whether a TCP connection from `source` is made within `wait` (a dropped SYN is not
+/// retransmitted before a second). One that is made is read until the server ends it (the
+/// reset of a refusal), so that the next attempt comes after the server's decision.
+fn syn_answered(source: Ipv4Addr, port: u16, wait: Duration) -> bool {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(&std::net::SocketAddr::from((source, 0)).into())
+        .unwrap();
+    let to = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    if s.connect_timeout(&to.into(), wait).is_err() {
+        return false;
+    }
+    let mut tcp: std::net::TcpStream = s.into();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let _ = tcp.read(&mut [0u8; 1]);
+    true
+}
+
+#[test]
+fn client_block_drops_a_refused_address_until_its_next_token() {
+    let server = Server::builder()
+        .arg("--client-incomplete-rate")
+        .arg("30/min")
+        .arg("--client-block")
+        .start();
+    let port = server.port();
+    let hello = &fixtures::get().hello.url;
+    let sock = tcp_connect_from(SECOND, port).expect("connect");
+    let mut kept = TlsClient::over(sock, ClientOpts::version(Tls::V13).config());
+    assert_eq!(kept.get(hello).status, 200);
+    // Two handshakes left unfinished spend the address's incomplete budget (burst 2) ...
+    for _ in 0..2 {
+        let sock = tcp_connect_from(SECOND, port).expect("connect");
+        let mut c = TlsClient::over(sock, ClientOpts::version(Tls::V13).config());
+        c.flush_tls().expect("ClientHello");
+        c.read_tls_once().expect("the server's flight");
+    }
+    // ... so it is refused at accept (reset), and then its SYNs are dropped: a connection
+    // attempt is not even answered. (Refusals come first while the server notices the two
+    // closes and attaches the listener's filter.)
+    let blocked = (0..20).any(|_| !syn_answered(SECOND, port, Duration::from_millis(700)));
+    assert!(
+        blocked,
+        "the refused address's connections were still answered"
+    );
+    // Other addresses are served, and so is the blocked address's established connection.
+    assert!(served_from(FIRST, port), "another address was blocked too");
+    assert_eq!(
+        kept.get(hello).status,
+        200,
+        "an established connection was hit"
+    );
+    kept.close();
+    // A token comes back within 2 s, and with it the address.
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    while !served_from(SECOND, port) {
+        assert!(
+            std::time::Instant::now() < until,
+            "the address stayed blocked past its next token"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let stats = server.stop();
+    assert!(stats["client_blocks"] >= 1, "{stats:?}");
+    assert!(stats["limit_client_incomplete_rate"] >= 1, "{stats:?}");
+}
