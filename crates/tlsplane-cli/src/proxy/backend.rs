@@ -197,6 +197,22 @@ impl BackendConn {
         }
     }
 
+    /// Waits until the backend has sent something (or closed), without reading it.
+    pub(super) async fn readable(&self) -> std::io::Result<()> {
+        match &self.io {
+            Io::Tcp(s) => s.readable().await,
+            Io::Unix(s) => s.readable().await,
+        }
+    }
+
+    /// Reads what the backend has sent, if anything (WouldBlock if nothing).
+    pub(super) fn try_read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match &self.io {
+            Io::Tcp(s) => s.try_read(buf),
+            Io::Unix(s) => s.try_read(buf),
+        }
+    }
+
     pub(super) async fn write(&self, buf: &[u8]) -> std::io::Result<usize> {
         loop {
             let r = match &self.io {

@@ -391,6 +391,7 @@ async fn exchange(
                 status,
                 reusable,
                 keep,
+                answered_early,
             }) => {
                 log(status, &label);
                 if reusable {
@@ -405,6 +406,9 @@ async fn exchange(
                     return Next::KeepAlive;
                 }
                 let _ = Box::pin(tls.shutdown()).await;
+                if answered_early {
+                    linger(tls).await;
+                }
                 return Next::End(Ended::Closed);
             }
             Ok(Forwarded::Upgraded(status)) => {
@@ -516,6 +520,9 @@ enum Forwarded {
         status: u16,
         reusable: bool,
         keep: bool,
+        /// The backend answered before the whole body was sent: the rest of it is still
+        /// coming from the client.
+        answered_early: bool,
     },
     /// `101`: both sides now speak another protocol.
     Upgraded(u16),
@@ -560,7 +567,15 @@ async fn forward_one(
     if !body.is_done() {
         client.grow_to_limit();
     }
-    while !body.is_done() {
+    // A backend may answer before it has the whole body (413, 401, a redirect) and stop
+    // reading it: the proxy then stops sending it, relays that answer and closes the client's
+    // connection, whose body it has not read to its end.
+    let mut answered_early = false;
+    'body: while !body.is_done() {
+        if backend_answered(conn, backend, request)? {
+            answered_early = true;
+            break;
+        }
         *progress = Progress::Receiving;
         match timeout(idle, tls.read(client.spare())).await {
             Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Err(Fail::Client),
@@ -568,13 +583,36 @@ async fn forward_one(
         }
         *progress = Progress::Waiting;
         let n = body.advance(client.bytes()).map_err(|_| Fail::BadBody)?;
-        match timeout(backend_timeout, conn.write_all(&client.bytes()[..n])).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(Fail::BadGateway(format!("writing the request body: {e}"))),
-            Err(_) => return Err(Fail::Timeout),
+        let until = Instant::now() + backend_timeout;
+        let mut sent = 0;
+        while sent < n {
+            tokio::select! {
+                r = timeout_at(until, conn.write(&client.bytes()[sent..n])) => match r {
+                    Ok(Ok(0)) => return Err(Fail::BadGateway("the backend took no more of the body".into())),
+                    Ok(Ok(k)) => sent += k,
+                    Ok(Err(e)) => {
+                        // It may have answered, and reset what it would not read.
+                        if backend_answered(conn, backend, request)? {
+                            answered_early = true;
+                            break 'body;
+                        }
+                        return Err(Fail::BadGateway(format!("writing the request body: {e}")));
+                    }
+                    Err(_) => return Err(Fail::Timeout),
+                },
+                r = conn.readable() => {
+                    if r.is_ok() && backend_answered(conn, backend, request)? {
+                        answered_early = true;
+                        break 'body;
+                    }
+                }
+            }
         }
         stats.bytes_to_backend_copied.fetch_add(n as u64, Relaxed);
         client.consume(n);
+    }
+    if answered_early {
+        stats.early_responses.fetch_add(1, Relaxed);
     }
 
     // The response head, after any interim ones.
@@ -603,16 +641,87 @@ async fn forward_one(
         tls.write_all(&out).await.map_err(|_| Fail::Client)?;
         return Ok(Forwarded::Upgraded(101));
     }
-    let keep = keep_alive && response.framing != Framing::UntilClose;
+    let keep = keep_alive && !answered_early && response.framing != Framing::UntilClose;
     *progress = Progress::Responding;
     relay_response(proxy, tls, &response, backend, conn, keep, backend_timeout).await?;
     Ok(Forwarded::Done {
         status: response.status,
         reusable: response.keep_alive
+            && !answered_early
             && response.framing != Framing::UntilClose
             && backend.is_empty(),
         keep,
+        answered_early,
     })
+}
+
+/// How long the rest of a request body is read and dropped after an early answer.
+const LINGER: Duration = Duration::from_secs(5);
+
+/// Reads and drops what the client still sends (the rest of a body nobody wants) before the
+/// connection closes, for at most [`LINGER`]: closing a socket with unread bytes resets the
+/// connection, and a reset can destroy the answer still on its way to the client (nginx's
+/// lingering close).
+async fn linger(tls: &mut TlsStream) {
+    let mut sink = vec![0u8; 16 * 1024];
+    let _ = timeout(LINGER, async {
+        while matches!(tls.read(&mut sink).await, Ok(n) if n > 0) {}
+    })
+    .await;
+}
+
+/// Whether the backend has begun its final response while the request body is still being
+/// sent: reads what it sent without waiting. Interim responses (100 Continue) are dropped
+/// (the proxy answers Expect itself) and sending goes on; a backend that closed without a
+/// word is a 502.
+fn backend_answered(
+    conn: &BackendConn,
+    backend: &mut Buf,
+    request: &RequestHead,
+) -> Result<bool, Fail> {
+    loop {
+        if backend.is_empty() {
+            backend.grow_to_limit();
+        }
+        match conn.try_read(backend.spare()) {
+            Ok(0) if backend.is_empty() => {
+                return Err(Fail::BadGateway(
+                    "closed while the request body was being sent".into(),
+                ))
+            }
+            Ok(0) => {}
+            Ok(n) => {
+                backend.filled(n);
+                continue;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) if !backend.is_empty() => {}
+            Err(e) => {
+                return Err(Fail::BadGateway(format!(
+                    "failed while the request body was being sent: {e}"
+                )))
+            }
+        }
+        if backend.is_empty() {
+            return Ok(false);
+        }
+        match forward::parse_response_head(
+            backend.bytes(),
+            request,
+            MAX_RESPONSE_HEAD,
+            MAX_RESPONSE_FIELDS,
+        ) {
+            Ok(Head::Complete(response, len)) if response.is_interim() => {
+                backend.consume(len);
+            }
+            // A final response: what follows reads it.
+            Ok(Head::Complete(..)) => return Ok(true),
+            // Which one it is shows when the rest of its head comes (the socket is then
+            // readable again).
+            Ok(Head::Incomplete) => return Ok(false),
+            Err(e) => return Err(Fail::BadGateway(e.to_string())),
+        }
+    }
 }
 
 async fn read_response_head(

@@ -184,6 +184,9 @@ pub struct ProxyStats {
     /// Connections closed after --idle-timeout with no byte moving.
     idle_timeouts: AtomicU64,
     bytes_to_backend_copied: AtomicU64,
+    /// Responses a backend began before it had the whole request body (the rest of the
+    /// body was not sent, the client's connection closed after the response).
+    early_responses: AtomicU64,
     bytes_to_client_copied: AtomicU64,
     bytes_to_backend_spliced: AtomicU64,
     bytes_to_client_spliced: AtomicU64,
@@ -292,6 +295,7 @@ impl Product for Proxy {
             ("proxy_client_errors", p.client_errors.load(Relaxed)),
             ("proxy_backend_errors", p.backend_errors.load(Relaxed)),
             ("proxy_idle_timeouts", p.idle_timeouts.load(Relaxed)),
+            ("proxy_early_responses", p.early_responses.load(Relaxed)),
             (
                 "proxy_bytes_to_backend_copied",
                 p.bytes_to_backend_copied.load(Relaxed),

@@ -28,6 +28,7 @@ struct Seen {
 /// - `/echo`: the request body (Content-Length or chunked) back, Content-Length;
 /// - `/die`: a head announcing 1 MB, 1000 bytes of it, then a reset;
 /// - `/silent`: reads the request and closes without a response;
+/// - `POST /reject`: 413 at once, without reading the body; then 3 s without reading;
 /// - `/slow`: answers after 3 s;
 /// - `/trickle`: 100 bytes announced, one every 100 ms;
 /// - `/ws`: `101 Switching Protocols`, then echoes bytes.
@@ -68,6 +69,13 @@ fn backend_conn(c: TcpStream, seen: &Seen) {
             }
         }
         seen.heads.lock().unwrap().push(head.clone());
+        if head.starts_with("POST /reject") {
+            // Answers before the body and reads none of it, holding the connection a while.
+            let _ =
+                w.write_all(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 5\r\n\r\nlarge");
+            std::thread::sleep(std::time::Duration::from_secs(3));
+            return;
+        }
         let field = |name: &str| {
             head.lines().find_map(|l| {
                 let (k, v) = l.split_once(':')?;
@@ -650,6 +658,44 @@ fn an_idle_backend_connection_in_one_worker_leaves_room_for_another() {
         evicted + 1,
         "{stats:?}"
     );
+}
+
+#[test]
+fn a_backend_answering_before_the_whole_body_is_heard_at_once() {
+    let (backend, _) = http_backend();
+    let server = http_proxy(&backend.to_string()).start();
+    let port = server.port();
+    // More than the sockets on the way hold, so that the proxy cannot just write it all.
+    let upload = std::env::temp_dir().join(format!("tlsplane-upload-{}", std::process::id()));
+    std::fs::write(&upload, vec![b'x'; 32 << 20]).expect("upload file");
+    let started = Instant::now();
+    let out = curl(port)
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--data-binary",
+        ])
+        .arg(format!("@{}", upload.display()))
+        .arg(format!("https://localhost:{port}/reject"))
+        .output()
+        .expect("curl");
+    let took = started.elapsed();
+    let _ = std::fs::remove_file(&upload);
+    let code = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(code, "413", "curl: {out:?}");
+    // 22: --fail's HTTP error, i.e. the exchange ended cleanly; not 55/56 (a send or receive
+    // failure: the connection reset under curl's upload, which the proxy's lingering close
+    // avoids).
+    assert_eq!(out.status.code(), Some(22), "curl: {out:?}");
+    assert!(
+        took < Duration::from_millis(2500),
+        "the answer waited for the backend to give up: {took:?}"
+    );
+    let stats = server.stop();
+    assert_eq!(stats["proxy_early_responses"], 1, "{stats:?}");
 }
 
 #[test]
