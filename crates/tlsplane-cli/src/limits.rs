@@ -583,20 +583,13 @@ fn drop_filter(keys: &[ClientKey]) -> Vec<libc::sock_filter> {
     if keys.is_empty() {
         return Vec::new();
     }
-    let v4: Vec<u32> = keys
-        .iter()
-        .filter_map(|k| match k {
-            ClientKey::V4(a) => Some(*a),
-            ClientKey::V6(_) => None,
-        })
-        .collect();
-    let v6: Vec<u64> = keys
-        .iter()
-        .filter_map(|k| match k {
-            ClientKey::V6(p) => Some(*p),
-            ClientKey::V4(_) => None,
-        })
-        .collect();
+    let (mut v4, mut v6) = (Vec::new(), Vec::new());
+    for k in keys {
+        match *k {
+            ClientKey::V4(a) => v4.push(a),
+            ClientKey::V6(prefix) => v6.push(prefix),
+        }
+    }
     // 0: version nibble; 2-3: IPv4 → the IPv4 list at 7; 4-5: IPv6 → its list; 6: other.
     let v4_len = 2 + 2 * v4.len() as u32;
     let mut p = vec![
