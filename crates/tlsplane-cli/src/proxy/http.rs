@@ -569,7 +569,8 @@ async fn forward_one(
     }
     // A backend may answer before it has the whole body (413, 401, a redirect) and stop
     // reading it: the proxy then stops sending it, relays that answer and closes the client's
-    // connection, whose body it has not read to its end.
+    // connection, whose body it has not read to its end. It watches for that answer while it
+    // writes to the backend and while it waits for the client.
     let mut answered_early = false;
     'body: while !body.is_done() {
         if backend_answered(conn, backend, request)? {
@@ -577,9 +578,20 @@ async fn forward_one(
             break;
         }
         *progress = Progress::Receiving;
-        match timeout(idle, tls.read(client.spare())).await {
-            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Err(Fail::Client),
-            Ok(Ok(n)) => client.filled(n),
+        // The backend may answer while the client is slow to send the rest: the client read
+        // then gives way (a TLS read is cancel-safe, as TCP mode's relay relies on too).
+        tokio::select! {
+            r = timeout(idle, tls.read(client.spare())) => match r {
+                Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Err(Fail::Client),
+                Ok(Ok(n)) => client.filled(n),
+            },
+            r = conn.readable() => {
+                if r.is_ok() && backend_answered(conn, backend, request)? {
+                    answered_early = true;
+                    break 'body;
+                }
+                continue 'body;
+            }
         }
         *progress = Progress::Waiting;
         let n = body.advance(client.bytes()).map_err(|_| Fail::BadBody)?;
@@ -672,8 +684,7 @@ async fn linger(tls: &mut TlsStream) {
 
 /// Whether the backend has begun its final response while the request body is still being
 /// sent: reads what it sent without waiting. Interim responses (100 Continue) are dropped
-/// (the proxy answers Expect itself) and sending goes on; a backend that closed without a
-/// word is a 502.
+/// (the proxy answers Expect itself) and sending goes on.
 fn backend_answered(
     conn: &BackendConn,
     backend: &mut Buf,
@@ -684,22 +695,15 @@ fn backend_answered(
             backend.grow_to_limit();
         }
         match conn.try_read(backend.spare()) {
-            Ok(0) if backend.is_empty() => {
-                return Err(Fail::BadGateway(
-                    "closed while the request body was being sent".into(),
-                ))
-            }
-            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            // Closed or reset without a word (a reused connection the backend had closed
+            // while idle, as the head's write can still succeed then): a retry where one is
+            // possible, else a 502, as when it happens after the body.
+            Ok(0) | Err(_) if backend.is_empty() => return Err(Fail::Stale),
+            Ok(0) | Err(_) => {}
             Ok(n) => {
                 backend.filled(n);
                 continue;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(_) if !backend.is_empty() => {}
-            Err(e) => {
-                return Err(Fail::BadGateway(format!(
-                    "failed while the request body was being sent: {e}"
-                )))
             }
         }
         if backend.is_empty() {

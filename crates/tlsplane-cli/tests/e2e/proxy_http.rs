@@ -699,6 +699,33 @@ fn a_backend_answering_before_the_whole_body_is_heard_at_once() {
 }
 
 #[test]
+fn a_backend_answering_while_the_client_pauses_its_body_is_heard_at_once() {
+    let (backend, _) = http_backend();
+    let server = http_proxy(&backend.to_string()).start();
+    let port = server.port();
+    let mut c = TlsClient::connect_version(port, Tls::V13);
+    // 10 bytes of a 100-byte body, then nothing: the backend answers without waiting for
+    // the rest, and so must the proxy, not after the client's next bytes or its timeout.
+    c.write_all(
+        format!(
+            "POST /reject HTTP/1.1\r\nHost: localhost:{port}\r\nContent-Length: 100\r\n\r\n0123456789"
+        )
+        .as_bytes(),
+    )
+    .expect("request");
+    let started = Instant::now();
+    let r = c.read_response(false).expect("the backend's answer");
+    assert_eq!(r.status, 413);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let stats = server.stop();
+    assert_eq!(stats["proxy_early_responses"], 1, "{stats:?}");
+}
+
+#[test]
 fn request_timeout_bounds_a_request_as_a_whole() {
     let (backend, _) = http_backend();
     let server = http_proxy(&backend.to_string())
