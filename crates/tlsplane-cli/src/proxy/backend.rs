@@ -416,8 +416,12 @@ impl Pool {
     pub(super) fn slot(&self, i: usize, max: usize) -> Option<Slot> {
         let shared = &self.shared[i];
         let before = shared.open.fetch_add(1, Relaxed);
-        let slot = Slot(shared.clone());
-        (max == 0 || before < max).then_some(slot)
+        if max == 0 || before < max {
+            return Some(Slot(shared.clone()));
+        }
+        // Not taken, so nothing was freed: no waiter is woken (a Slot's drop would).
+        shared.open.fetch_sub(1, Relaxed);
+        None
     }
 
     /// Like [`Pool::slot`], but when the backend is at its limit with connections idle in
