@@ -281,14 +281,21 @@ fn serve_conn(
         return;
     }
     let mut buf = vec![0u8; proto::MAX_MESSAGE];
+    // SIGUSR1 (the report) may land on this thread: an interrupted wait goes on.
     loop {
         let n = match (&sock).read(&mut buf) {
-            Ok(0) | Err(_) => return,
+            Ok(0) => return,
             Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return,
         };
         let reply = answer(&buf[..n], store, source);
-        if sock.send(&reply).is_err() {
-            return;
+        loop {
+            match sock.send(&reply) {
+                Ok(_) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) => return,
+            }
         }
     }
 }

@@ -423,6 +423,27 @@ pub fn send_sighup(pid: i32) -> io::Result<()> {
     Ok(())
 }
 
+/// The calling thread's kernel id, to address it with [`signal_thread`].
+pub fn thread_id() -> i32 {
+    // SAFETY: gettid takes nothing and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// Sends `signal` to one thread of this process (tgkill): a signal that lands on a thread
+/// blocked in a system call, as a process-directed one may. Tests use it to check that such
+/// calls go on.
+pub fn signal_thread(tid: i32, signal: i32) -> io::Result<()> {
+    if tid <= 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a thread id",
+        ));
+    }
+    // SAFETY: plain integer arguments; tgkill addresses one thread of this process only.
+    cvt(unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), tid, signal) } as libc::c_int)?;
+    Ok(())
+}
+
 /// Installs a key for one direction (`TLS_TX` or `TLS_RX`).
 pub fn set_crypto_info(
     sock: BorrowedFd<'_>,

@@ -108,10 +108,54 @@ impl Conn {
     }
 
     /// One request, one reply; the reply's payload (after its OK byte).
+    ///
+    /// A signal handled by this thread interrupts the wait even under `SA_RESTART` (a socket
+    /// with a receive timeout is never restarted: signal(7)); the wait then goes on for what
+    /// is left of [`SIGN_TIMEOUT`], so that a reload's SIGHUP cannot fail a handshake.
     fn call(&mut self, request: &[u8]) -> io::Result<Vec<u8>> {
-        self.0.send(request)?;
+        let deadline = std::time::Instant::now() + SIGN_TIMEOUT;
+        let mut shortened = false;
+        let result = self.exchange(request, deadline, &mut shortened);
+        if shortened && result.is_ok() {
+            // The next call starts with the whole timeout again.
+            self.0.set_read_timeout(Some(SIGN_TIMEOUT))?;
+            self.0.set_write_timeout(Some(SIGN_TIMEOUT))?;
+        }
+        result
+    }
+
+    fn exchange(
+        &mut self,
+        request: &[u8],
+        deadline: std::time::Instant,
+        shortened: &mut bool,
+    ) -> io::Result<Vec<u8>> {
+        // After an interruption the socket's timeouts are set to what is left.
+        let retry = |sock: &Socket, shortened: &mut bool| -> io::Result<()> {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(timed_out());
+            }
+            sock.set_read_timeout(Some(left))?;
+            sock.set_write_timeout(Some(left))?;
+            *shortened = true;
+            Ok(())
+        };
+        loop {
+            match self.0.send(request) {
+                Ok(_) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => retry(&self.0, shortened)?,
+                Err(e) => return Err(as_timeout(e)),
+            }
+        }
         let mut buf = vec![0u8; MAX_MESSAGE];
-        let n = (&self.0).read(&mut buf)?;
+        let n = loop {
+            match (&self.0).read(&mut buf) {
+                Ok(n) => break n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => retry(&self.0, shortened)?,
+                Err(e) => return Err(as_timeout(e)),
+            }
+        };
         if n == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
@@ -127,6 +171,21 @@ impl Conn {
             ))),
         }
     }
+}
+
+/// A socket timeout reads as EAGAIN ("resource temporarily unavailable"): say what it means.
+fn as_timeout(e: io::Error) -> io::Error {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => timed_out(),
+        _ => e,
+    }
+}
+
+fn timed_out() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!("keyd did not answer within {} s", SIGN_TIMEOUT.as_secs()),
+    )
 }
 
 /// A client of one daemon: a few authenticated connections, reused (each handshake thread
@@ -273,13 +332,37 @@ impl Signer for RemoteSigner {
         }
         signature.map_err(|e| {
             crate::stats::bump(&crate::stats::global().keyd_sign_failures);
-            tracing::debug!(error = %e, "keyd signature failed");
+            warn_sign_failure(&e);
             rustls::Error::General(format!("signature by keyd failed: {e}"))
         })
     }
 
     fn scheme(&self) -> SignatureScheme {
         self.scheme
+    }
+}
+
+/// A failed signature fails a handshake with an internal_error alert, which tells the client
+/// nothing: the operator must hear why. At most one line a second (a dead daemon fails every
+/// handshake); `keyd_sign_failures` counts them all.
+fn warn_sign_failure(e: &io::Error) {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static LAST_SECOND: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = LAST_SECOND.load(Relaxed);
+    if now != last
+        && LAST_SECOND
+            .compare_exchange(last, now, Relaxed, Relaxed)
+            .is_ok()
+    {
+        let failures = crate::stats::global().keyd_sign_failures.load(Relaxed);
+        tracing::warn!(
+            error = %e,
+            failures,
+            "a signature by keyd failed: the handshake ends with an internal_error alert"
+        );
     }
 }
 
@@ -341,4 +424,75 @@ pub fn parse_sign(payload: &[u8]) -> Option<(u32, SignatureScheme, &[u8])> {
     let handle = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
     let scheme = SignatureScheme::from(u16::from_be_bytes([payload[4], payload[5]]));
     Some((handle, scheme, &payload[6..]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// A daemon that accepts any HELLO and answers one request after `delay`.
+    fn slow_daemon(dir: &Path, delay: Duration) -> Endpoint {
+        let path = dir.join("keyd.sock");
+        let listener = Socket::new(Domain::UNIX, Type::SEQPACKET, None).expect("socket");
+        listener
+            .bind(&SockAddr::unix(&path).expect("address"))
+            .expect("bind");
+        listener.listen(4).expect("listen");
+        std::thread::spawn(move || {
+            let (conn, _) = listener.accept().expect("accept");
+            let mut buf = [0u8; MAX_MESSAGE];
+            let _hello = (&conn).read(&mut buf).expect("hello");
+            conn.send(&[OK]).expect("hello reply");
+            let _request = (&conn).read(&mut buf).expect("request");
+            std::thread::sleep(delay);
+            conn.send(&[OK, 0xAB, 0xCD]).expect("reply");
+            // Hold the connection until the client is done with it.
+            let _ = (&conn).read(&mut buf);
+        });
+        Endpoint {
+            socket: path,
+            token: zeroize::Zeroizing::new([7; TOKEN_LEN]),
+        }
+    }
+
+    #[test]
+    fn a_signal_during_the_wait_does_not_fail_the_call() {
+        let dir = std::env::temp_dir().join(format!("tlsplane-keyd-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        // A handler as the server has (tokio's, with SA_RESTART): a blocking receive with a
+        // timeout is interrupted all the same.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let kind = tokio::signal::unix::SignalKind::user_defined2();
+        let _handler = rt
+            .block_on(async { tokio::signal::unix::signal(kind) })
+            .expect("handler");
+        let client =
+            KeydClient::connect(slow_daemon(&dir, Duration::from_millis(300))).expect("connect");
+        let me = tlsplane_sys::thread_id();
+        let signaller = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            tlsplane_sys::signal_thread(me, kind.as_raw_value()).expect("tgkill");
+        });
+        let started = Instant::now();
+        let reply = client.call(&[op::SIGN, 0, 0, 0, 1, 4, 3, b'm']);
+        signaller.join().expect("signaller");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            reply.expect("the call survives the signal"),
+            vec![0xAB, 0xCD]
+        );
+        assert!(started.elapsed() >= Duration::from_millis(250));
+    }
+
+    #[test]
+    fn a_daemon_that_does_not_answer_is_reported_as_a_timeout() {
+        let e = as_timeout(io::Error::from(io::ErrorKind::WouldBlock));
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(e.to_string().contains("did not answer within 2 s"), "{e}");
+    }
 }
