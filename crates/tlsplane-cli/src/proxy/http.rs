@@ -542,7 +542,6 @@ async fn forward_one(
     progress: &mut Progress,
 ) -> Result<Forwarded, Fail> {
     let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
-    let idle = Duration::from_secs(proxy.args.server.idle_timeout);
     let stats = &proxy.stats;
 
     // Until the response begins, a deadline is the backend's to answer for (504), except
@@ -567,62 +566,14 @@ async fn forward_one(
     if !body.is_done() {
         client.grow_to_limit();
     }
-    // A backend may answer before it has the whole body (413, 401, a redirect) and stop
-    // reading it: the proxy then stops sending it, relays that answer and closes the client's
-    // connection, whose body it has not read to its end. It watches for that answer while it
-    // writes to the backend and while it waits for the client.
-    let mut answered_early = false;
-    'body: while !body.is_done() {
-        if backend_answered(conn, backend, request)? {
-            answered_early = true;
-            break;
-        }
-        *progress = Progress::Receiving;
-        // The backend may answer while the client is slow to send the rest: the client read
-        // then gives way (a TLS read is cancel-safe, as TCP mode's relay relies on too).
-        tokio::select! {
-            r = timeout(idle, tls.read(client.spare())) => match r {
-                Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Err(Fail::Client),
-                Ok(Ok(n)) => client.filled(n),
-            },
-            r = conn.readable() => {
-                if r.is_ok() && backend_answered(conn, backend, request)? {
-                    answered_early = true;
-                    break 'body;
-                }
-                continue 'body;
-            }
-        }
-        *progress = Progress::Waiting;
-        let n = body.advance(client.bytes()).map_err(|_| Fail::BadBody)?;
-        let until = Instant::now() + backend_timeout;
-        let mut sent = 0;
-        while sent < n {
-            tokio::select! {
-                r = timeout_at(until, conn.write(&client.bytes()[sent..n])) => match r {
-                    Ok(Ok(0)) => return Err(Fail::BadGateway("the backend took no more of the body".into())),
-                    Ok(Ok(k)) => sent += k,
-                    Ok(Err(e)) => {
-                        // It may have answered, and reset what it would not read.
-                        if backend_answered(conn, backend, request)? {
-                            answered_early = true;
-                            break 'body;
-                        }
-                        return Err(Fail::BadGateway(format!("writing the request body: {e}")));
-                    }
-                    Err(_) => return Err(Fail::Timeout),
-                },
-                r = conn.readable() => {
-                    if r.is_ok() && backend_answered(conn, backend, request)? {
-                        answered_early = true;
-                        break 'body;
-                    }
-                }
-            }
-        }
-        stats.bytes_to_backend_copied.fetch_add(n as u64, Relaxed);
-        client.consume(n);
-    }
+    let answered_early = match send_body(
+        proxy, tls, request, &mut body, client, backend, conn, progress,
+    )
+    .await?
+    {
+        BodySent::All => false,
+        BodySent::AnsweredEarly => true,
+    };
     if answered_early {
         stats.early_responses.fetch_add(1, Relaxed);
     }
@@ -665,6 +616,81 @@ async fn forward_one(
         keep,
         answered_early,
     })
+}
+
+/// How the request body's sending ended.
+enum BodySent {
+    All,
+    /// The backend gave its final response first; the rest of the body was not sent.
+    AnsweredEarly,
+}
+
+/// Sends the rest of the request body, reading it from the client as it comes.
+///
+/// A backend may answer before it has the whole body (413, 401, a redirect) and stop
+/// reading it: the proxy then stops sending it, relays that answer and closes the client's
+/// connection, whose body it has not read to its end. It watches for that answer while it
+/// writes to the backend and while it waits for the client.
+#[allow(clippy::too_many_arguments)]
+async fn send_body(
+    proxy: &Proxy,
+    tls: &mut TlsStream,
+    request: &RequestHead,
+    body: &mut BodyFraming,
+    client: &mut Buf,
+    backend: &mut Buf,
+    conn: &BackendConn,
+    progress: &mut Progress,
+) -> Result<BodySent, Fail> {
+    let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
+    let idle = Duration::from_secs(proxy.args.server.idle_timeout);
+    while !body.is_done() {
+        if backend_answered(conn, backend, request)? {
+            return Ok(BodySent::AnsweredEarly);
+        }
+        *progress = Progress::Receiving;
+        // The backend may answer while the client is slow to send the rest: the client read
+        // then gives way (a TLS read is cancel-safe, as TCP mode's relay relies on too).
+        tokio::select! {
+            r = timeout(idle, tls.read(client.spare())) => match r {
+                Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Err(Fail::Client),
+                Ok(Ok(n)) => client.filled(n),
+            },
+            // Readable: checked at the top of the loop.
+            _ = conn.readable() => continue,
+        }
+        *progress = Progress::Waiting;
+        let n = body.advance(client.bytes()).map_err(|_| Fail::BadBody)?;
+        let until = Instant::now() + backend_timeout;
+        let mut sent = 0;
+        while sent < n {
+            tokio::select! {
+                r = timeout_at(until, conn.write(&client.bytes()[sent..n])) => match r {
+                    Ok(Ok(0)) => return Err(Fail::BadGateway("the backend took no more of the body".into())),
+                    Ok(Ok(k)) => sent += k,
+                    // It may have answered, and reset what it would not read.
+                    Ok(Err(_)) if backend_answered(conn, backend, request)? => {
+                        return Ok(BodySent::AnsweredEarly)
+                    }
+                    Ok(Err(e)) => {
+                        return Err(Fail::BadGateway(format!("writing the request body: {e}")))
+                    }
+                    Err(_) => return Err(Fail::Timeout),
+                },
+                r = conn.readable() => {
+                    if r.is_ok() && backend_answered(conn, backend, request)? {
+                        return Ok(BodySent::AnsweredEarly);
+                    }
+                }
+            }
+        }
+        proxy
+            .stats
+            .bytes_to_backend_copied
+            .fetch_add(n as u64, Relaxed);
+        client.consume(n);
+    }
+    Ok(BodySent::All)
 }
 
 /// How long the rest of a request body is read and dropped after an early answer.
