@@ -733,3 +733,107 @@ fn nginx_logs_the_client_address_from_the_proxy_header() {
         let _ = std::fs::remove_dir_all(dir);
     }
 }
+
+/// The largest buffer `net.ipv4.<name>` lets TCP autotune to, in bytes.
+fn sysctl_max(name: &str) -> u64 {
+    let v = std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).expect(name);
+    v.split_whitespace()
+        .last()
+        .and_then(|m| m.parse().ok())
+        .expect(name)
+}
+
+/// The proxy's resident set, KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS")
+}
+
+#[test]
+fn a_client_that_stops_reading_stops_the_proxy_reading_the_backend() {
+    use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+    use std::sync::Arc;
+    // More than every socket buffer on the way can hold: two send buffers of at most
+    // tcp_wmem's maximum, two receive buffers of at most tcp_rmem's, and 16 MiB more.
+    let total = 2 * (sysctl_max("tcp_wmem") + sysctl_max("tcp_rmem")) + (16 << 20);
+    let pattern = |at: u64| (at % 251) as u8;
+    let written = Arc::new(AtomicU64::new(0));
+    let backend = {
+        let written = written.clone();
+        one_shot_backend(move |mut c| {
+            let mut chunk = vec![0u8; 64 << 10];
+            let mut at = 0u64;
+            while at < total {
+                let n = chunk.len().min((total - at) as usize);
+                for (i, b) in chunk[..n].iter_mut().enumerate() {
+                    *b = pattern(at + i as u64);
+                }
+                if c.write_all(&chunk[..n]).is_err() {
+                    return;
+                }
+                at += n as u64;
+                written.store(at, SeqCst);
+            }
+            let _ = c.shutdown(Shutdown::Write);
+        })
+    };
+    let server = proxy_to(&[backend.to_string()]);
+    let rt = runtime();
+    rt.block_on(async {
+        let mut c = connect(server.port(), Tls::V13).await;
+        let mut buf = vec![0u8; 64 << 10];
+        let mut got = 0u64;
+        let check = |data: &[u8], got: &mut u64| {
+            for (i, &b) in data.iter().enumerate() {
+                assert_eq!(b, pattern(*got + i as u64), "byte {}", *got + i as u64);
+            }
+            *got += data.len() as u64;
+        };
+        while got < 1 << 20 {
+            let n = c.read(&mut buf).await.expect("read");
+            assert!(n > 0, "early end");
+            check(&buf[..n], &mut got);
+        }
+        let before = rss_kib(server.pid());
+        // The client reads nothing more: the backend must stall once the buffers on the way
+        // are full, without the proxy taking its bytes into memory.
+        let mut last = written.load(SeqCst);
+        let started = Instant::now();
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let now = written.load(SeqCst);
+            if now == last || started.elapsed() > Duration::from_secs(20) {
+                break;
+            }
+            last = now;
+        }
+        let stalled_at = written.load(SeqCst);
+        let grew = rss_kib(server.pid()).saturating_sub(before);
+        assert!(
+            stalled_at < total,
+            "the backend wrote everything to a client that read 1 MiB"
+        );
+        assert!(
+            grew < 8 << 10,
+            "the proxy grew by {grew} KiB while its client did not read \
+             (the backend had written {} MiB)",
+            stalled_at >> 20
+        );
+        // Reading again, the client gets every byte, in order, and the backend's end.
+        loop {
+            let n = c.read(&mut buf).await.expect("read after the pause");
+            if n == 0 {
+                break;
+            }
+            check(&buf[..n], &mut got);
+        }
+        assert_eq!(got, total, "bytes lost or added");
+    });
+    let stats = server.stop();
+    assert_eq!(stats["proxy_backend_errors"], 0, "{stats:?}");
+    assert_eq!(stats["proxy_client_errors"], 0, "{stats:?}");
+}
