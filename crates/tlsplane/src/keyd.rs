@@ -38,8 +38,10 @@ pub const MAX_MESSAGE: usize = 8192;
 /// How long a handshake waits for a signature before it fails: a daemon that is alive but
 /// does not answer (stopped, swapped out). A dead one fails at once (its socket is closed).
 /// Generous enough for emulated guests under load, where a signature has taken most of a
-/// second.
-pub const SIGN_TIMEOUT: Duration = Duration::from_secs(2);
+/// second, and where a 2 s limit most likely failed one handshake in CI (kernel 7.3 under
+/// TCG; no other failure path fits what it logged); well under the handshake deadline (10 s
+/// by default), so a stalled daemon still ends handshakes with an alert, not a silent timeout.
+pub const SIGN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Request codes.
 pub mod op {
@@ -493,6 +495,6 @@ mod tests {
     fn a_daemon_that_does_not_answer_is_reported_as_a_timeout() {
         let e = as_timeout(io::Error::from(io::ErrorKind::WouldBlock));
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
-        assert!(e.to_string().contains("did not answer within 2 s"), "{e}");
+        assert!(e.to_string().contains("did not answer within 5 s"), "{e}");
     }
 }
