@@ -72,17 +72,21 @@ pub struct Keys {
     spawned: Mutex<Option<Spawned>>,
     /// With `--user`: what starts daemons as root once this server is not.
     launcher: Mutex<Option<Launcher>>,
+    /// How long a signature may take (`--keyd-timeout`).
+    sign_timeout: Duration,
     stopping: AtomicBool,
 }
 
 impl Keys {
     /// Starts (or connects to) the key daemon for the keys `daemon_args` name. `run_as`:
     /// the user this server becomes once its ports are bound; its daemons are then started by
-    /// a launcher that stays root (see [`crate::privileges`]).
+    /// a launcher that stays root (see [`crate::privileges`]). A signature not made within
+    /// `sign_timeout` fails its handshake.
     pub fn start(
         mode: KeydMode,
         daemon_args: Vec<OsString>,
         run_as: Option<&RunAs>,
+        sign_timeout: Duration,
     ) -> anyhow::Result<Arc<Self>> {
         let launcher = match (&mode, run_as) {
             (KeydMode::On, Some(user)) => Some(Launcher::start(user.uid, &daemon_args)?),
@@ -94,6 +98,7 @@ impl Keys {
             client: Mutex::new(None),
             spawned: Mutex::new(None),
             launcher: Mutex::new(launcher),
+            sign_timeout,
             stopping: AtomicBool::new(false),
         });
         match &keys.mode {
@@ -112,10 +117,13 @@ impl Keys {
                 let mut token = zeroize::Zeroizing::new([0u8; TOKEN_LEN]);
                 crate::keyd::decode_hex(hex.trim(), &mut token)
                     .ok_or_else(|| anyhow::anyhow!("{}: not a token", token_file.display()))?;
-                let client = KeydClient::connect(Endpoint {
-                    socket: socket.clone(),
-                    token,
-                })
+                let client = KeydClient::connect(
+                    Endpoint {
+                        socket: socket.clone(),
+                        token,
+                    },
+                    keys.sign_timeout,
+                )
                 .map_err(|e| anyhow::anyhow!("--keyd unix:{}: {e}", socket.display()))?;
                 *keys.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
             }
@@ -133,12 +141,13 @@ impl Keys {
         let mut launcher = self.launcher.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(launcher) = launcher.as_mut() {
             let (pid, socket) = launcher.spawn(&crate::keyd::encode_hex(token.as_ref()))?;
-            let client = wait_until_listening(Endpoint { socket, token }, || {
-                Ok(match launcher.next(Duration::from_millis(5)) {
-                    Some(Event::Exited { pid: p, status }) if p == pid => Some(status),
-                    _ => None,
-                })
-            })?;
+            let client =
+                wait_until_listening(Endpoint { socket, token }, self.sign_timeout, || {
+                    Ok(match launcher.next(Duration::from_millis(5)) {
+                        Some(Event::Exited { pid: p, status }) if p == pid => Some(status),
+                        _ => None,
+                    })
+                })?;
             *self.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
             *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) =
                 Some(Spawned::Launched { pid });
@@ -148,7 +157,7 @@ impl Keys {
         let dir = private_dir(0o700)?;
         let socket = dir.join("keyd.sock");
         let (mut child, stdin) = start_daemon_process(&socket, &self.daemon_args, &[], &token)?;
-        let client = wait_until_listening(Endpoint { socket, token }, || {
+        let client = wait_until_listening(Endpoint { socket, token }, self.sign_timeout, || {
             Ok(child.try_wait()?.map(|status| status.to_string()))
         });
         let spawned = Spawned::Child {
@@ -208,8 +217,9 @@ impl Keys {
         }
     }
 
-    /// Watches the daemon this server started: when it dies, starts another and asks for a
-    /// reload (new handles), through `reload`. Each step is logged once and counted.
+    /// Watches the daemon this server started: when it dies, or is stuck (it let a signature
+    /// time out), starts another and asks for a reload (new handles), through `reload`. Each
+    /// step is logged once and counted.
     pub fn supervise(
         self: &Arc<Self>,
         reload: tokio::sync::mpsc::UnboundedSender<&'static str>,
@@ -226,11 +236,23 @@ impl Keys {
                 if keys.stopping.load(Relaxed) {
                     return;
                 }
-                let died = keys.died();
-                let Some(status) = died else { continue };
-                tracing::error!(
-                    "the key daemon exited ({status}); handshakes fail until it is restarted"
-                );
+                if let Some(status) = keys.died() {
+                    tracing::error!(
+                        "the key daemon exited ({status}); handshakes fail until it is restarted"
+                    );
+                } else if keys.stuck() {
+                    // Alive but not answering (stopped, deadlocked): every handshake would
+                    // wait out the timeout. Its keys are not zeroized by a kill, but a stuck
+                    // process would not zeroize them on request either.
+                    tracing::error!(
+                        "the key daemon did not answer a signature within {} s: replacing it",
+                        keys.sign_timeout.as_secs_f64()
+                    );
+                    stats.keyd_stuck.fetch_add(1, Relaxed);
+                    keys.kill_stuck();
+                } else {
+                    continue;
+                }
                 stats.keyd_restarts.fetch_add(1, Relaxed);
                 // Retry until it comes back (a key file may be missing right now).
                 let mut delay = Duration::from_millis(50);
@@ -252,6 +274,28 @@ impl Keys {
                     }
                 }
             });
+    }
+
+    /// Whether the current daemon let a signature time out.
+    fn stuck(&self) -> bool {
+        self.client
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|c| c.timeouts() > 0)
+    }
+
+    /// Kills a stuck daemon that is our child at once (an orderly stop would wait for it). One
+    /// the launcher started is stopped by the launcher when it starts the next.
+    fn kill_stuck(&self) {
+        if let Some(Spawned::Child { child, .. }) = self
+            .spawned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            let _ = child.kill();
+        }
     }
 
     /// How the daemon this server started ended, if it has.
@@ -319,11 +363,12 @@ pub fn start_daemon_process(
 /// that, at most 30 s, or for `exited` to say how it ended first.
 fn wait_until_listening(
     endpoint: Endpoint,
+    sign_timeout: Duration,
     mut exited: impl FnMut() -> anyhow::Result<Option<String>>,
 ) -> anyhow::Result<Arc<KeydClient>> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        match KeydClient::connect(endpoint.clone()) {
+        match KeydClient::connect(endpoint.clone(), sign_timeout) {
             Ok(c) => return Ok(c),
             Err(_) if Instant::now() < deadline => {
                 if let Some(status) = exited()? {

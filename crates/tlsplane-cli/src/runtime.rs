@@ -75,8 +75,10 @@ pub struct RuntimeStats {
     pub reloads: AtomicU64,
     /// Configuration reloads that failed (the previous configuration stayed in force).
     pub reload_failures: AtomicU64,
-    /// Key daemons restarted after they died.
+    /// Key daemons restarted after they died or were found stuck.
     pub keyd_restarts: AtomicU64,
+    /// Key daemons found stuck (a signature not answered within --keyd-timeout) and replaced.
+    pub keyd_stuck: AtomicU64,
     pub histograms: crate::admin::Histograms,
 }
 

@@ -31,6 +31,11 @@ pub struct ServerArgs {
     /// `unix:PATH` uses a daemon started by hand with `tlsplane keyd --socket PATH`.
     #[arg(long, default_value = "on", value_name = "on|off|unix:PATH")]
     pub keyd: crate::keys::KeydMode,
+    /// Seconds a handshake waits for the key daemon's signature before it fails with an
+    /// internal_error alert. A daemon this server started that lets a signature time out is
+    /// stuck: it is replaced, as a dead one is.
+    #[arg(long, default_value_t = 5.0, value_name = "S", value_parser = parse_keyd_timeout)]
+    pub keyd_timeout: f64,
     /// Once its ports are bound, switch to this user (NAME, with its groups, or UID[:GID]);
     /// needs root. The key daemon keeps root and the keys: the server cannot read them. The
     /// configuration, certificates and what is served must be readable by this user (a reload
@@ -96,6 +101,14 @@ pub struct ServerArgs {
     /// Print the counters as one JSON line to stderr at exit.
     #[arg(long)]
     pub stats: bool,
+}
+
+fn parse_keyd_timeout(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(t) if (0.01..=60.0).contains(&t) => Ok(t),
+        Ok(_) => Err("must be between 0.01 and 60 seconds".into()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn parse_workers(s: &str) -> Result<usize, String> {
@@ -216,7 +229,12 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         Some(f) => vec!["--config".into(), f.path.clone().into()],
         None => vec!["--key".into(), flag_key.clone().into()],
     };
-    let keys = Keys::start(server.keyd.clone(), daemon_args, server.user.as_ref())?;
+    let keys = Keys::start(
+        server.keyd.clone(),
+        daemon_args,
+        server.user.as_ref(),
+        Duration::from_secs_f64(server.keyd_timeout),
+    )?;
     eprintln!(
         "private keys: {}",
         match &server.keyd {
@@ -365,6 +383,7 @@ fn counters<P: Product>(stats: &P::Stats, r: &RuntimeStats) -> Vec<(&'static str
         ("reloads", r.reloads.load(Relaxed)),
         ("reload_failures", r.reload_failures.load(Relaxed)),
         ("keyd_restarts", r.keyd_restarts.load(Relaxed)),
+        ("keyd_stuck", r.keyd_stuck.load(Relaxed)),
     ]);
     pairs.extend(r.limits.snapshot());
     pairs

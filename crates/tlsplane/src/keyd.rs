@@ -15,12 +15,15 @@
 //! handshake thread sends the request and blocks on the reply (one round trip, a few µs of
 //! system calls plus the daemon's signature). The other handshakes of that thread wait that
 //! long, as they would for a signature made in-thread; established connections are served by
-//! their own threads and do not wait. A daemon that does not answer within
-//! [`SIGN_TIMEOUT`] fails the handshake (an alert) instead of holding the thread.
+//! their own threads and do not wait. A daemon that does not answer within the client's
+//! timeout ([`DEFAULT_SIGN_TIMEOUT`] unless set) fails the handshake (an alert) instead of
+//! holding the thread, and is counted ([`KeydClient::timeouts`]) so that whoever started the
+//! daemon can replace it.
 
 use std::io::{self, Read};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,13 +38,14 @@ pub const TOKEN_LEN: usize = 32;
 /// message signed, TLS 1.3's 64 + 34 + 48 bytes or TLS 1.2's randoms and parameters, is
 /// smaller still; a key path can be long).
 pub const MAX_MESSAGE: usize = 8192;
-/// How long a handshake waits for a signature before it fails: a daemon that is alive but
-/// does not answer (stopped, swapped out). A dead one fails at once (its socket is closed).
+/// How long a handshake waits for a signature before it fails, unless the client is given
+/// another: a daemon that is alive but does not answer (stopped, deadlocked, swapped out). A
+/// dead one fails at once (its socket is closed).
 /// Generous enough for emulated guests under load, where a signature has taken most of a
 /// second, and where a 2 s limit most likely failed one handshake in CI (kernel 7.3 under
 /// TCG; no other failure path fits what it logged); well under the handshake deadline (10 s
 /// by default), so a stalled daemon still ends handshakes with an alert, not a silent timeout.
-pub const SIGN_TIMEOUT: Duration = Duration::from_secs(5);
+pub const DEFAULT_SIGN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Request codes.
 pub mod op {
@@ -93,16 +97,16 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
-/// A connection to the daemon, authenticated.
-struct Conn(Socket);
+/// A connection to the daemon, authenticated, and how long one call on it may wait.
+struct Conn(Socket, Duration);
 
 impl Conn {
-    fn open(ep: &Endpoint) -> io::Result<Conn> {
+    fn open(ep: &Endpoint, timeout: Duration) -> io::Result<Conn> {
         let sock = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
-        sock.set_read_timeout(Some(SIGN_TIMEOUT))?;
-        sock.set_write_timeout(Some(SIGN_TIMEOUT))?;
+        sock.set_read_timeout(Some(timeout))?;
+        sock.set_write_timeout(Some(timeout))?;
         sock.connect(&SockAddr::unix(&ep.socket)?)?;
-        let mut c = Conn(sock);
+        let mut c = Conn(sock, timeout);
         let mut hello = vec![op::HELLO];
         hello.extend_from_slice(ep.token.as_ref());
         c.call(&hello)?;
@@ -113,15 +117,15 @@ impl Conn {
     ///
     /// A signal handled by this thread interrupts the wait even under `SA_RESTART` (a socket
     /// with a receive timeout is never restarted: signal(7)); the wait then goes on for what
-    /// is left of [`SIGN_TIMEOUT`], so that a reload's SIGHUP cannot fail a handshake.
+    /// is left of the timeout, so that a reload's SIGHUP cannot fail a handshake.
     fn call(&mut self, request: &[u8]) -> io::Result<Vec<u8>> {
-        let deadline = std::time::Instant::now() + SIGN_TIMEOUT;
+        let deadline = std::time::Instant::now() + self.1;
         let mut shortened = false;
         let result = self.exchange(request, deadline, &mut shortened);
         if shortened && result.is_ok() {
             // The next call starts with the whole timeout again.
-            self.0.set_read_timeout(Some(SIGN_TIMEOUT))?;
-            self.0.set_write_timeout(Some(SIGN_TIMEOUT))?;
+            self.0.set_read_timeout(Some(self.1))?;
+            self.0.set_write_timeout(Some(self.1))?;
         }
         result
     }
@@ -133,10 +137,11 @@ impl Conn {
         shortened: &mut bool,
     ) -> io::Result<Vec<u8>> {
         // After an interruption the socket's timeouts are set to what is left.
+        let timeout = self.1;
         let retry = |sock: &Socket, shortened: &mut bool| -> io::Result<()> {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
-                return Err(timed_out());
+                return Err(timed_out(timeout));
             }
             sock.set_read_timeout(Some(left))?;
             sock.set_write_timeout(Some(left))?;
@@ -147,7 +152,7 @@ impl Conn {
             match self.0.send(request) {
                 Ok(_) => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => retry(&self.0, shortened)?,
-                Err(e) => return Err(as_timeout(e)),
+                Err(e) => return Err(as_timeout(e, timeout)),
             }
         }
         let mut buf = vec![0u8; MAX_MESSAGE];
@@ -155,7 +160,7 @@ impl Conn {
             match (&self.0).read(&mut buf) {
                 Ok(n) => break n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => retry(&self.0, shortened)?,
-                Err(e) => return Err(as_timeout(e)),
+                Err(e) => return Err(as_timeout(e, timeout)),
             }
         };
         if n == 0 {
@@ -176,17 +181,17 @@ impl Conn {
 }
 
 /// A socket timeout reads as EAGAIN ("resource temporarily unavailable"): say what it means.
-fn as_timeout(e: io::Error) -> io::Error {
+fn as_timeout(e: io::Error, timeout: Duration) -> io::Error {
     match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => timed_out(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => timed_out(timeout),
         _ => e,
     }
 }
 
-fn timed_out() -> io::Error {
+fn timed_out(timeout: Duration) -> io::Error {
     io::Error::new(
         io::ErrorKind::TimedOut,
-        format!("keyd did not answer within {} s", SIGN_TIMEOUT.as_secs()),
+        format!("keyd did not answer within {} s", timeout.as_secs_f64()),
     )
 }
 
@@ -195,7 +200,10 @@ fn timed_out() -> io::Error {
 #[derive(Debug)]
 pub struct KeydClient {
     endpoint: Endpoint,
+    timeout: Duration,
     idle: Mutex<Vec<Socket>>,
+    /// Calls that got no answer within `timeout`.
+    timeouts: AtomicU64,
 }
 
 impl std::fmt::Debug for Conn {
@@ -205,23 +213,36 @@ impl std::fmt::Debug for Conn {
 }
 
 impl KeydClient {
-    /// Connects once to check the endpoint and the token.
-    pub fn connect(endpoint: Endpoint) -> io::Result<Arc<Self>> {
-        let first = Conn::open(&endpoint)?;
+    /// Connects once to check the endpoint and the token. Each call then waits at most
+    /// `timeout` for the daemon's answer.
+    pub fn connect(endpoint: Endpoint, timeout: Duration) -> io::Result<Arc<Self>> {
+        let first = Conn::open(&endpoint, timeout)?;
         Ok(Arc::new(Self {
             endpoint,
+            timeout,
             idle: Mutex::new(vec![first.0]),
+            timeouts: AtomicU64::new(0),
         }))
+    }
+
+    /// How many calls the daemon left unanswered past the timeout: a daemon that is alive
+    /// but stuck, which its supervisor may replace.
+    pub fn timeouts(&self) -> u64 {
+        self.timeouts.load(Ordering::Relaxed)
     }
 
     fn call(&self, request: &[u8]) -> io::Result<Vec<u8>> {
         let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let mut conn = match pooled {
-            Some(s) => Conn(s),
-            None => Conn::open(&self.endpoint)?,
+            Some(s) => Conn(s, self.timeout),
+            None => Conn::open(&self.endpoint, self.timeout)?,
         };
         // On any error the connection is dropped, not pooled: its state is unknown.
-        let reply = conn.call(request)?;
+        let reply = conn.call(request).inspect_err(|e| {
+            if e.kind() == io::ErrorKind::TimedOut {
+                self.timeouts.fetch_add(1, Ordering::Relaxed);
+            }
+        })?;
         self.idle
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -448,7 +469,8 @@ mod tests {
             conn.send(&[OK]).expect("hello reply");
             let _request = (&conn).read(&mut buf).expect("request");
             std::thread::sleep(delay);
-            conn.send(&[OK, 0xAB, 0xCD]).expect("reply");
+            // The client may have given up on it.
+            let _ = conn.send(&[OK, 0xAB, 0xCD]);
             // Hold the connection until the client is done with it.
             let _ = (&conn).read(&mut buf);
         });
@@ -473,8 +495,11 @@ mod tests {
         let _handler = rt
             .block_on(async { tokio::signal::unix::signal(kind) })
             .expect("handler");
-        let client =
-            KeydClient::connect(slow_daemon(&dir, Duration::from_millis(300))).expect("connect");
+        let client = KeydClient::connect(
+            slow_daemon(&dir, Duration::from_millis(300)),
+            DEFAULT_SIGN_TIMEOUT,
+        )
+        .expect("connect");
         let me = tlsplane_sys::thread_id();
         let signaller = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));
@@ -493,8 +518,23 @@ mod tests {
 
     #[test]
     fn a_daemon_that_does_not_answer_is_reported_as_a_timeout() {
-        let e = as_timeout(io::Error::from(io::ErrorKind::WouldBlock));
-        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
-        assert!(e.to_string().contains("did not answer within 5 s"), "{e}");
+        let dir = std::env::temp_dir().join(format!("tlsplane-keyd-slow-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let client = KeydClient::connect(
+            slow_daemon(&dir, Duration::from_millis(800)),
+            Duration::from_millis(200),
+        )
+        .expect("connect");
+        let started = Instant::now();
+        let e = client
+            .call(&[op::SIGN, 0, 0, 0, 1, 4, 3, b'm'])
+            .expect_err("an answer after the timeout");
+        let took = started.elapsed();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("did not answer within 0.2 s"), "{e}");
+        assert!(took < Duration::from_millis(700), "waited {took:?}");
+        assert_eq!(client.timeouts(), 1);
     }
 }
