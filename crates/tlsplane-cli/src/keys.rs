@@ -105,26 +105,7 @@ impl Keys {
             KeydMode::Off => {}
             KeydMode::On => keys.spawn()?,
             KeydMode::Unix(socket) => {
-                let token_file = crate::keyd::token_path(socket);
-                let hex =
-                    zeroize::Zeroizing::new(std::fs::read_to_string(&token_file).map_err(|e| {
-                        anyhow::anyhow!(
-                            "--keyd unix:{}: {}: {e}",
-                            socket.display(),
-                            token_file.display()
-                        )
-                    })?);
-                let mut token = zeroize::Zeroizing::new([0u8; TOKEN_LEN]);
-                crate::keyd::decode_hex(hex.trim(), &mut token)
-                    .ok_or_else(|| anyhow::anyhow!("{}: not a token", token_file.display()))?;
-                let client = KeydClient::connect(
-                    Endpoint {
-                        socket: socket.clone(),
-                        token,
-                    },
-                    keys.sign_timeout,
-                )
-                .map_err(|e| anyhow::anyhow!("--keyd unix:{}: {e}", socket.display()))?;
+                let client = connect_external(socket, keys.sign_timeout)?;
                 *keys.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
             }
         }
@@ -218,13 +199,22 @@ impl Keys {
     }
 
     /// Watches the daemon this server started: when it dies, or is stuck (it let a signature
-    /// time out), starts another and asks for a reload (new handles), through `reload`. Each
-    /// step is logged once and counted.
+    /// time out), starts another and asks for a reload (new handles), through `reload`. With
+    /// `--keyd unix:PATH`, connects again (reading the token file again: a daemon restarted by
+    /// hand has a new token) when the daemon cannot be reached. Each step is logged once and
+    /// counted.
     pub fn supervise(
         self: &Arc<Self>,
         reload: tokio::sync::mpsc::UnboundedSender<&'static str>,
         stats: Arc<crate::runtime::RuntimeStats>,
     ) {
+        if let KeydMode::Unix(socket) = &self.mode {
+            let (keys, socket) = (self.clone(), socket.clone());
+            let _ = std::thread::Builder::new()
+                .name("keyd-watch".into())
+                .spawn(move || keys.reconnect_when_broken(&socket, &reload, &stats));
+            return;
+        }
         if self.mode != KeydMode::On {
             return;
         }
@@ -274,6 +264,61 @@ impl Keys {
                     }
                 }
             });
+    }
+
+    /// The `--keyd unix:PATH` side of [`Keys::supervise`].
+    fn reconnect_when_broken(
+        &self,
+        socket: &Path,
+        reload: &tokio::sync::mpsc::UnboundedSender<&'static str>,
+        stats: &crate::runtime::RuntimeStats,
+    ) {
+        loop {
+            std::thread::sleep(Duration::from_millis(20));
+            if self.stopping.load(Relaxed) {
+                return;
+            }
+            let broken = self
+                .client
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .is_some_and(|c| c.broken() > 0);
+            if !broken {
+                continue;
+            }
+            tracing::error!(
+                "the key daemon at {} cannot be reached; connecting again",
+                socket.display()
+            );
+            let mut delay = Duration::from_millis(50);
+            let mut last = String::new();
+            loop {
+                if self.stopping.load(Relaxed) {
+                    return;
+                }
+                match connect_external(socket, self.sign_timeout) {
+                    Ok(client) => {
+                        *self.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
+                        stats.keyd_reconnects.fetch_add(1, Relaxed);
+                        tracing::info!("connected again to the key daemon at {}", socket.display());
+                        let _ = reload.send("key daemon connected again");
+                        break;
+                    }
+                    Err(e) => {
+                        // Once per distinct reason: a daemon being restarted goes through a
+                        // few (no socket, no token file yet, ...).
+                        let why = format!("{e:#}");
+                        if why != last {
+                            tracing::warn!("the key daemon is not back yet: {why}; retrying");
+                            last = why;
+                        }
+                        std::thread::sleep(delay);
+                        delay = (delay * 2).min(Duration::from_secs(1));
+                    }
+                }
+            }
+        }
     }
 
     /// Whether the current daemon let a signature time out.
@@ -357,6 +402,30 @@ pub fn start_daemon_process(
     stdin.write_all(crate::keyd::encode_hex(token).as_bytes())?;
     stdin.write_all(b"\n")?;
     Ok((child, stdin))
+}
+
+/// Connects to a daemon started by hand (`--keyd unix:PATH`), with the token it wrote beside
+/// its socket.
+fn connect_external(socket: &Path, sign_timeout: Duration) -> anyhow::Result<Arc<KeydClient>> {
+    let token_file = crate::keyd::token_path(socket);
+    let hex = zeroize::Zeroizing::new(std::fs::read_to_string(&token_file).map_err(|e| {
+        anyhow::anyhow!(
+            "--keyd unix:{}: {}: {e}",
+            socket.display(),
+            token_file.display()
+        )
+    })?);
+    let mut token = zeroize::Zeroizing::new([0u8; TOKEN_LEN]);
+    crate::keyd::decode_hex(hex.trim(), &mut token)
+        .ok_or_else(|| anyhow::anyhow!("{}: not a token", token_file.display()))?;
+    KeydClient::connect(
+        Endpoint {
+            socket: socket.to_path_buf(),
+            token,
+        },
+        sign_timeout,
+    )
+    .map_err(|e| anyhow::anyhow!("--keyd unix:{}: {e}", socket.display()))
 }
 
 /// Connects to a daemon just started, which loads every key before it listens: waits for

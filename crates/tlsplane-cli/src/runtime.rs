@@ -79,6 +79,9 @@ pub struct RuntimeStats {
     pub keyd_restarts: AtomicU64,
     /// Key daemons found stuck (a signature not answered within --keyd-timeout) and replaced.
     pub keyd_stuck: AtomicU64,
+    /// Connections made again to a key daemon started by hand (`--keyd unix:PATH`) after it
+    /// could not be reached (restarted, say).
+    pub keyd_reconnects: AtomicU64,
     pub histograms: crate::admin::Histograms,
 }
 

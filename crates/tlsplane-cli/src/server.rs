@@ -384,6 +384,7 @@ fn counters<P: Product>(stats: &P::Stats, r: &RuntimeStats) -> Vec<(&'static str
         ("reload_failures", r.reload_failures.load(Relaxed)),
         ("keyd_restarts", r.keyd_restarts.load(Relaxed)),
         ("keyd_stuck", r.keyd_stuck.load(Relaxed)),
+        ("keyd_reconnects", r.keyd_reconnects.load(Relaxed)),
     ]);
     pairs.extend(r.limits.snapshot());
     pairs

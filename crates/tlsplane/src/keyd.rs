@@ -172,12 +172,29 @@ impl Conn {
         buf.truncate(n);
         match buf[0] {
             OK => Ok(buf.split_off(1)),
-            _ => Err(io::Error::other(format!(
+            _ => Err(io::Error::other(Refused(format!(
                 "keyd: {}",
                 String::from_utf8_lossy(&buf[1..])
-            ))),
+            )))),
         }
     }
+}
+
+/// The daemon answered, with a refusal (an unknown handle, a key it could not load): the
+/// connection itself is fine.
+#[derive(Debug)]
+struct Refused(String);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+fn is_refusal(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|r| r.is::<Refused>())
 }
 
 /// A socket timeout reads as EAGAIN ("resource temporarily unavailable"): say what it means.
@@ -204,6 +221,9 @@ pub struct KeydClient {
     idle: Mutex<Vec<Socket>>,
     /// Calls that got no answer within `timeout`.
     timeouts: AtomicU64,
+    /// Calls that failed for the connection's sake: no answer, a closed connection, no daemon
+    /// listening, a token it did not take (not an answer that refuses one request).
+    broken: AtomicU64,
 }
 
 impl std::fmt::Debug for Conn {
@@ -222,6 +242,7 @@ impl KeydClient {
             timeout,
             idle: Mutex::new(vec![first.0]),
             timeouts: AtomicU64::new(0),
+            broken: AtomicU64::new(0),
         }))
     }
 
@@ -231,16 +252,29 @@ impl KeydClient {
         self.timeouts.load(Ordering::Relaxed)
     }
 
+    /// How many calls failed because the daemon could not be reached or did not answer
+    /// (timeouts included): a daemon that died, or was restarted with a new token, which the
+    /// server then connects to again.
+    pub fn broken(&self) -> u64 {
+        self.broken.load(Ordering::Relaxed)
+    }
+
     fn call(&self, request: &[u8]) -> io::Result<Vec<u8>> {
         let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let mut conn = match pooled {
             Some(s) => Conn(s, self.timeout),
-            None => Conn::open(&self.endpoint, self.timeout)?,
+            None => Conn::open(&self.endpoint, self.timeout).inspect_err(|_| {
+                // Refused at HELLO too: a daemon with another token.
+                self.broken.fetch_add(1, Ordering::Relaxed);
+            })?,
         };
         // On any error the connection is dropped, not pooled: its state is unknown.
         let reply = conn.call(request).inspect_err(|e| {
             if e.kind() == io::ErrorKind::TimedOut {
                 self.timeouts.fetch_add(1, Ordering::Relaxed);
+            }
+            if !is_refusal(e) {
+                self.broken.fetch_add(1, Ordering::Relaxed);
             }
         })?;
         self.idle
@@ -536,5 +570,46 @@ mod tests {
         assert!(e.to_string().contains("did not answer within 0.2 s"), "{e}");
         assert!(took < Duration::from_millis(700), "waited {took:?}");
         assert_eq!(client.timeouts(), 1);
+        assert_eq!(client.broken(), 1);
+    }
+
+    #[test]
+    fn a_refusal_is_not_a_broken_connection_but_a_closed_one_is() {
+        let dir = std::env::temp_dir().join(format!("tlsplane-keyd-refuse-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("keyd.sock");
+        let listener = Socket::new(Domain::UNIX, Type::SEQPACKET, None).expect("socket");
+        listener
+            .bind(&SockAddr::unix(&path).expect("address"))
+            .expect("bind");
+        listener.listen(4).expect("listen");
+        // Takes HELLO, refuses one request, then closes the connection.
+        let daemon = std::thread::spawn(move || {
+            let (conn, _) = listener.accept().expect("accept");
+            let mut buf = [0u8; MAX_MESSAGE];
+            let _hello = (&conn).read(&mut buf).expect("hello");
+            conn.send(&[OK]).expect("hello reply");
+            let _request = (&conn).read(&mut buf).expect("request");
+            conn.send(b"\x01no key 9").expect("refusal");
+            let _request = (&conn).read(&mut buf).expect("request");
+        });
+        let endpoint = Endpoint {
+            socket: path,
+            token: zeroize::Zeroizing::new([7; TOKEN_LEN]),
+        };
+        let client = KeydClient::connect(endpoint, DEFAULT_SIGN_TIMEOUT).expect("connect");
+        let e = client.call(&[op::SIGN, 0, 0, 0, 9]).expect_err("refused");
+        assert!(e.to_string().contains("no key 9"), "{e}");
+        assert_eq!(
+            client.broken(),
+            0,
+            "a refusal counted as a broken connection"
+        );
+        // The refused call's connection was dropped; the next one finds nobody listening.
+        daemon.join().expect("daemon");
+        let e = client.call(&[op::SIGN, 0, 0, 0, 9]).expect_err("no daemon");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(client.broken(), 1, "{e}");
     }
 }

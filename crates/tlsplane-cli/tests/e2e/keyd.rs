@@ -372,20 +372,8 @@ fn an_external_keyd_serves_the_server_that_holds_its_token() {
     let dir = crate::sites::scratch("external-keyd");
     let leaf = fixtures::pki().leaf(CertKind::P256);
     let socket = dir.join("keyd.sock");
-    let mut keyd = Command::new(server_bin())
-        .args(["keyd", "--socket"])
-        .arg(&socket)
-        .arg("--key")
-        .arg(&leaf.key_pem)
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("tlsplane keyd");
+    let _keyd = start_external_keyd(&socket, &leaf.key_pem);
     let token = dir.join("keyd.sock.token");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !(socket.exists() && token.exists()) {
-        assert!(Instant::now() < deadline, "keyd did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(
         fs::metadata(&token).unwrap().permissions().mode() & 0o777,
@@ -414,8 +402,96 @@ fn an_external_keyd_serves_the_server_that_holds_its_token() {
         "{}",
         out.describe()
     );
-    let _ = keyd.kill();
-    let _ = keyd.wait();
+}
+
+/// A daemon started by a test, killed when the test ends, failed or not (one left running
+/// would hold the harness's output open).
+struct ExternalKeyd(std::process::Child);
+
+impl Drop for ExternalKeyd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `tlsplane keyd --socket SOCKET --key KEY`, once its socket and token file are there.
+fn start_external_keyd(socket: &Path, key: &Path) -> ExternalKeyd {
+    let token = socket.with_extension("sock.token");
+    let _ = fs::remove_file(&token);
+    let keyd = ExternalKeyd(
+        Command::new(server_bin())
+            .args(["keyd", "--socket"])
+            .arg(socket)
+            .arg("--key")
+            .arg(key)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("tlsplane keyd"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(socket.exists() && token.exists()) {
+        assert!(Instant::now() < deadline, "keyd did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    keyd
+}
+
+#[test]
+fn an_external_keyd_restarted_by_hand_is_found_again() {
+    let dir = crate::sites::scratch("external-keyd-restart");
+    let leaf = fixtures::pki().leaf(CertKind::P256);
+    let socket = dir.join("keyd.sock");
+    let keyd = start_external_keyd(&socket, &leaf.key_pem);
+    let server = Server::builder()
+        .arg("--keyd")
+        .arg(format!("unix:{}", socket.display()))
+        .start();
+    let port = server.port();
+    let hello = &fixtures::get().hello.url;
+    let mut kept = TlsClient::connect_version(port, Tls::V13);
+    assert_eq!(kept.get(hello).status, 200);
+    let token_before = fs::read(socket.with_extension("sock.token")).unwrap();
+
+    // Restarted by hand: a new process, a new token.
+    drop(keyd);
+    let _keyd = start_external_keyd(&socket, &leaf.key_pem);
+    assert_ne!(
+        fs::read(socket.with_extension("sock.token")).unwrap(),
+        token_before,
+        "the new daemon has a new token"
+    );
+    let restarted = Instant::now();
+    let back = loop {
+        let (r, _) = try_handshake(port);
+        if r.is_ok() {
+            break restarted.elapsed();
+        }
+        assert!(
+            restarted.elapsed() < Duration::from_secs(5),
+            "no successful handshake 5 s after keyd was restarted: {r:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    eprintln!("service back {back:?} after the external keyd was restarted");
+    assert_eq!(
+        kept.get(hello).status,
+        200,
+        "the established connection was lost"
+    );
+    kept.close();
+    some_handshakes(port);
+    let lines = server.stderr_lines();
+    let count = |what: &str| lines.iter().filter(|l| l.contains(what)).count();
+    assert_eq!(
+        count("cannot be reached; connecting again"),
+        1,
+        "{lines:#?}"
+    );
+    assert_eq!(count("connected again to the key daemon"), 1, "{lines:#?}");
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_reconnects"), 1, "{stats:?}");
 }
 
 /// `/proc/PID/status`'s `Uid:` or `Gid:` line: real, effective, saved, filesystem.
