@@ -109,7 +109,17 @@ impl Conn {
         let mut c = Conn(sock, timeout);
         let mut hello = vec![op::HELLO];
         hello.extend_from_slice(ep.token.as_ref());
-        c.call(&hello)?;
+        c.call(&hello).map_err(|e| {
+            if is_refusal(&e) {
+                // The daemon says no more than that, on purpose.
+                io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "keyd refused the connection: not its token, or not an allowed user",
+                )
+            } else {
+                e
+            }
+        })?;
         Ok(c)
     }
 
