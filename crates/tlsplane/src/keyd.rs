@@ -498,37 +498,57 @@ mod tests {
     use super::*;
     use std::time::{Duration, Instant};
 
-    /// A daemon that accepts any HELLO and answers one request after `delay`.
-    fn slow_daemon(dir: &Path, delay: Duration) -> Endpoint {
+    /// A new empty directory for one test's socket.
+    fn scratch(test: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("tlsplane-keyd-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        dir
+    }
+
+    /// A daemon in `dir` that accepts one connection and any HELLO, then hands the connection
+    /// to `serve`; the listener closes when `serve` returns.
+    fn fake_daemon(
+        dir: &Path,
+        serve: impl FnOnce(Socket) + Send + 'static,
+    ) -> (Endpoint, std::thread::JoinHandle<()>) {
         let path = dir.join("keyd.sock");
         let listener = Socket::new(Domain::UNIX, Type::SEQPACKET, None).expect("socket");
         listener
             .bind(&SockAddr::unix(&path).expect("address"))
             .expect("bind");
         listener.listen(4).expect("listen");
-        std::thread::spawn(move || {
+        let daemon = std::thread::spawn(move || {
             let (conn, _) = listener.accept().expect("accept");
             let mut buf = [0u8; MAX_MESSAGE];
             let _hello = (&conn).read(&mut buf).expect("hello");
             conn.send(&[OK]).expect("hello reply");
+            serve(conn);
+        });
+        let endpoint = Endpoint {
+            socket: path,
+            token: zeroize::Zeroizing::new([7; TOKEN_LEN]),
+        };
+        (endpoint, daemon)
+    }
+
+    /// A daemon that answers one request after `delay`.
+    fn slow_daemon(dir: &Path, delay: Duration) -> Endpoint {
+        fake_daemon(dir, move |conn| {
+            let mut buf = [0u8; MAX_MESSAGE];
             let _request = (&conn).read(&mut buf).expect("request");
             std::thread::sleep(delay);
             // The client may have given up on it.
             let _ = conn.send(&[OK, 0xAB, 0xCD]);
             // Hold the connection until the client is done with it.
             let _ = (&conn).read(&mut buf);
-        });
-        Endpoint {
-            socket: path,
-            token: zeroize::Zeroizing::new([7; TOKEN_LEN]),
-        }
+        })
+        .0
     }
 
     #[test]
     fn a_signal_during_the_wait_does_not_fail_the_call() {
-        let dir = std::env::temp_dir().join(format!("tlsplane-keyd-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("dir");
+        let dir = scratch("signal");
         // A handler as the server has (tokio's, with SA_RESTART): a blocking receive with a
         // timeout is interrupted all the same.
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -562,9 +582,7 @@ mod tests {
 
     #[test]
     fn a_daemon_that_does_not_answer_is_reported_as_a_timeout() {
-        let dir = std::env::temp_dir().join(format!("tlsplane-keyd-slow-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("dir");
+        let dir = scratch("slow");
         let client = KeydClient::connect(
             slow_daemon(&dir, Duration::from_millis(800)),
             Duration::from_millis(200),
@@ -585,29 +603,14 @@ mod tests {
 
     #[test]
     fn a_refusal_is_not_a_broken_connection_but_a_closed_one_is() {
-        let dir = std::env::temp_dir().join(format!("tlsplane-keyd-refuse-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("dir");
-        let path = dir.join("keyd.sock");
-        let listener = Socket::new(Domain::UNIX, Type::SEQPACKET, None).expect("socket");
-        listener
-            .bind(&SockAddr::unix(&path).expect("address"))
-            .expect("bind");
-        listener.listen(4).expect("listen");
-        // Takes HELLO, refuses one request, then closes the connection.
-        let daemon = std::thread::spawn(move || {
-            let (conn, _) = listener.accept().expect("accept");
+        let dir = scratch("refuse");
+        // Refuses one request, then closes the connection and stops listening.
+        let (endpoint, daemon) = fake_daemon(&dir, |conn| {
             let mut buf = [0u8; MAX_MESSAGE];
-            let _hello = (&conn).read(&mut buf).expect("hello");
-            conn.send(&[OK]).expect("hello reply");
             let _request = (&conn).read(&mut buf).expect("request");
             conn.send(b"\x01no key 9").expect("refusal");
             let _request = (&conn).read(&mut buf).expect("request");
         });
-        let endpoint = Endpoint {
-            socket: path,
-            token: zeroize::Zeroizing::new([7; TOKEN_LEN]),
-        };
         let client = KeydClient::connect(endpoint, DEFAULT_SIGN_TIMEOUT).expect("connect");
         let e = client.call(&[op::SIGN, 0, 0, 0, 9]).expect_err("refused");
         assert!(e.to_string().contains("no key 9"), "{e}");

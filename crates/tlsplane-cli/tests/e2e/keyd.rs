@@ -223,6 +223,34 @@ fn try_handshake(port: u16) -> (Result<(), String>, Duration) {
     (r, t.elapsed())
 }
 
+/// The connection established before the daemon's trouble still works, and new ones are made.
+fn still_served(mut kept: TlsClient, port: u16) {
+    assert_eq!(
+        kept.get(&fixtures::get().hello.url).status,
+        200,
+        "the established connection was lost"
+    );
+    kept.close();
+    some_handshakes(port);
+}
+
+/// Tries handshakes until one succeeds, at most `limit` after `what` happened (now).
+fn service_back_within(port: u16, limit: Duration, what: &str) {
+    let since = Instant::now();
+    loop {
+        let (r, _) = try_handshake(port);
+        if r.is_ok() {
+            eprintln!("service back {:?} after {what}", since.elapsed());
+            return;
+        }
+        assert!(
+            since.elapsed() < limit,
+            "no successful handshake {limit:?} after {what}: {r:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Signatures are counted and timed where they are made: by the daemon (its SIGUSR1 report),
 /// never by the server when keyd holds the keys (which also shows the server signs nothing
 /// itself), and by the server with `--keyd off`; the server times its waits on keyd.
@@ -307,46 +335,16 @@ fn a_dead_or_stuck_keyd_fails_handshakes_fast_and_is_replaced_without_losing_con
         took < Duration::from_millis(2500),
         "the failure took {took:?}"
     );
-    let failed = Instant::now();
-    let back = loop {
-        let (r, _) = try_handshake(port);
-        if r.is_ok() {
-            break failed.elapsed();
-        }
-        assert!(
-            failed.elapsed() < Duration::from_secs(4),
-            "no successful handshake 4 s after keyd was found stuck: {r:?}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    eprintln!("service back {back:?} after keyd was found stuck");
+    service_back_within(port, Duration::from_secs(4), "keyd was found stuck");
     let replaced = keyd_pid(server.pid());
     assert_ne!(replaced, keyd, "the stuck daemon was replaced");
     let keyd = replaced;
 
     // Killed: restarted, and service is back within 2 s.
     signal("-KILL", keyd);
-    let killed = Instant::now();
-    let back = loop {
-        let (r, _) = try_handshake(port);
-        if r.is_ok() {
-            break killed.elapsed();
-        }
-        assert!(
-            killed.elapsed() < Duration::from_secs(2),
-            "no successful handshake 2 s after keyd was killed: {r:?}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    eprintln!("service back {back:?} after keyd was killed");
+    service_back_within(port, Duration::from_secs(2), "keyd was killed");
     assert_ne!(keyd_pid(server.pid()), keyd, "a new daemon runs");
-    assert_eq!(
-        kept.get(hello).status,
-        200,
-        "the established connection was lost"
-    );
-    kept.close();
-    some_handshakes(port);
+    still_served(kept, port);
     let lines = server.stderr_lines();
     let count = |what: &str| lines.iter().filter(|l| l.contains(what)).count();
     assert_eq!(count("the key daemon exited"), 1, "{lines:#?}");
@@ -464,26 +462,12 @@ fn an_external_keyd_restarted_by_hand_is_found_again() {
         token_before,
         "the new daemon has a new token"
     );
-    let restarted = Instant::now();
-    let back = loop {
-        let (r, _) = try_handshake(port);
-        if r.is_ok() {
-            break restarted.elapsed();
-        }
-        assert!(
-            restarted.elapsed() < Duration::from_secs(5),
-            "no successful handshake 5 s after keyd was restarted: {r:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    eprintln!("service back {back:?} after the external keyd was restarted");
-    assert_eq!(
-        kept.get(hello).status,
-        200,
-        "the established connection was lost"
+    service_back_within(
+        port,
+        Duration::from_secs(5),
+        "the external keyd was restarted",
     );
-    kept.close();
-    some_handshakes(port);
+    still_served(kept, port);
     let lines = server.stderr_lines();
     let count = |what: &str| lines.iter().filter(|l| l.contains(what)).count();
     assert_eq!(
