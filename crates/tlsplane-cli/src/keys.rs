@@ -105,8 +105,7 @@ impl Keys {
             KeydMode::Off => {}
             KeydMode::On => keys.spawn()?,
             KeydMode::Unix(socket) => {
-                let client = connect_external(socket, keys.sign_timeout)?;
-                *keys.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
+                keys.set_client(connect_external(socket, keys.sign_timeout)?);
             }
         }
         Ok(keys)
@@ -129,7 +128,7 @@ impl Keys {
                         _ => None,
                     })
                 })?;
-            *self.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
+            self.set_client(client);
             *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) =
                 Some(Spawned::Launched { pid });
             return Ok(());
@@ -148,19 +147,26 @@ impl Keys {
         };
         // On an error, dropping `spawned` stops the daemon and removes its directory.
         let client = client?;
-        *self.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
+        self.set_client(client);
         *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) = Some(spawned);
         Ok(())
     }
 
-    /// The signing key for the key file `path`.
-    pub fn load(&self, path: &Path) -> Result<Arc<dyn SigningKey>, tlsplane::Error> {
-        let client = self
-            .client
+    /// The client of the daemon in use, if keys are in one.
+    fn client(&self) -> Option<Arc<KeydClient>> {
+        self.client
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        match client {
+            .clone()
+    }
+
+    fn set_client(&self, client: Arc<KeydClient>) {
+        *self.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
+    }
+
+    /// The signing key for the key file `path`.
+    pub fn load(&self, path: &Path) -> Result<Arc<dyn SigningKey>, tlsplane::Error> {
+        match self.client() {
             None => tlsplane::cert::load_key(path),
             Some(c) => c
                 .key(path)
@@ -172,12 +178,7 @@ impl Keys {
     /// Has the daemon re-read its key files (a reload); the generation to commit once the
     /// configuration built on them is in force. Nothing to do without a daemon.
     pub fn reload(&self) -> anyhow::Result<Option<u32>> {
-        let client = self
-            .client
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        match client {
+        match self.client() {
             Some(c) => Ok(Some(c.reload()?)),
             None => Ok(None),
         }
@@ -186,36 +187,24 @@ impl Keys {
     /// The configuration built on generation `g` is in force: the daemon may drop keys
     /// neither it nor the previous one uses.
     pub fn commit(&self, g: Option<u32>) {
-        let client = self
-            .client
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        if let (Some(c), Some(g)) = (client, g) {
+        if let (Some(c), Some(g)) = (self.client(), g) {
             if let Err(e) = c.commit(g) {
                 tracing::warn!(error = %e, "the key daemon did not take the commit");
             }
         }
     }
 
-    /// Watches the daemon this server started: when it dies, or is stuck (it let a signature
-    /// time out), starts another and asks for a reload (new handles), through `reload`. With
-    /// `--keyd unix:PATH`, connects again (reading the token file again: a daemon restarted by
-    /// hand has a new token) when the daemon cannot be reached. Each step is logged once and
-    /// counted.
+    /// Watches the daemon: when the one this server started dies, or is stuck (it let a
+    /// signature time out), starts another; with `--keyd unix:PATH`, connects again (reading
+    /// the token file again: a daemon restarted by hand has a new token) when the daemon
+    /// cannot be reached. Then asks for a reload (new handles), through `reload`. Each step is
+    /// logged once and counted.
     pub fn supervise(
         self: &Arc<Self>,
         reload: tokio::sync::mpsc::UnboundedSender<&'static str>,
         stats: Arc<crate::runtime::RuntimeStats>,
     ) {
-        if let KeydMode::Unix(socket) = &self.mode {
-            let (keys, socket) = (self.clone(), socket.clone());
-            let _ = std::thread::Builder::new()
-                .name("keyd-watch".into())
-                .spawn(move || keys.reconnect_when_broken(&socket, &reload, &stats));
-            return;
-        }
-        if self.mode != KeydMode::On {
+        if self.mode == KeydMode::Off {
             return;
         }
         let keys = self.clone();
@@ -226,96 +215,109 @@ impl Keys {
                 if keys.stopping.load(Relaxed) {
                     return;
                 }
-                if let Some(status) = keys.died() {
-                    tracing::error!(
-                        "the key daemon exited ({status}); handshakes fail until it is restarted"
-                    );
-                } else if keys.stuck() {
-                    // Alive but not answering (stopped, deadlocked): every handshake would
-                    // wait out the timeout. Its keys are not zeroized by a kill, but a stuck
-                    // process would not zeroize them on request either.
-                    tracing::error!(
-                        "the key daemon did not answer a signature within {} s: replacing it",
-                        keys.sign_timeout.as_secs_f64()
-                    );
-                    stats.keyd_stuck.fetch_add(1, Relaxed);
-                    keys.kill_stuck();
-                } else {
-                    continue;
-                }
-                stats.keyd_restarts.fetch_add(1, Relaxed);
-                // Retry until it comes back (a key file may be missing right now).
-                let mut delay = Duration::from_millis(50);
-                loop {
-                    if keys.stopping.load(Relaxed) {
-                        return;
-                    }
-                    match keys.spawn() {
-                        Ok(()) => {
-                            tracing::info!("key daemon restarted");
-                            let _ = reload.send("key daemon restarted");
-                            break;
-                        }
-                        Err(e) => {
-                            tracing::error!("restarting the key daemon failed: {e:#}; retrying");
-                            std::thread::sleep(delay);
-                            delay = (delay * 2).min(Duration::from_secs(5));
-                        }
-                    }
+                let back = match &keys.mode {
+                    KeydMode::Unix(socket) => keys.reconnect_if_broken(socket, &stats),
+                    _ => keys.restart_if_dead_or_stuck(&stats),
+                };
+                if let Some(why) = back {
+                    let _ = reload.send(why);
                 }
             });
     }
 
-    /// The `--keyd unix:PATH` side of [`Keys::supervise`].
-    fn reconnect_when_broken(
+    /// Starts another daemon if ours died or is stuck; why, once it is back (None: nothing
+    /// was wrong, or the server is stopping).
+    fn restart_if_dead_or_stuck(
+        &self,
+        stats: &crate::runtime::RuntimeStats,
+    ) -> Option<&'static str> {
+        if let Some(status) = self.died() {
+            tracing::error!(
+                "the key daemon exited ({status}); handshakes fail until it is restarted"
+            );
+        } else if self.stuck() {
+            // Alive but not answering (stopped, deadlocked): every handshake would wait out
+            // the timeout. Its keys are not zeroized by a kill, but a stuck process would not
+            // zeroize them on request either.
+            tracing::error!(
+                "the key daemon did not answer a signature within {} s: replacing it",
+                self.sign_timeout.as_secs_f64()
+            );
+            stats.keyd_stuck.fetch_add(1, Relaxed);
+            self.kill_stuck();
+        } else {
+            return None;
+        }
+        stats.keyd_restarts.fetch_add(1, Relaxed);
+        // Retry until it comes back (a key file may be missing right now).
+        let back = self.retry(
+            Duration::from_secs(5),
+            || self.spawn(),
+            |e| {
+                tracing::error!("restarting the key daemon failed: {e:#}; retrying");
+            },
+        );
+        back.then(|| {
+            tracing::info!("key daemon restarted");
+            "key daemon restarted"
+        })
+    }
+
+    /// The `--keyd unix:PATH` side: connects again if the daemon could not be reached; why,
+    /// once it is back (None: nothing was wrong, or the server is stopping).
+    fn reconnect_if_broken(
         &self,
         socket: &Path,
-        reload: &tokio::sync::mpsc::UnboundedSender<&'static str>,
         stats: &crate::runtime::RuntimeStats,
-    ) {
+    ) -> Option<&'static str> {
+        if self.client().is_none_or(|c| c.broken() == 0) {
+            return None;
+        }
+        tracing::error!(
+            "the key daemon at {} cannot be reached; connecting again",
+            socket.display()
+        );
+        let mut last = String::new();
+        let attempt = || {
+            self.set_client(connect_external(socket, self.sign_timeout)?);
+            Ok(())
+        };
+        let back = self.retry(Duration::from_secs(1), attempt, |e| {
+            // Once per distinct reason: a daemon being restarted goes through a few (no
+            // socket, no token file yet, ...).
+            let why = format!("{e:#}");
+            if why != last {
+                tracing::warn!("the key daemon is not back yet: {why}; retrying");
+                last = why;
+            }
+        });
+        back.then(|| {
+            stats.keyd_reconnects.fetch_add(1, Relaxed);
+            tracing::info!("connected again to the key daemon at {}", socket.display());
+            "key daemon connected again"
+        })
+    }
+
+    /// Calls `attempt` until it succeeds, waiting 50 ms after the first failure and twice as
+    /// long after each next one, up to `cap`; `failed` hears each failure. False if the server
+    /// is stopping first.
+    fn retry(
+        &self,
+        cap: Duration,
+        mut attempt: impl FnMut() -> anyhow::Result<()>,
+        mut failed: impl FnMut(&anyhow::Error),
+    ) -> bool {
+        let mut delay = Duration::from_millis(50);
         loop {
-            std::thread::sleep(Duration::from_millis(20));
             if self.stopping.load(Relaxed) {
-                return;
+                return false;
             }
-            let broken = self
-                .client
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .as_ref()
-                .is_some_and(|c| c.broken() > 0);
-            if !broken {
-                continue;
-            }
-            tracing::error!(
-                "the key daemon at {} cannot be reached; connecting again",
-                socket.display()
-            );
-            let mut delay = Duration::from_millis(50);
-            let mut last = String::new();
-            loop {
-                if self.stopping.load(Relaxed) {
-                    return;
-                }
-                match connect_external(socket, self.sign_timeout) {
-                    Ok(client) => {
-                        *self.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(client);
-                        stats.keyd_reconnects.fetch_add(1, Relaxed);
-                        tracing::info!("connected again to the key daemon at {}", socket.display());
-                        let _ = reload.send("key daemon connected again");
-                        break;
-                    }
-                    Err(e) => {
-                        // Once per distinct reason: a daemon being restarted goes through a
-                        // few (no socket, no token file yet, ...).
-                        let why = format!("{e:#}");
-                        if why != last {
-                            tracing::warn!("the key daemon is not back yet: {why}; retrying");
-                            last = why;
-                        }
-                        std::thread::sleep(delay);
-                        delay = (delay * 2).min(Duration::from_secs(1));
-                    }
+            match attempt() {
+                Ok(()) => return true,
+                Err(e) => {
+                    failed(&e);
+                    std::thread::sleep(delay);
+                    delay = (delay * 2).min(cap);
                 }
             }
         }
@@ -323,11 +325,7 @@ impl Keys {
 
     /// Whether the current daemon let a signature time out.
     fn stuck(&self) -> bool {
-        self.client
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .is_some_and(|c| c.timeouts() > 0)
+        self.client().is_some_and(|c| c.timeouts() > 0)
     }
 
     /// Kills a stuck daemon that is our child at once (an orderly stop would wait for it). One
