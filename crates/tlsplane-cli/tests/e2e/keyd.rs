@@ -291,8 +291,10 @@ fn a_dead_or_stuck_keyd_fails_handshakes_fast_and_is_replaced_without_losing_con
     // Handshake-only connections close before the kernel could take them.
     let server = Server::builder()
         .expect_user_fallbacks()
+        // Not shorter: under emulation a fresh daemon's first signature has taken over 1 s,
+        // and a daemon that slow is (rightly) taken for stuck.
         .arg("--keyd-timeout")
-        .arg("1")
+        .arg("3")
         .start();
     let port = server.port();
     let hello = &fixtures::get().hello.url;
@@ -300,7 +302,7 @@ fn a_dead_or_stuck_keyd_fails_handshakes_fast_and_is_replaced_without_losing_con
     assert_eq!(kept.get(hello).status, 200);
     let keyd = keyd_pid(server.pid());
 
-    // A stuck daemon: the handshake waits at most the one-second timeout, then gets an alert;
+    // A stuck daemon: the handshake waits at most the three-second timeout, then gets an alert;
     // the server replaces the daemon.
     let signal = |sig: &str, pid: u32| {
         assert!(Command::new("kill")
@@ -332,7 +334,7 @@ fn a_dead_or_stuck_keyd_fails_handshakes_fast_and_is_replaced_without_losing_con
         "expected an internal_error alert: {err}"
     );
     assert!(
-        took < Duration::from_millis(2500),
+        took < Duration::from_millis(4500),
         "the failure took {took:?}"
     );
     service_back_within(port, Duration::from_secs(4), "keyd was found stuck");
@@ -349,7 +351,7 @@ fn a_dead_or_stuck_keyd_fails_handshakes_fast_and_is_replaced_without_losing_con
     let count = |what: &str| lines.iter().filter(|l| l.contains(what)).count();
     assert_eq!(count("the key daemon exited"), 1, "{lines:#?}");
     assert_eq!(
-        count("the key daemon did not answer a signature within 1 s"),
+        count("the key daemon did not answer a signature within 3 s"),
         1,
         "{lines:#?}"
     );
