@@ -3,6 +3,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -17,12 +18,27 @@ pub(super) struct Pool {
     /// Tells this pool's idle connections from those of pools replaced by a reload.
     id: u64,
     pub(super) backends: Vec<Backend>,
+    /// By backend: the addresses a TCP backend's name resolved to when the configuration was
+    /// loaded (none for a Unix socket), and the one that last took a connection (tried first).
+    addrs: Vec<(Vec<SocketAddr>, AtomicUsize)>,
     next: AtomicUsize,
     /// By backend: left out of the rotation until then.
     down_until: Vec<Mutex<Option<Instant>>>,
     /// By backend: connections open (in use or idle) across workers, and how idle ones held
     /// by other workers are asked back.
     shared: Vec<Arc<BackendShared>>,
+}
+
+/// `HOST:PORT` -> its addresses (a literal address costs no lookup).
+fn resolve(host_port: &str) -> anyhow::Result<Vec<SocketAddr>> {
+    let addrs: Vec<SocketAddr> = host_port
+        .to_socket_addrs()
+        .map_err(|e| anyhow::anyhow!("backend {host_port}: cannot resolve its host name: {e}"))?
+        .collect();
+    if addrs.is_empty() {
+        anyhow::bail!("backend {host_port}: its host name resolves to no address");
+    }
+    Ok(addrs)
 }
 
 /// What the workers share about one backend's connections.
@@ -40,17 +56,45 @@ pub(super) struct BackendShared {
 }
 
 impl Pool {
-    pub(super) fn new(backends: Vec<Backend>) -> Self {
+    /// Resolves the backends' host names now, once (as nginx does for an upstream without a
+    /// `resolver`): a connection then never waits for a lookup, nor fails because DNS does,
+    /// and a name that resolves to several addresses does not cost a refused connect to the
+    /// first of them per connection. A reload resolves again.
+    pub(super) fn new(backends: Vec<Backend>) -> anyhow::Result<Self> {
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        let addrs = backends
+            .iter()
+            .map(|b| match b {
+                Backend::Tcp(hp) => resolve(hp).map(|a| (a, AtomicUsize::new(0))),
+                Backend::Unix(_) => Ok((Vec::new(), AtomicUsize::new(0))),
+            })
+            .collect::<anyhow::Result<_>>()?;
         let down_until = backends.iter().map(|_| Mutex::new(None)).collect();
         let shared = backends.iter().map(|_| Arc::default()).collect();
-        Self {
+        Ok(Self {
             id: NEXT_ID.fetch_add(1, Relaxed),
             backends,
+            addrs,
             next: AtomicUsize::new(0),
             down_until,
             shared,
-        }
+        })
+    }
+
+    /// TCP backend `i`'s addresses, in the order to try them: the one that took the last
+    /// connection first.
+    pub(super) fn addrs(&self, i: usize) -> impl Iterator<Item = (usize, SocketAddr)> + '_ {
+        let (addrs, last) = &self.addrs[i];
+        let first = last.load(Relaxed);
+        (0..addrs.len()).map(move |k| {
+            let j = (first + k) % addrs.len();
+            (j, addrs[j])
+        })
+    }
+
+    /// Address `j` of backend `i` took a connection.
+    pub(super) fn connected_at(&self, i: usize, j: usize) {
+        self.addrs[i].1.store(j, Relaxed);
     }
 
     fn is_down(&self, i: usize, now: Instant) -> bool {
@@ -469,5 +513,56 @@ impl Pool {
 impl BackendConn {
     pub(super) fn new(io: Io, slot: Slot) -> Self {
         Self { io, _slot: slot }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_names_are_resolved_when_the_configuration_loads() {
+        let pool = Pool::new(vec![
+            Backend::Tcp("localhost:8080".into()),
+            Backend::Unix("/run/app.sock".into()),
+            Backend::Tcp("[::1]:9000".into()),
+        ])
+        .unwrap();
+        let first: Vec<SocketAddr> = pool.addrs(0).map(|(_, a)| a).collect();
+        assert!(
+            first.contains(&"127.0.0.1:8080".parse().unwrap()),
+            "{first:?}"
+        );
+        assert_eq!(pool.addrs(1).count(), 0);
+        let third: Vec<SocketAddr> = pool.addrs(2).map(|(_, a)| a).collect();
+        assert_eq!(third, vec!["[::1]:9000".parse::<SocketAddr>().unwrap()]);
+    }
+
+    #[test]
+    fn a_name_that_does_not_resolve_fails_the_load_and_says_which() {
+        // An invalid name: refused by the resolver without a network query.
+        let err = Pool::new(vec![Backend::Tcp("bad_host!name:80".into())])
+            .err()
+            .expect("no addresses")
+            .to_string();
+        assert!(
+            err.contains("backend bad_host!name:80: cannot resolve"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_address_that_took_the_last_connection_is_tried_first() {
+        let mut pool = Pool::new(vec![Backend::Tcp("127.0.0.1:1".into())]).unwrap();
+        let three: Vec<SocketAddr> = ["[::1]:80", "127.0.0.1:80", "127.0.0.2:80"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        pool.addrs[0].0 = three.clone();
+        let order = |p: &Pool| p.addrs(0).map(|(j, _)| j).collect::<Vec<_>>();
+        assert_eq!(order(&pool), vec![0, 1, 2]);
+        pool.connected_at(0, 1);
+        assert_eq!(order(&pool), vec![1, 2, 0]);
+        assert_eq!(pool.addrs(0).next().unwrap().1, three[1]);
     }
 }

@@ -106,7 +106,7 @@ pub enum ForwardedArg {
 /// Where a proxy forwards a connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Backend {
-    /// `HOST:PORT`, resolved at each connect.
+    /// `HOST:PORT`; a host name is resolved when the configuration is loaded (see `Pool::new`).
     Tcp(String),
     Unix(PathBuf),
 }
@@ -254,7 +254,7 @@ impl Product for Proxy {
             .serve
             .into_iter()
             .map(|s| match s.origin {
-                Origin::Backends(b) => Ok(Pool::new(b)),
+                Origin::Backends(b) => Pool::new(b),
                 Origin::Root(_) => Err(anyhow::anyhow!("site {}: no backends", s.label)),
             })
             .collect::<anyhow::Result<_>>()?;
@@ -404,10 +404,19 @@ impl Proxy {
         let timeout = Duration::from_secs(self.args.connect_timeout.max(1));
         let attempt = async {
             match backend {
-                Backend::Tcp(addr) => {
-                    let s = tokio::net::TcpStream::connect(addr.as_str()).await?;
-                    s.set_nodelay(true)?;
-                    Ok::<_, std::io::Error>(Io::Tcp(s))
+                Backend::Tcp(_) => {
+                    let mut failed = None;
+                    for (j, addr) in pool.addrs(i) {
+                        match tokio::net::TcpStream::connect(addr).await {
+                            Ok(s) => {
+                                pool.connected_at(i, j);
+                                s.set_nodelay(true)?;
+                                return Ok::<_, std::io::Error>(Io::Tcp(s));
+                            }
+                            Err(e) => failed = Some(e),
+                        }
+                    }
+                    Err(failed.unwrap_or_else(|| std::io::ErrorKind::AddrNotAvailable.into()))
                 }
                 Backend::Unix(p) => Ok(Io::Unix(tokio::net::UnixStream::connect(p).await?)),
             }
