@@ -241,6 +241,117 @@ pub struct FloodArgs {
     pub json: bool,
 }
 
+/// `tlsplane bench hold TARGET`
+#[derive(Args, Debug, Clone)]
+pub struct HoldArgs {
+    /// Server address as host:port (e.g. 127.0.0.1:8443).
+    pub target: String,
+    /// Connections to open and hold (each: handshake, one keep-alive GET).
+    #[arg(long, value_name = "N", default_value_t = 1000,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub connections: u32,
+    /// OS threads opening connections in parallel.
+    #[arg(long, value_name = "T", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub threads: u32,
+    /// Local addresses to connect from, in turn: a comma-separated list of addresses and
+    /// IPv4 ranges, e.g. `127.0.0.2-127.0.0.9` (one address has ~28,000 source ports
+    /// towards one server). Default: the kernel's choice.
+    #[arg(long, value_name = "LIST")]
+    pub sources: Option<String>,
+    /// Path each connection GETs once (the response must keep the connection open).
+    #[arg(long, value_name = "PATH", default_value = "/")]
+    pub request: String,
+    /// Process id(s) of the server whose resident set (VmRSS) is read before the first
+    /// connection and after the last: the report divides the growth by the connections held.
+    #[arg(long = "server-pid", value_name = "PID")]
+    pub server_pids: Vec<u32>,
+    /// Seconds between the last connection opening and the server's RSS being read.
+    #[arg(long, value_name = "SECS", default_value = "0.5", value_parser = parse_non_negative_secs)]
+    pub settle: f64,
+    /// Seconds to keep every connection open after the checks (e.g. to look at the server).
+    #[arg(long, value_name = "SECS", default_value = "0", value_parser = parse_non_negative_secs)]
+    pub hold: f64,
+    /// Time limit per connect, and per read or write, in seconds.
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse_positive_secs)]
+    pub timeout: f64,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+    /// Session resumption across the held connections (one client session store):
+    /// `tickets` (TLS 1.2) and `psk` (TLS 1.3) make all but the first few connections cheap
+    /// to open, which matters where handshakes are slow (emulated guests).
+    #[arg(long, value_enum, default_value_t = ResumeMode::None)]
+    pub resume: ResumeMode,
+    /// ALPN protocols to offer, comma-separated ("" offers none).
+    #[arg(long, value_name = "LIST", default_value = "http/1.1")]
+    pub alpn: String,
+    /// Print one JSON object on stdout instead of the human-readable report.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl HoldArgs {
+    pub(crate) fn plan(&self) -> Result<crate::hold::HoldPlan> {
+        let (host, port) = split_host_port(&self.target)?;
+        let path = self.request.clone();
+        if !path.starts_with('/') || path.bytes().any(|b| b <= b' ' || b == 0x7f) {
+            bail!("--request: expected an absolute path like /index.html, got `{path}`");
+        }
+        let verify = tls::verify_mode(&self.tls)?;
+        let (config, _) =
+            tls::build_config(&self.tls, self.resume, parse_alpn(&self.alpn)?, verify)?;
+        let config = tls::loop_config(&config, self.resume != ResumeMode::None);
+        let addr = resolve(&host, port)?;
+        let sources = match &self.sources {
+            None => Vec::new(),
+            Some(list) => parse_sources(list)?,
+        };
+        if let Some(bad) = sources.iter().find(|s| s.is_ipv4() != addr.is_ipv4()) {
+            bail!("--sources: {bad} is not of the target's address family ({addr})");
+        }
+        let host_header = host_header(&host, self.tls.sni.as_deref(), port);
+        Ok(crate::hold::HoldPlan {
+            target_label: self.target.trim().to_string(),
+            addr,
+            server_name: server_name_for(&host, self.tls.sni.as_deref())?,
+            connections: self.connections as usize,
+            threads: (self.threads as usize).min(self.connections as usize),
+            sources,
+            request: format!("GET {path} HTTP/1.1\r\nHost: {host_header}\r\n\r\n").into_bytes(),
+            path,
+            timeout: Duration::from_secs_f64(self.timeout),
+            config,
+            server_pids: self.server_pids.clone(),
+            settle: Duration::from_secs_f64(self.settle),
+            hold: Duration::from_secs_f64(self.hold),
+        })
+    }
+}
+
+/// `127.0.0.2-127.0.0.9,::1` -> the addresses, ranges expanded (IPv4 only, at most 1,024).
+pub(crate) fn parse_sources(list: &str) -> Result<Vec<IpAddr>> {
+    let mut out = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let bad = || anyhow!("--sources: `{item}` is not an address or an IPv4 range A-B");
+        match item.split_once('-') {
+            None => out.push(item.parse::<IpAddr>().map_err(|_| bad())?),
+            Some((a, b)) => {
+                let a: std::net::Ipv4Addr = a.trim().parse().map_err(|_| bad())?;
+                let b: std::net::Ipv4Addr = b.trim().parse().map_err(|_| bad())?;
+                let (a, b) = (u32::from(a), u32::from(b));
+                if b < a || b - a >= 1024 {
+                    bail!("--sources: `{item}`: the range must go up, by at most 1,024 addresses");
+                }
+                out.extend((a..=b).map(|v| IpAddr::V4(v.into())));
+            }
+        }
+    }
+    if out.is_empty() {
+        bail!("--sources: no address in `{list}`");
+    }
+    Ok(out)
+}
+
 fn parse_secs(s: &str, allow_zero: bool) -> Result<f64, String> {
     let v: f64 = s
         .trim()
@@ -636,6 +747,20 @@ impl ThroughputArgs {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn sources_expand_ranges_and_lists() {
+        let v = parse_sources("127.0.0.2-127.0.0.4, ::1").unwrap();
+        let want: Vec<IpAddr> = ["127.0.0.2", "127.0.0.3", "127.0.0.4", "::1"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        assert_eq!(v, want);
+        assert!(parse_sources("127.0.0.9-127.0.0.2").is_err());
+        assert!(parse_sources("10.0.0.0-10.0.8.0").is_err());
+        assert!(parse_sources("localhost").is_err());
+        assert!(parse_sources(" , ").is_err());
+    }
+
     use super::*;
     use clap::Parser;
 

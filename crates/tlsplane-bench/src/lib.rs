@@ -10,6 +10,9 @@
 //!   flight, each reset as soon as the server's first flight is in; reports
 //!   first flights per second, failures by kind and the client's own CPU
 //!   (see `flood.rs`).
+//! * `bench hold TARGET`: N keep-alive connections opened (handshake + one GET each) and held
+//!   idle; the server's RSS growth per held connection, and whether the oldest of them and a
+//!   new one are still served (see `hold.rs`).
 //!
 //! The binary embeds it as:
 //! ```ignore
@@ -30,6 +33,7 @@ mod cpu;
 mod engine;
 mod flood;
 mod handshake;
+mod hold;
 mod http;
 mod net;
 mod stats;
@@ -41,9 +45,10 @@ use std::sync::Arc;
 use anyhow::Result;
 
 pub use args::{
-    EngineChoice, FloodArgs, Group, HandshakeArgs, LoadArgs, ResumeMode, ThroughputArgs, TlsArgs,
-    TlsVersion,
+    EngineChoice, FloodArgs, Group, HandshakeArgs, HoldArgs, LoadArgs, ResumeMode, ThroughputArgs,
+    TlsArgs, TlsVersion,
 };
+pub use hold::HoldReport;
 pub use stats::{FlightShape, FloodReport, Latency, Report};
 
 use engine::{execute, Work};
@@ -59,6 +64,10 @@ pub enum BenchCommand {
     /// Handshake flood: replay one canned ClientHello on C connections kept in
     /// flight, reset each once the server's first flight is in (no client crypto).
     Flood(FloodArgs),
+    /// Open N keep-alive connections (handshake + one GET each) and hold them idle; report
+    /// the server's memory per held connection and check it still serves the oldest and a
+    /// new one.
+    Hold(HoldArgs),
 }
 
 /// Runs a benchmark and prints its report (JSON with `--json`) on stdout.
@@ -67,6 +76,14 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Handshake(a) => emit(&run_handshake(a)?, a.load.json, Report::to_text),
         BenchCommand::Throughput(a) => emit(&run_throughput(a)?, a.load.json, Report::to_text),
         BenchCommand::Flood(a) => emit(&run_flood(a)?, a.json, FloodReport::to_text),
+        BenchCommand::Hold(a) => {
+            let report = run_hold(a)?;
+            emit(&report, a.json, HoldReport::to_text)?;
+            if !report.ok() {
+                anyhow::bail!("not every connection was held and served (see the report)");
+            }
+            Ok(())
+        }
     }
 }
 
@@ -111,6 +128,11 @@ pub fn run_flood(a: &FloodArgs) -> Result<FloodReport> {
         },
         &out.stats,
     ))
+}
+
+/// Runs `bench hold` and returns its report without printing it.
+pub fn run_hold(a: &HoldArgs) -> Result<HoldReport> {
+    hold::run(&a.plan()?)
 }
 
 /// Runs `bench handshake` and returns its report without printing it.

@@ -150,6 +150,7 @@ fn bench(args: &[&str]) -> Report {
         BenchCommand::Handshake(a) => tlsplane_bench::run_handshake(&a),
         BenchCommand::Throughput(a) => tlsplane_bench::run_throughput(&a),
         BenchCommand::Flood(_) => panic!("bench flood has its own report: see tests/flood.rs"),
+        BenchCommand::Hold(_) => panic!("bench hold has its own report: see hold()"),
     }
     .unwrap();
     eprintln!("{}", r.to_text());
@@ -479,4 +480,56 @@ fn client_last_flight_close_notify_and_fin_share_one_segment() {
     }
     let seen = server.join().unwrap();
     assert!(seen.iter().all(|&b| b), "per connection: {seen:?}");
+}
+
+fn hold(extra: &[&str]) -> tlsplane_bench::HoldReport {
+    let s = server();
+    let target = s.addr.to_string();
+    let ca = s.ca.to_str().unwrap().to_string();
+    let mut v = vec!["bench", "hold", &target, "--cacert", &ca, "--settle", "0"];
+    v.extend_from_slice(extra);
+    let cli = Cli::try_parse_from(&v).unwrap_or_else(|e| panic!("{e}"));
+    let BenchCommand::Hold(a) = cli.cmd else {
+        unreachable!()
+    };
+    let r = tlsplane_bench::run_hold(&a).unwrap();
+    eprintln!("{}", r.to_text());
+    r
+}
+
+#[test]
+fn hold_keeps_every_connection_and_still_serves_the_oldest_and_a_new_one() {
+    let pid = std::process::id().to_string();
+    let r = hold(&[
+        "--connections",
+        "40",
+        "--threads",
+        "2",
+        "--sources",
+        "127.0.0.2-127.0.0.3",
+        "--request",
+        "/big",
+        "--resume",
+        "tickets",
+        "--server-pid",
+        &pid,
+    ]);
+    assert!(r.ok(), "{}", r.to_text());
+    assert_eq!((r.wanted, r.held), (40, 40));
+    assert_eq!(r.full_handshakes + r.resumed_handshakes, 40);
+    assert!(
+        r.resumed_handshakes > 0,
+        "one session store for all connections"
+    );
+    assert!(r.server_rss_before_kib.is_some() && r.server_kib_per_connection.is_some());
+    assert!(r.oldest_served_ms.is_some() && r.new_served_ms.is_some());
+}
+
+#[test]
+fn hold_stops_at_the_first_connection_not_served() {
+    let r = hold(&["--connections", "5", "--request", "/missing"]);
+    assert!(!r.ok());
+    assert_eq!(r.held, 0);
+    assert_eq!(r.failure.as_deref(), Some("connection #0: bad_status: 404"));
+    assert!(r.oldest_failure.is_some() && r.new_failure.is_some());
 }
