@@ -59,6 +59,10 @@ pub struct HoldReport {
     pub server_rss_after_kib: Option<u64>,
     /// Growth of the servers' resident set divided by the connections held.
     pub server_kib_per_connection: Option<f64>,
+    /// Of the held connections, those the server still had open at the end (it had sent
+    /// neither an end nor anything else on them): a server that closes idle connections to
+    /// make room shows here, not as a failure of the client.
+    pub still_open: usize,
     /// The oldest connection, asked again once all are open: milliseconds to its response.
     pub oldest_served_ms: Option<f64>,
     pub oldest_failure: Option<String>,
@@ -71,6 +75,7 @@ impl HoldReport {
     /// Every connection held and both checks served.
     pub fn ok(&self) -> bool {
         self.held == self.wanted
+            && self.still_open == self.held
             && self.failure.is_none()
             && self.oldest_served_ms.is_some()
             && self.new_served_ms.is_some()
@@ -92,6 +97,16 @@ impl HoldReport {
         if let Some(f) = &self.failure {
             s += &format!("  stopped by     {f}\n");
         }
+        s += &format!(
+            "  still open     {} of {} at the end{}\n",
+            self.still_open,
+            self.held,
+            if self.still_open < self.held {
+                ": the server closed the others"
+            } else {
+                ""
+            }
+        );
         if let (Some(b), Some(a)) = (self.server_rss_before_kib, self.server_rss_after_kib) {
             s += &format!(
                 "  server RSS     {b} KiB -> {a} KiB: {:.1} KiB per held connection (pid {})\n",
@@ -204,6 +219,9 @@ pub(crate) fn run(plan: &HoldPlan) -> Result<HoldReport> {
         (Some(b), Some(a)) if count > 0 => Some((a as f64 - b as f64) / count as f64),
         _ => None,
     };
+    // Before the checks, whose new connection could make a server close idle ones.
+    let still_open = held.iter().filter(|s| still_open(s)).count()
+        + usize::from(oldest.as_ref().is_some_and(|l| still_open(&l.sock)));
     let mut buf = vec![0u8; 64 * 1024];
     let (oldest_served_ms, oldest_failure) = match oldest.as_mut() {
         Some(live) => {
@@ -238,6 +256,7 @@ pub(crate) fn run(plan: &HoldPlan) -> Result<HoldReport> {
         path: plan.path.clone(),
         wanted: plan.connections,
         held: count,
+        still_open,
         open_secs,
         full_handshakes: shared.full.load(Ordering::Relaxed),
         resumed_handshakes: shared.resumed.load(Ordering::Relaxed),
@@ -365,6 +384,18 @@ fn get(
         }
     }
     Ok(())
+}
+
+/// Whether the server has sent nothing on this idle connection: neither an end (FIN or reset)
+/// nor bytes (an alert before closing). Every response on it was read whole.
+fn still_open(sock: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    if sock.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let open = matches!(sock.peek(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+    let _ = sock.set_nonblocking(false);
+    open
 }
 
 /// Sum of the resident sets of `pids` (KiB), or `None` when none was given.

@@ -124,7 +124,9 @@ async fn serve_conn(
         buf.copy_within(end..filled, 0);
         filled -= end;
         let path = head.split(' ').nth(1).unwrap_or("/").to_string();
+        // "/bye": a keep-alive response, then the server closes the idle connection anyway.
         let close = head.contains("connection: close");
+        let bye = path == "/bye";
         let (status, body): (&str, &[u8]) = match path.as_str() {
             "/big" => ("200 OK", big_body()),
             "/missing" => ("404 Not Found", b"nope"),
@@ -138,7 +140,7 @@ async fn serve_conn(
         s.write_all(resp.as_bytes()).await?;
         s.write_all(body).await?;
         s.flush().await?;
-        if close {
+        if close || bye {
             return s.shutdown().await;
         }
     }
@@ -486,7 +488,10 @@ fn hold(extra: &[&str]) -> tlsplane_bench::HoldReport {
     let s = server();
     let target = s.addr.to_string();
     let ca = s.ca.to_str().unwrap().to_string();
-    let mut v = vec!["bench", "hold", &target, "--cacert", &ca, "--settle", "0"];
+    let mut v = vec!["bench", "hold", &target, "--cacert", &ca];
+    if !extra.contains(&"--settle") {
+        v.extend(["--settle", "0"]);
+    }
     v.extend_from_slice(extra);
     let cli = Cli::try_parse_from(&v).unwrap_or_else(|e| panic!("{e}"));
     let BenchCommand::Hold(a) = cli.cmd else {
@@ -515,7 +520,7 @@ fn hold_keeps_every_connection_and_still_serves_the_oldest_and_a_new_one() {
         &pid,
     ]);
     assert!(r.ok(), "{}", r.to_text());
-    assert_eq!((r.wanted, r.held), (40, 40));
+    assert_eq!((r.wanted, r.held, r.still_open), (40, 40, 40));
     assert_eq!(r.full_handshakes + r.resumed_handshakes, 40);
     assert!(
         r.resumed_handshakes > 0,
@@ -532,4 +537,13 @@ fn hold_stops_at_the_first_connection_not_served() {
     assert_eq!(r.held, 0);
     assert_eq!(r.failure.as_deref(), Some("connection #0: bad_status: 404"));
     assert!(r.oldest_failure.is_some() && r.new_failure.is_some());
+}
+
+#[test]
+fn hold_counts_the_connections_the_server_closed_while_held() {
+    let r = hold(&["--connections", "6", "--request", "/bye", "--settle", "0.3"]);
+    assert_eq!((r.held, r.still_open), (6, 0), "{}", r.to_text());
+    assert!(r.failure.is_none());
+    assert!(!r.ok());
+    assert!(r.to_text().contains("the server closed the others"));
 }
