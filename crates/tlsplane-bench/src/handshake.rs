@@ -10,11 +10,10 @@ use rustls_pki_types::ServerName;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::engine::Control;
-use crate::http::parse_head;
+use crate::http::{parse_head, read_head};
 use crate::stats::{Failure, Negotiated, Stats};
 
-/// Largest response head accepted.
-const MAX_HEAD: usize = 16 * 1024;
+use crate::http::MAX_HEAD;
 
 pub(crate) struct HsParams {
     pub addr: SocketAddr,
@@ -180,21 +179,7 @@ fn blocking_request(
     sock.write_all(&out)
         .map_err(|e| Failure::from_io(e, false))?;
     let mut s = rustls::Stream::new(conn, sock);
-    let mut filled = 0;
-    let head = loop {
-        let limit = buf.len().min(MAX_HEAD);
-        if filled == limit {
-            return Err(Failure::BadResponse("response head too large"));
-        }
-        match s.read(&mut buf[filled..limit]) {
-            Ok(0) => return Err(Failure::BadResponse("closed before the response head")),
-            Ok(n) => filled += n,
-            Err(e) => return Err(Failure::from_io(e, false)),
-        }
-        if let Some(h) = parse_head(&buf[..filled])? {
-            break h;
-        }
-    };
+    let (head, filled) = read_head(&mut s, buf)?;
     let mut body = (filled - head.len) as u64;
     loop {
         match s.read(buf) {

@@ -17,10 +17,8 @@ use rustls::{ClientConfig, ClientConnection, HandshakeKind};
 use rustls_pki_types::ServerName;
 use serde::Serialize;
 
-use crate::http::parse_head;
+use crate::http::read_head;
 use crate::stats::Failure;
-
-const MAX_HEAD: usize = 16 * 1024;
 
 /// Everything a hold run needs, validated (see `HoldArgs::plan`).
 pub(crate) struct HoldPlan {
@@ -348,21 +346,7 @@ fn get(
             .map_err(|e| Failure::from_io(e, false))?;
     }
     let mut s = rustls::Stream::new(conn, sock);
-    let mut filled = 0;
-    let head = loop {
-        let limit = buf.len().min(MAX_HEAD);
-        if filled == limit {
-            return Err(Failure::BadResponse("response head too large"));
-        }
-        match s.read(&mut buf[filled..limit]) {
-            Ok(0) => return Err(Failure::BadResponse("closed before the response head")),
-            Ok(n) => filled += n,
-            Err(e) => return Err(Failure::from_io(e, false)),
-        }
-        if let Some(h) = parse_head(&buf[..filled])? {
-            break h;
-        }
-    };
+    let (head, filled) = read_head(&mut s, buf)?;
     if !(200..300).contains(&head.status) {
         return Err(Failure::BadStatus(head.status));
     }

@@ -1,6 +1,31 @@
 //! Minimal HTTP/1.1 response-head handling (no allocation).
 
+use std::io::Read;
+
 use crate::stats::Failure;
+
+/// Largest response head accepted.
+pub(crate) const MAX_HEAD: usize = 16 * 1024;
+
+/// Reads from `r` into `buf` until a whole response head is in: the head, and how many bytes
+/// of `buf` were filled (the head, then the start of the body).
+pub(crate) fn read_head(r: &mut impl Read, buf: &mut [u8]) -> Result<(Head, usize), Failure> {
+    let mut filled = 0;
+    loop {
+        let limit = buf.len().min(MAX_HEAD);
+        if filled == limit {
+            return Err(Failure::BadResponse("response head too large"));
+        }
+        match r.read(&mut buf[filled..limit]) {
+            Ok(0) => return Err(Failure::BadResponse("closed before the response head")),
+            Ok(n) => filled += n,
+            Err(e) => return Err(Failure::from_io(e, false)),
+        }
+        if let Some(h) = parse_head(&buf[..filled])? {
+            return Ok((h, filled));
+        }
+    }
+}
 
 /// The parts of a response head the benchmarks need.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
