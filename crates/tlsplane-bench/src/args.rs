@@ -294,9 +294,7 @@ impl HoldArgs {
     pub(crate) fn plan(&self) -> Result<crate::hold::HoldPlan> {
         let (host, port) = split_host_port(&self.target)?;
         let path = self.request.clone();
-        if !path.starts_with('/') || path.bytes().any(|b| b <= b' ' || b == 0x7f) {
-            bail!("--request: expected an absolute path like /index.html, got `{path}`");
-        }
+        check_request_path(&path)?;
         let verify = tls::verify_mode(&self.tls)?;
         let (config, _) =
             tls::build_config(&self.tls, self.resume, parse_alpn(&self.alpn)?, verify)?;
@@ -326,6 +324,14 @@ impl HoldArgs {
             hold: Duration::from_secs_f64(self.hold),
         })
     }
+}
+
+/// `--request PATH`: an absolute path, nothing that would break the request line.
+fn check_request_path(path: &str) -> Result<()> {
+    if !path.starts_with('/') || path.bytes().any(|b| b <= b' ' || b == 0x7f) {
+        bail!("--request: expected an absolute path like /index.html, got `{path}`");
+    }
+    Ok(())
 }
 
 /// `127.0.0.2-127.0.0.9,::1` -> the addresses, ranges expanded (IPv4 only, at most 1,024).
@@ -648,9 +654,7 @@ impl HandshakeArgs {
         let request = match &self.request {
             None => None,
             Some(path) => {
-                if !path.starts_with('/') || path.bytes().any(|b| b <= b' ' || b == 0x7f) {
-                    bail!("--request: expected an absolute path like /index.html, got `{path}`");
-                }
+                check_request_path(path)?;
                 Some(
                     format!(
                         "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
