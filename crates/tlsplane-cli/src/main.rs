@@ -1,4 +1,5 @@
-//! `tlsplane`: HTTPS static files over split-plane TLS, and a TLS load generator.
+//! `tlsplane`: HTTPS static files and a TLS-terminating proxy over split-plane TLS, their key
+//! daemon, and a TLS load generator.
 #![forbid(unsafe_code)]
 
 mod admin;
@@ -92,6 +93,9 @@ fn main() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_target(false)
+        // Colour only for a person at a terminal: in a file or a journal the escape codes
+        // are noise that breaks grep.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = match cli.command {
         Command::Serve(args) => server::run::<serve::Serve>(

@@ -209,7 +209,7 @@ async fn http_loop(
                 };
                 count_status(&shared.stats, resp.status);
                 if args.server.access_log {
-                    tracing::info!(%peer, method = ?request.method, target = %request.target, status = resp.status, plane = ?tls.plane(), "request");
+                    tracing::info!(%peer, method = %request.method.as_str(), target = %request.target, status = resp.status, plane = %tls.plane().as_str(), "request");
                 }
                 if !std::mem::replace(&mut responded, true) {
                     shared

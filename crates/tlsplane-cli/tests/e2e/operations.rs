@@ -412,3 +412,28 @@ fn plain_http_on_the_tls_port_gets_a_400_that_says_https() {
     let stats = server.stop();
     assert_eq!(stats["plain_http_requests"], 1, "{stats:?}");
 }
+
+/// The access log names the method and the plane as an operator greps for them (`GET`,
+/// `kernel`/`user`), not as Rust's debug names (`Get`, `User`).
+#[test]
+fn access_log_lines_use_wire_names() {
+    let server = Server::builder().arg("--access-log").start();
+    let resp = fetch(server.port(), Tls::V13, "/hello.txt");
+    assert_eq!(resp.status, 200);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let line = loop {
+        if let Some(l) = server
+            .stderr_lines()
+            .into_iter()
+            .find(|l| l.contains("request"))
+        {
+            break l;
+        }
+        assert!(Instant::now() < deadline, "no access log line");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let plane = format!("plane={}", crate::support::mode().as_str());
+    assert!(line.contains("method=GET"), "{line}");
+    assert!(line.contains(&plane), "{line}");
+    server.stop();
+}

@@ -418,6 +418,12 @@ impl Server {
             "server exited with {status} after SIGTERM; stderr:\n{}",
             lines.join("\n")
         );
+        // stderr is a pipe here, as under systemd or a log collector: no terminal colours.
+        assert!(
+            !lines.iter().any(|l| l.contains('\x1b')),
+            "ANSI escape codes in a log that is not a terminal; stderr:\n{}",
+            lines.join("\n")
+        );
         let stats_lines: Vec<&String> = lines
             .iter()
             .filter(|l| l.starts_with("tlsplane-stats "))

@@ -15,6 +15,16 @@ pub enum PlaneKind {
     User,
 }
 
+impl PlaneKind {
+    /// The name logs and metrics use (`kernel`, `user`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Kernel => "kernel",
+            Self::User => "user",
+        }
+    }
+}
+
 /// Why a connection stayed in user space.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
