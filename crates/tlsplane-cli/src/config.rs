@@ -261,6 +261,7 @@ pub fn load_sites(
     let mut serve = Vec::new();
     let mut names = Vec::new();
     let mut default = None;
+    let mut labels = Vec::new();
     let now = SystemTime::now();
     for (i, site) in file.sites.iter().enumerate() {
         let label = site
@@ -274,6 +275,7 @@ pub fn load_sites(
                     format!("#{}", i + 1)
                 }
             });
+        labels.push(label.clone());
         let at = format!("{}: site {label:?}", file.path.display());
         let mut fail = |why: String| errors.push(format!("{at}: {why}"));
         let mut patterns = Vec::new();
@@ -290,8 +292,8 @@ pub fn load_sites(
             match default {
                 None => default = Some(i),
                 Some(d) => fail(format!(
-                    "a second default site (site #{} is the default already)",
-                    d + 1
+                    "a second default site (site {:?} is the default already)",
+                    labels[d]
                 )),
             }
         }
@@ -390,7 +392,7 @@ pub fn load_sites(
             serve.push(SiteServe { label, origin });
         }
     }
-    let table = match SiteNames::new(&names, default) {
+    let table = match SiteNames::with_labels(&names, default, |i| format!("{:?}", labels[i])) {
         Ok(t) => Some(t),
         Err(e) => {
             // Say which sites by label rather than by number.

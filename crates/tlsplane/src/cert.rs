@@ -21,9 +21,9 @@ pub fn load_pem(cert_path: &Path, key_path: &Path) -> Result<Arc<CertifiedKey>, 
 /// A certificate chain from a PEM file (leaf first).
 pub fn load_chain(cert_path: &Path) -> Result<Vec<CertificateDer<'static>>, Error> {
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert_path)
-        .map_err(|e| Error::Config(format!("{}: {e}", cert_path.display())))?
+        .map_err(|e| Error::Config(format!("{}: {}", cert_path.display(), pem_error(&e))))?
         .collect::<Result<_, _>>()
-        .map_err(|e| Error::Config(format!("{}: {e}", cert_path.display())))?;
+        .map_err(|e| Error::Config(format!("{}: {}", cert_path.display(), pem_error(&e))))?;
     if chain.is_empty() {
         return Err(Error::Config(format!(
             "{}: no CERTIFICATE in PEM file",
@@ -31,6 +31,23 @@ pub fn load_chain(cert_path: &Path) -> Result<Vec<CertificateDer<'static>>, Erro
         )));
     }
     Ok(chain)
+}
+
+/// A PEM parse error as an operator reads it: the PEM crate prints the offending line as a
+/// list of byte values (`[45, 45, 45, …]`), which says nothing to a person; show it as text.
+fn pem_error(e: &rustls_pki_types::pem::Error) -> String {
+    use rustls_pki_types::pem::Error as E;
+    let text = |b: &[u8]| String::from_utf8_lossy(b).trim().to_string();
+    match e {
+        E::MissingSectionEnd { end_marker } => {
+            format!(
+                "no \"-----END {}-----\" line (a truncated file?)",
+                text(end_marker)
+            )
+        }
+        E::IllegalSectionStart { line } => format!("malformed BEGIN line {:?}", text(line)),
+        other => other.to_string(),
+    }
 }
 
 /// A private key from a PEM file, ready to sign. The file's bytes are zeroized once parsed.
@@ -47,7 +64,7 @@ pub fn load_key(key_path: &Path) -> Result<Arc<dyn SigningKey>, Error> {
         } else if matches!(e, rustls_pki_types::pem::Error::NoItemsFound) {
             "no PRIVATE KEY, EC PRIVATE KEY or RSA PRIVATE KEY block in PEM file".to_string()
         } else {
-            format!("no usable private key: {e}")
+            format!("no usable private key: {}", pem_error(&e))
         };
         Error::Config(format!("{}: {why}", key_path.display()))
     })?;
@@ -303,5 +320,21 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.to_string().contains("does not belong"), "{err}");
+    }
+
+    #[test]
+    fn a_truncated_pem_file_is_reported_as_text_not_byte_values() {
+        let dir = std::env::temp_dir().join(format!("tlsplane-pem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cert = dir.join("cut.pem");
+        let pem = rcgen::generate_simple_self_signed(vec!["a".into()])
+            .unwrap()
+            .cert
+            .pem();
+        std::fs::write(&cert, &pem[..pem.len() / 2]).unwrap();
+        let err = load_chain(&cert).err().unwrap().to_string();
+        assert!(err.contains("-----END CERTIFICATE-----"), "{err}");
+        assert!(!err.contains("[45, 45"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -76,8 +76,18 @@ impl std::fmt::Display for NamePattern {
 
 impl SiteNames {
     /// Builds the table from each site's names (site `i` is `names[i]`). A name claimed by two
-    /// sites is an error naming both.
+    /// sites is an error naming both by number.
     pub fn new(names: &[Vec<NamePattern>], default: Option<usize>) -> Result<Self, Error> {
+        Self::with_labels(names, default, |i| format!("#{}", i + 1))
+    }
+
+    /// As [`SiteNames::new`], naming the sites of an error by `label` (a configuration's site
+    /// names, which an operator recognises, rather than their order in the file).
+    pub fn with_labels(
+        names: &[Vec<NamePattern>],
+        default: Option<usize>,
+        label: impl Fn(usize) -> String,
+    ) -> Result<Self, Error> {
         let mut t = Self {
             default,
             ..Self::default()
@@ -91,9 +101,9 @@ impl SiteNames {
                 if let Some(other) = map.insert(key.as_str().into(), site) {
                     if other != site {
                         return Err(Error::Config(format!(
-                            "server name {p} is claimed by two sites (#{} and #{})",
-                            other + 1,
-                            site + 1
+                            "server name {p} is claimed by two sites ({} and {})",
+                            label(other),
+                            label(site)
                         )));
                     }
                 }

@@ -161,7 +161,7 @@ fn every_error_is_reported_with_its_file_site_and_reason() {
     );
     let err = check_config(&dup).stderr_text();
     assert!(
-        err.contains("a.test is claimed by two sites (#1 and #2)"),
+        err.contains(r#"a.test is claimed by two sites ("a.test" and "A.test")"#),
         "{err}"
     );
     assert!(err.contains("[server] colour: no such option"), "{err}");
