@@ -47,7 +47,7 @@ pub struct ServerArgs {
     pub pid_file: Option<PathBuf>,
     /// A ClientHello whose server name matches no site when there is no default site (or that
     /// sends none): `alert` answers unrecognized_name, `reset` resets without a reply.
-    #[arg(long, default_value = "alert")]
+    #[arg(long, default_value = "alert", value_name = "alert|reset")]
     pub unknown_name: tlsplane::sites::UnknownName,
     /// Address to listen on (repeatable; IPv6 as [::1]:8443). Port 0 picks a free port.
     #[arg(long = "listen", default_value = "127.0.0.1:8443")]
@@ -64,7 +64,7 @@ pub struct ServerArgs {
     pub workers: Option<usize>,
     /// Record layer: `auto` (kernel kTLS when possible, per connection), `kernel` (required:
     /// refuse to start without a TLS ULP, close connections it cannot take), `user`.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_name = "auto|kernel|user")]
     pub data_plane: DataPlanePolicy,
     /// Log one line per request (serve) or connection (proxy) at info level.
     #[arg(long)]
