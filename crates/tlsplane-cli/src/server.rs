@@ -137,6 +137,11 @@ pub trait Product: Handler + Sized {
     fn site_needs(args: &Self::Args) -> SiteNeeds;
     /// The one site of a server without `--config`.
     fn flag_origin(args: &Self::Args) -> anyhow::Result<Origin>;
+    /// Argument errors that need no file read and no process started, found before any
+    /// start-up work (the key daemon, certificates): an operator's typo fails at once.
+    fn check_args(_args: &Self::Args, _with_config: bool) -> anyhow::Result<()> {
+        Ok(())
+    }
     fn build(
         args: &Self::Args,
         sites: Sites,
@@ -211,6 +216,7 @@ pub fn server_options_of<A: clap::Args + clap::FromArgMatches>(
 /// Starts product `P` and serves until SIGTERM/SIGINT.
 pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Result<()> {
     let (args, file) = with_config_file::<P>(args, given)?;
+    P::check_args(&args, file.is_some())?;
     let server = P::server(&args).clone();
     if let Some(user) = &server.user {
         user.check_can_switch()?;

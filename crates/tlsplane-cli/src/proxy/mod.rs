@@ -232,10 +232,19 @@ impl Product for Proxy {
         site_needs(args)
     }
 
-    fn flag_origin(args: &ProxyArgs) -> anyhow::Result<Origin> {
-        if args.to.is_empty() {
+    fn check_args(args: &ProxyArgs, with_config: bool) -> anyhow::Result<()> {
+        if args.to.is_empty() && !with_config {
             anyhow::bail!("no backend: give --to HOST:PORT (or unix:PATH), or --config");
         }
+        if args.mode == Mode::Http && args.proxy_protocol.is_some() {
+            // Backend connections are reused across clients in HTTP mode: a PROXY header
+            // names one client per connection. Forwarded / X-Forwarded-For name each.
+            anyhow::bail!("--proxy-protocol is for --mode tcp; HTTP mode sends the client address in Forwarded and X-Forwarded-For");
+        }
+        Ok(())
+    }
+
+    fn flag_origin(args: &ProxyArgs) -> anyhow::Result<Origin> {
         Ok(Origin::Backends(args.to.clone()))
     }
 
@@ -245,11 +254,6 @@ impl Product for Proxy {
         stats: &Arc<ProxyStats>,
         _runtime: &Arc<RuntimeStats>,
     ) -> anyhow::Result<Self> {
-        if args.mode == Mode::Http && args.proxy_protocol.is_some() {
-            // Backend connections are reused across clients in HTTP mode: a PROXY header
-            // names one client per connection. Forwarded / X-Forwarded-For name each.
-            anyhow::bail!("--proxy-protocol is for --mode tcp; HTTP mode sends the client address in Forwarded and X-Forwarded-For");
-        }
         let pools = sites
             .serve
             .into_iter()

@@ -559,6 +559,30 @@ fn proxy_protocol_with_http_mode_is_refused_at_start() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--proxy-protocol is for --mode tcp"), "{err}");
+    assert_no_start_up_work(&err);
+}
+
+/// An argument error is found before the server does any work: no certificate made or
+/// read, no key daemon started (its socket directory would be made for nothing).
+fn assert_no_start_up_work(stderr: &str) {
+    for line in ["certificate:", "keyd:", "private keys:"] {
+        assert!(
+            !stderr.contains(line),
+            "{line:?} before the error:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn proxy_without_a_backend_is_refused_before_any_start_up_work() {
+    let out = std::process::Command::new(crate::support::server_bin())
+        .args(["proxy", "--listen", "127.0.0.1:0"])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no backend: give --to"), "{err}");
+    assert_no_start_up_work(&err);
 }
 
 fn tempdir(what: &str) -> std::path::PathBuf {
