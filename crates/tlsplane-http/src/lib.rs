@@ -58,6 +58,7 @@ mod mime;
 mod parse;
 mod resolve;
 mod response;
+mod rules;
 
 pub use date::{http_date, parse_http_date};
 pub use error::HttpError;

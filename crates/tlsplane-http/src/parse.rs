@@ -1,3 +1,4 @@
+use crate::rules::{classify_version, skip_leading_newlines, trim_ows, Version};
 use crate::HttpError;
 
 /// Bounds on what a client may send before its request is refused.
@@ -176,15 +177,6 @@ fn parse_head(view: &[u8], max_headers: usize) -> Result<Option<Parsed>, HttpErr
     }
 }
 
-/// Skips the empty lines RFC 9112 §2.2 lets a client send before a request.
-fn skip_leading_newlines(buf: &[u8]) -> &[u8] {
-    let start = buf
-        .iter()
-        .position(|&b| b != b'\r' && b != b'\n')
-        .unwrap_or(buf.len());
-    &buf[start..]
-}
-
 fn check_request_line(buf: &[u8], max: usize) -> Result<(), HttpError> {
     let line = skip_leading_newlines(buf);
     // One byte of CR and one of LF may follow a line of exactly `max` bytes.
@@ -203,75 +195,6 @@ fn check_request_line(buf: &[u8], max: usize) -> Result<(), HttpError> {
     } else {
         Ok(())
     }
-}
-
-enum Version {
-    /// HTTP/1.x with x > 1; the offset of x in the buffer.
-    Later1x(usize),
-    /// The line has not ended and could still turn out either way: read more.
-    Unfinished,
-    /// The error to answer with: 505 for another major version, 400 for garbage.
-    Refused(HttpError),
-}
-
-/// httparse only knows HTTP/1.0 and 1.1 and gives up at the first byte that differs. Tell
-/// apart a later HTTP/1 minor version (served as 1.1), a well-formed other major version
-/// (505), and garbage, including a request-target with a space in it (400).
-///
-/// The answer does not depend on how the request was cut into reads: while the line could
-/// still become either (`HTTP/2` may go on as `HTTP/2.0` or as `HTTP/2x`), it waits.
-fn classify_version(buf: &[u8]) -> Version {
-    let rest = skip_leading_newlines(buf);
-    let skipped = buf.len() - rest.len();
-    let line_end = rest
-        .iter()
-        .position(|&b| b == b'\r' || b == b'\n')
-        .unwrap_or(rest.len());
-    let line = &rest[..line_end];
-    let bad = Version::Refused(HttpError::BadRequest("malformed request line"));
-    // method SP request-target SP HTTP-version: exactly two spaces, and more bytes never
-    // take a space away.
-    if line.iter().filter(|&&b| b == b' ').count() != 2 {
-        return bad;
-    }
-    let sp = line.iter().rposition(|&b| b == b' ').unwrap_or(0);
-    let version = &line[sp + 1..];
-    match version.strip_prefix(b"HTTP/") {
-        // httparse, on the copy, decides the rest of the line as for HTTP/1.1.
-        Some([b'1', b'.', minor]) if minor.is_ascii_digit() && *minor > b'1' => {
-            return Version::Later1x(skipped + sp + 1 + "HTTP/1.".len());
-        }
-        // Another major, with its minor or without (HTTP/2 and HTTP/3 are often written
-        // so); "HTTP/1" is not one, it is a malformed version of ours.
-        Some([major] | [major, b'.', b'0'..=b'9']) if major.is_ascii_digit() && *major != b'1' => {
-            // The line must end as any request line: LF or CR LF.
-            return match &rest[line_end..] {
-                [] | [b'\r'] => Version::Unfinished,
-                [b'\n', ..] | [b'\r', b'\n', ..] => {
-                    Version::Refused(HttpError::VersionNotSupported)
-                }
-                _ => bad,
-            };
-        }
-        _ => {}
-    }
-    if line_end == rest.len() && could_become_version(version) {
-        return Version::Unfinished;
-    }
-    Version::Refused(HttpError::BadRequest("malformed HTTP version"))
-}
-
-/// Whether more bytes could still make `v` read `HTTP/DIGIT` or `HTTP/DIGIT.DIGIT`.
-fn could_become_version(v: &[u8]) -> bool {
-    const SHAPE: &[u8] = b"HTTP/9.9";
-    v.len() <= SHAPE.len()
-        && v.iter().zip(SHAPE).all(|(&b, &s)| {
-            if s == b'9' {
-                b.is_ascii_digit()
-            } else {
-                b == s
-            }
-        })
 }
 
 fn build_request(req: &httparse::Request<'_, '_>) -> Result<Request, HttpError> {
@@ -293,7 +216,7 @@ fn build_request(req: &httparse::Request<'_, '_>) -> Result<Request, HttpError> 
     let mut keep = false;
     let mut hosts = 0usize;
     let mut transfer_encoding = false;
-    let mut content_length: Option<u64> = None;
+    let mut content_lengths: Vec<&[u8]> = Vec::new();
     let mut request = Request {
         method,
         target,
@@ -321,12 +244,7 @@ fn build_request(req: &httparse::Request<'_, '_>) -> Result<Request, HttpError> 
         } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             transfer_encoding = true;
         } else if name.eq_ignore_ascii_case(b"content-length") {
-            let len = parse_content_length(value)?;
-            // Disagreeing lengths are the classic request-smuggling vector.
-            if content_length.is_some_and(|prev| prev != len) {
-                return Err(HttpError::BadRequest("conflicting Content-Length"));
-            }
-            content_length = Some(len);
+            content_lengths.push(value);
         } else if name.eq_ignore_ascii_case(b"if-none-match") {
             append_field(&mut request.if_none_match, value);
         } else if name.eq_ignore_ascii_case(b"if-modified-since") {
@@ -338,6 +256,9 @@ fn build_request(req: &httparse::Request<'_, '_>) -> Result<Request, HttpError> 
         }
     }
 
+    // Disagreeing lengths are the classic request-smuggling vector: the proxy's rule.
+    let content_length =
+        crate::rules::content_length(content_lengths).map_err(HttpError::BadRequest)?;
     let has_body = transfer_encoding || content_length.is_some_and(|len| len > 0);
     if has_body && matches!(request.method, Method::Other(_)) {
         // Answered 405 whatever it carries; the body is never read, so the connection
@@ -369,36 +290,6 @@ fn check_host(request: Request, minor_version: u8, hosts: usize) -> Result<Reque
         return Err(HttpError::BadRequest("more than one Host"));
     }
     Ok(request)
-}
-
-fn trim_ows(v: &[u8]) -> &[u8] {
-    let is_ows = |b: &u8| *b == b' ' || *b == b'\t';
-    let start = v.iter().position(|b| !is_ows(b)).unwrap_or(v.len());
-    let end = v.iter().rposition(|b| !is_ows(b)).map_or(start, |i| i + 1);
-    &v[start..end.max(start)]
-}
-
-/// `Content-Length` may repeat one value as a list ("5, 5"); anything else
-/// that is not plain digits is malformed.
-fn parse_content_length(value: &[u8]) -> Result<u64, HttpError> {
-    let bad = HttpError::BadRequest("invalid Content-Length");
-    let mut result: Option<u64> = None;
-    for item in value.split(|&b| b == b',') {
-        let item = trim_ows(item);
-        if item.is_empty() || !item.iter().all(u8::is_ascii_digit) {
-            return Err(bad);
-        }
-        let n = item.iter().try_fold(0u64, |acc, &d| {
-            acc.checked_mul(10)?.checked_add(u64::from(d - b'0'))
-        });
-        // Too large to represent is certainly more body than we accept.
-        let n = n.unwrap_or(u64::MAX);
-        if result.is_some_and(|prev| prev != n) {
-            return Err(bad);
-        }
-        result = Some(n);
-    }
-    result.ok_or(bad)
 }
 
 /// Repeated list-valued fields are equivalent to one field joined by commas

@@ -4,7 +4,8 @@
 //! buffer): its head is parsed and written again for the backend (`tlsplane_http::forward`),
 //! its body moved as it comes, framed but unread; then the response the same way. Backend
 //! connections are kept alive between requests in a per-thread idle list. A request that
-//! asks for `Upgrade` and gets `101` turns the connection into a TCP-mode relay.
+//! asks for a websocket `Upgrade` and gets `101` turns the connection into a TCP-mode relay
+//! (other upgrades, h2c, are not forwarded: see `tlsplane_http::forward`).
 //!
 //! Failures answer with a status when nothing of the response has reached the client yet: 502
 //! when the backend fails or answers with something that is not HTTP/1, 504 when it does not
@@ -596,6 +597,16 @@ async fn forward_one(
         if request.upgrade.is_none() {
             return Err(Fail::BadGateway(
                 "101 to a request that asked for no upgrade".into(),
+            ));
+        }
+        // Only a websocket tunnel was asked for (see forward::RequestHead::upgrade).
+        if !response
+            .upgrade
+            .as_deref()
+            .is_some_and(|p| p.trim().eq_ignore_ascii_case("websocket"))
+        {
+            return Err(Fail::BadGateway(
+                "101 to another protocol than websocket".into(),
             ));
         }
         *progress = Progress::Responding;

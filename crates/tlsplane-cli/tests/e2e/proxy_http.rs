@@ -31,7 +31,8 @@ struct Seen {
 /// - `POST /reject`: 413 at once, without reading the body; then 3 s without reading;
 /// - `/slow`: answers after 3 s;
 /// - `/trickle`: 100 bytes announced, one every 100 ms;
-/// - `/ws`: `101 Switching Protocols`, then echoes bytes.
+/// - `/ws`: with `Upgrade`, `101 Switching Protocols` to the protocol asked for (whatever
+///   it is, as a careless backend would), then echoes bytes; without, 404.
 fn http_backend() -> (SocketAddr, Arc<Seen>) {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr");
@@ -165,10 +166,11 @@ fn backend_conn(c: TcpStream, seen: &Seen) {
                 std::thread::sleep(Duration::from_millis(100));
             }
             Ok(())
-        } else if target == "/ws" {
+        } else if target == "/ws" && field("upgrade").is_some() {
             let _ = write!(
                 w,
-                "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+                "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: {}\r\n\r\n",
+                field("upgrade").unwrap_or_default()
             );
             let mut buf = [0u8; 4096];
             loop {
@@ -451,6 +453,117 @@ fn request_smuggling_shapes_get_400_and_never_reach_the_backend() {
     assert_eq!(c.read_response(false).expect("response").status, 400);
     let stats = server.stop();
     assert_eq!(stats["proxy_http_refused"], 6, "{stats:?}");
+}
+
+/// Sends `raw` on a new connection; the status, and whether the backend saw a new head.
+fn one_request(port: u16, raw: &[u8], seen: &Seen) -> (u16, Option<String>) {
+    let before = seen.heads.lock().unwrap().len();
+    let mut c = TlsClient::connect_version(port, Tls::V13);
+    c.write_all(raw).expect("write");
+    let r = c.read_response(false).expect("response");
+    drop(c);
+    let heads = seen.heads.lock().unwrap();
+    (r.status, heads.get(before).cloned())
+}
+
+#[test]
+fn what_reaches_the_backend_is_one_valid_request() {
+    let (backend, seen) = http_backend();
+    let server = http_proxy(&backend.to_string()).start();
+    let port = server.port();
+    // `Connection: Host` cannot take Host away.
+    let (status, head) = one_request(
+        port,
+        b"GET /bytes/1 HTTP/1.1\r\nHost: localhost\r\nConnection: Host\r\n\r\n",
+        &seen,
+    );
+    let head = head.expect("forwarded");
+    assert_eq!(status, 200);
+    assert!(head.contains("Host: localhost\r\n"), "{head}");
+    // An absolute-form target goes in origin-form, Host from it.
+    let (status, head) = one_request(
+        port,
+        b"GET http://localhost:1/bytes/2 HTTP/1.1\r\nHost: other\r\n\r\n",
+        &seen,
+    );
+    let head = head.expect("forwarded");
+    assert_eq!(status, 200, "{head}");
+    assert!(
+        head.starts_with("GET /bytes/2 HTTP/1.1\r\nHost: localhost:1\r\n"),
+        "{head}"
+    );
+    // Every spelling of the client's forwarding fields goes under --forwarded replace.
+    let (_, head) = one_request(
+        port,
+        b"GET /bytes/1 HTTP/1.1\r\nHost: localhost\r\nX_Forwarded_For: 6.6.6.6\r\nX-Real-IP: 6.6.6.6\r\n\r\n",
+        &seen,
+    );
+    let head = head.expect("forwarded");
+    assert!(!head.contains("6.6.6.6"), "{head}");
+    // HTTP/1.2 is served as 1.1, as serve does; `Content-Length: 5, 5` is 5, as serve reads it.
+    let (status, head) = one_request(
+        port,
+        b"GET /bytes/1 HTTP/1.2\r\nHost: localhost\r\n\r\n",
+        &seen,
+    );
+    assert_eq!(status, 200);
+    assert!(head
+        .expect("forwarded")
+        .starts_with("GET /bytes/1 HTTP/1.1\r\n"));
+    let (status, head) = one_request(
+        port,
+        b"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5, 5\r\n\r\nhello",
+        &seen,
+    );
+    assert_eq!(status, 200);
+    assert!(head.expect("forwarded").contains("Content-Length: 5\r\n"));
+
+    // h2c: no tunnel; the request goes as a plain one, and the pipelined one after it is
+    // read, rewritten and answered as a request.
+    let mut c = TlsClient::connect_version(port, Tls::V13);
+    let before = seen.heads.lock().unwrap().len();
+    c.write_all(
+        b"GET /ws HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade, HTTP2-Settings\r\n\
+          Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n\
+          GET /bytes/3 HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    )
+    .expect("write");
+    let first = c.read_response(false).expect("first response");
+    assert_eq!(first.status, 404, "no 101: the backend saw no Upgrade");
+    let second = c.read_response(false).expect("second response");
+    assert_eq!((second.status, second.body.len()), (200, 3));
+    c.close();
+    let heads = seen.heads.lock().unwrap()[before..].to_vec();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    assert!(
+        !heads[0].to_ascii_lowercase().contains("upgrade") && !heads[0].contains("HTTP2-Settings"),
+        "{heads:?}"
+    );
+    assert!(
+        heads[1].contains("X-Forwarded-For: 127.0.0.1\r\n"),
+        "{heads:?}"
+    );
+
+    // Refused with 400 before the backend sees a head.
+    let refused: &[&[u8]] = &[
+        b"POST /echo HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: identity, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n5 \r\nhello\r\n0\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nContent-Length: 50\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nno colon\r\n\r\n",
+        b"GET ftp://localhost/bytes/1 HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    ];
+    for raw in refused {
+        let (status, head) = one_request(port, raw, &seen);
+        assert_eq!(status, 400, "{}", String::from_utf8_lossy(raw));
+        assert_eq!(head, None, "{}", String::from_utf8_lossy(raw));
+    }
+    let stats = server.stop();
+    assert_eq!(
+        stats["proxy_http_refused"],
+        refused.len() as u64,
+        "{stats:?}"
+    );
+    assert_eq!(stats["proxy_upgrades"], 0, "{stats:?}");
 }
 
 #[test]
