@@ -659,12 +659,19 @@ fn handshake_loop<H: Handler>(
         };
         let watcher = {
             let (starter, stats) = (starter.clone(), shared.stats.clone());
+            let first_byte_deadline = shared.config.limits.first_byte_timeout();
             tokio::spawn(lobby.clone().watch(
                 poll,
-                shared.config.limits.first_byte_timeout(),
+                // At --first-byte-timeout 0 the handshake deadline still applies to a
+                // connection that never speaks (and it counts as a handshake timeout).
+                first_byte_deadline.unwrap_or(shared.config.handshake_timeout),
                 move |tcp, a| starter.start(tcp, a),
                 move |n| {
-                    stats.first_byte_timeouts.fetch_add(n as u64, Relaxed);
+                    let counter = match first_byte_deadline {
+                        Some(_) => &stats.first_byte_timeouts,
+                        None => &stats.handshake_timeouts,
+                    };
+                    counter.fetch_add(n as u64, Relaxed);
                 },
                 stop.clone(),
             ))
