@@ -469,6 +469,17 @@ pub fn set_crypto_info(
     Ok(())
 }
 
+/// The soft `RLIMIT_NOFILE`: how many descriptors this process may have open.
+pub fn nofile_limit() -> io::Result<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, exclusively borrowed rlimit the kernel fills in.
+    cvt(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) })?;
+    Ok(lim.rlim_cur)
+}
+
 /// Room for one `cmsghdr` carrying a single byte, with the alignment the kernel expects.
 #[repr(C, align(8))]
 struct CmsgBuf([u8; 64]);
