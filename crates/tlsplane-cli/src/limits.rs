@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 /// Limits, as flags (`serve` and later `proxy` flatten these). 0 means unlimited.
 #[derive(clap::Args, Debug, Clone)]
 pub struct LimitArgs {
-    /// Connections open at once, all workers together (0: only the open-files limit).
+    /// Connections open at once, all workers together (0: as many as the open-files limit
+    /// leaves room for).
     #[arg(long, default_value_t = 0)]
     pub max_connections: usize,
     /// Handshakes in progress at once per worker (bounds a flood's memory); beyond it a

@@ -43,8 +43,13 @@ fn token(slot: u32, generation: u32) -> u64 {
 
 impl<W> Inner<W> {
     fn contains(&self, t: u64) -> bool {
-        matches!(self.slots.get(t as u32 as usize), Some(Some(w)) if w.generation == (t >> 32) as u32)
+        waits(&self.slots, t)
     }
+}
+
+/// Whether the connection named `t` is still in `slots`.
+fn waits<W>(slots: &[Option<Waiting<W>>], t: u64) -> bool {
+    matches!(slots.get(t as u32 as usize), Some(Some(w)) if w.generation == (t >> 32) as u32)
 }
 
 /// The connections of one handshake loop that wait for their first byte. `W` is what each
@@ -102,6 +107,14 @@ impl<W> Lobby<W> {
             generation,
         });
         inner.order.push_back((Instant::now(), t));
+        // Entries of connections that left stay in `order` until they reach its front; behind
+        // one that stays (a long deadline), they would pile up. Dropped once they outnumber
+        // those still waiting: amortised O(1) per connection, `order` at most twice the lobby.
+        let waiting = inner.slots.len() - inner.free.len();
+        if inner.order.len() > 2 * waiting + 64 {
+            let Inner { order, slots, .. } = &mut *inner;
+            order.retain(|&(_, t)| waits(slots, t));
+        }
         Ok(())
     }
 
@@ -190,7 +203,7 @@ impl<W> Lobby<W> {
     pub async fn watch(
         self: Arc<Self>,
         poll: tokio::io::unix::AsyncFd<mio::Poll>,
-        first_byte: Option<Duration>,
+        first_byte: Duration,
         mut ready: impl FnMut(TcpStream, W),
         on_expired: impl Fn(usize),
         mut stop: tokio::sync::watch::Receiver<bool>,
@@ -199,9 +212,7 @@ impl<W> Lobby<W> {
         let mut events = Events::with_capacity(256);
         // Deadlines are checked on a tick: a connection may outstay its deadline by up to
         // a tenth of it (at most 100 ms).
-        let tick = first_byte.map_or(Duration::from_secs(3600), |d| {
-            (d / 10).min(Duration::from_millis(100))
-        });
+        let tick = (first_byte / 10).min(Duration::from_millis(100));
         let mut ticker = tokio::time::interval(tick.max(Duration::from_millis(1)));
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -222,11 +233,9 @@ impl<W> Lobby<W> {
                     {}
                 }
                 _ = ticker.tick() => {
-                    if let Some(limit) = first_byte {
-                        let n = self.expire(limit);
-                        if n > 0 {
-                            on_expired(n);
-                        }
+                    let n = self.expire(first_byte);
+                    if n > 0 {
+                        on_expired(n);
                     }
                 }
                 _ = stop.changed() => break,
@@ -278,6 +287,29 @@ mod tests {
         assert!(lobby.evict_oldest());
         assert!(closed(&mut c3));
         assert!(!lobby.evict_oldest(), "empty");
+    }
+
+    #[test]
+    fn arrival_order_stays_bounded_behind_a_connection_that_stays() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let (lobby, _poll) = Lobby::<u32>::new().unwrap();
+        let (stays, _c) = pair(&l);
+        lobby.enter(stays, 0).unwrap();
+        for i in 1..=1000 {
+            let (s, _c) = pair(&l);
+            lobby.enter(s, i).unwrap();
+            // Its first byte came: it leaves, as `drain` takes it.
+            let mut inner = lobby.lock();
+            let t = inner.order.back().unwrap().1;
+            assert!(lobby.take(&mut inner, t).is_some());
+        }
+        let order = lobby.lock().order.len();
+        assert!(
+            order <= 2 + 64 + 1,
+            "{order} entries for 1 waiting connection"
+        );
+        assert!(lobby.evict_oldest(), "the one that stayed is still there");
+        assert!(!lobby.evict_oldest());
     }
 
     #[test]

@@ -48,6 +48,9 @@ pub struct RuntimeConfig {
     pub pid_file: Option<std::path::PathBuf>,
     /// Who the server becomes once it listens (`--user`).
     pub run_as: Option<crate::privileges::RunAs>,
+    /// Descriptors one client connection may hold at once (its socket, and in the proxy its
+    /// backend's): divides the open-files limit into the default --max-connections.
+    pub descriptors_per_connection: usize,
 }
 
 /// Counters of the runtime itself (the TLS layer has its own, in `tlsplane::stats`).
@@ -69,6 +72,9 @@ pub struct RuntimeStats {
     pub open: Arc<AtomicUsize>,
     /// Idle keep-alive connections closed to make room under --max-connections.
     pub idle_evicted: AtomicU64,
+    /// Connections accepted with the spare descriptor and reset at once because the process
+    /// (EMFILE) or the system (ENFILE) was out of descriptors.
+    pub accept_emfile: AtomicU64,
     /// Handshakes in progress closed to make room under --max-handshakes-per-worker.
     pub handshakes_evicted: AtomicU64,
     /// Configuration reloads that took effect.
@@ -248,6 +254,10 @@ struct Shared<H> {
     in_flight: Arc<AtomicUsize>,
     admission: Arc<Admission>,
     idle: Arc<IdleList>,
+    /// Out of descriptors, accept would fail and leave the connection queued; giving this one
+    /// back for a moment lets it be accepted and reset instead (nginx, libuv).
+    spare: std::sync::Mutex<Option<std::fs::File>>,
+    accept_failures: std::sync::Mutex<Throttled>,
 }
 
 /// Binds the listeners, starts the workers and serves until SIGTERM or SIGINT, then drains
@@ -255,7 +265,7 @@ struct Shared<H> {
 /// SIGHUP and on each message of `requests` (the product's own reasons, e.g. a restarted key
 /// daemon), which names the reason in the log.
 pub fn run<H: Handler>(
-    config: RuntimeConfig,
+    mut config: RuntimeConfig,
     first: Generation<H>,
     mut reload: Reload<H>,
     requests: Option<mpsc::UnboundedReceiver<&'static str>>,
@@ -285,6 +295,10 @@ pub fn run<H: Handler>(
         .as_deref()
         .map(PidFile::create)
         .transpose()?;
+    let spare = open_spare();
+    if config.limits.max_connections == 0 {
+        config.limits.max_connections = default_max_connections(&config)?;
+    }
     // Everything that needs root is done: the ports are bound, the key daemon runs, the pid
     // file is written.
     if let Some(user) = &config.run_as {
@@ -302,6 +316,8 @@ pub fn run<H: Handler>(
         stats,
         admission: Admission::new(config.limits.clone()),
         idle: Arc::default(),
+        spare: std::sync::Mutex::new(spare),
+        accept_failures: std::sync::Mutex::new(Throttled::default()),
     });
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut threads = Vec::new();
@@ -659,12 +675,19 @@ fn handshake_loop<H: Handler>(
         };
         let watcher = {
             let (starter, stats) = (starter.clone(), shared.stats.clone());
+            let first_byte_deadline = shared.config.limits.first_byte_timeout();
             tokio::spawn(lobby.clone().watch(
                 poll,
-                shared.config.limits.first_byte_timeout(),
+                // At --first-byte-timeout 0 the handshake deadline still applies to a
+                // connection that never speaks (and it counts as a handshake timeout).
+                first_byte_deadline.unwrap_or(shared.config.handshake_timeout),
                 move |tcp, a| starter.start(tcp, a),
                 move |n| {
-                    stats.first_byte_timeouts.fetch_add(n as u64, Relaxed);
+                    let counter = match first_byte_deadline {
+                        Some(_) => &stats.first_byte_timeouts,
+                        None => &stats.handshake_timeouts,
+                    };
+                    counter.fetch_add(n as u64, Relaxed);
                 },
                 stop.clone(),
             ))
@@ -749,9 +772,11 @@ fn handshake_loop<H: Handler>(
                                 }
                             }
                             Err(e) => {
-                                // EMFILE and friends: back off instead of spinning.
-                                tracing::warn!(error = %e, "accept failed");
-                                tokio::time::sleep(Duration::from_millis(50)).await;
+                                if !accept_with_spare(&l, &e, &shared) {
+                                    // Nothing could be taken off the queue: back off
+                                    // instead of spinning.
+                                    tokio::time::sleep(Duration::from_millis(50)).await;
+                                }
                             }
                         },
                         _ = stop.changed() => break,
@@ -771,6 +796,117 @@ fn handshake_loop<H: Handler>(
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     });
+}
+
+/// Descriptors a server needs besides its connections, per worker, made after
+/// [`default_max_connections`] counts those already open: two event loops and the lobby's
+/// epoll instance (measured: 9 to 10 per worker with 1 and 4 workers).
+const DESCRIPTORS_PER_WORKER: u64 = 10;
+
+/// --max-connections 0: as many connections as the open-files limit leaves room for, so that
+/// the limit (and its eviction of idle connections) comes before accept fails with EMFILE.
+/// Taken off the limit: the descriptors open now (standard streams, listeners, the key
+/// daemon's sockets, the admin listener, the spare), those each worker opens, and a reserve
+/// for what comes and goes (a file being sent, a reload, a key daemon restart): 32 + 1/64 of
+/// the limit. What is left is divided by the descriptors one connection holds.
+fn default_max_connections(config: &RuntimeConfig) -> anyhow::Result<usize> {
+    let limit = tlsplane_sys::nofile_limit().context("cannot read the open-files limit")?;
+    let open = std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count() as u64)
+        .unwrap_or(64);
+    let needed = open + DESCRIPTORS_PER_WORKER * config.workers as u64 + 32 + limit / 64;
+    let per_connection = config.descriptors_per_connection.max(1) as u64;
+    let max = limit.saturating_sub(needed) / per_connection;
+    if max < 16 {
+        bail!(
+            "the open-files limit ({limit}) leaves room for {max} connections (the server needs \
+             {needed} descriptors, and {per_connection} per connection); raise it (ulimit -n) \
+             or set --max-connections"
+        );
+    }
+    let max = usize::try_from(max).unwrap_or(usize::MAX);
+    tracing::info!(
+        "--max-connections {max}: the open-files limit {limit}, less {needed} descriptors the \
+         server needs, / {per_connection} per connection"
+    );
+    Ok(max)
+}
+
+/// The spare descriptor (see `Shared::spare`); without it (already out of descriptors) the
+/// server runs as it would otherwise.
+fn open_spare() -> Option<std::fs::File> {
+    match std::fs::File::open("/dev/null") {
+        Ok(f) => Some(f),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot open a spare descriptor (/dev/null)");
+            None
+        }
+    }
+}
+
+/// After accept failed with `e`: if the process or the system is out of descriptors, frees
+/// the spare one, accepts the waiting connection with it and resets that connection at once
+/// (a client told now can retry; one left in the queue waits until a descriptor frees up).
+/// Logs the failure, at most once a second. Whether a connection was taken off the queue.
+fn accept_with_spare<H>(
+    l: &tokio::io::unix::AsyncFd<std::net::TcpListener>,
+    e: &std::io::Error,
+    shared: &Shared<H>,
+) -> bool {
+    let out_of_descriptors = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+    let mut taken = false;
+    if out_of_descriptors {
+        let mut spare = shared.spare.lock().unwrap_or_else(|e| e.into_inner());
+        // Lost earlier to another thread that took the freed number: try again.
+        let freed = spare
+            .take()
+            .or_else(|| std::fs::File::open("/dev/null").ok());
+        if let Some(freed) = freed {
+            drop(freed);
+            if let Ok((tcp, _)) = l.get_ref().accept() {
+                limits::reset(tcp);
+                shared.stats.accept_emfile.fetch_add(1, Relaxed);
+                taken = true;
+            }
+            *spare = std::fs::File::open("/dev/null").ok();
+        }
+    }
+    let suppressed = shared
+        .accept_failures
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .pass(Instant::now());
+    if let Some(suppressed) = suppressed {
+        tracing::warn!(
+            error = %e,
+            suppressed,
+            "accept failed{}",
+            if taken { "; the connection was reset" } else { "" }
+        );
+    }
+    taken
+}
+
+/// At most one log line a second, counting the ones held back.
+#[derive(Default)]
+struct Throttled {
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl Throttled {
+    /// `Some(lines held back since the last one)` when a line may be logged now.
+    fn pass(&mut self, now: Instant) -> Option<u64> {
+        if self
+            .last
+            .is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(1))
+        {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.suppressed))
+    }
 }
 
 /// Attaches to `l` the drop filter for the addresses blocked now; when to do it again.

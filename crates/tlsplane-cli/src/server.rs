@@ -161,6 +161,11 @@ pub trait Product: Handler + Sized {
     fn counters(stats: &Self::Stats, runtime: &RuntimeStats) -> Vec<(&'static str, u64)>;
     /// Start-up lines about the product itself.
     fn describe(_args: &Self::Args, _sites: &Sites) {}
+    /// Descriptors one client connection may hold at once (see
+    /// `RuntimeConfig::descriptors_per_connection`); `kernel_plane`: connections may be on it.
+    fn descriptors_per_connection(_args: &Self::Args, _kernel_plane: bool) -> usize {
+        1
+    }
 }
 
 /// What a product offers by ALPN.
@@ -322,6 +327,10 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         limits: server.limits.clone(),
         pid_file: server.pid_file.clone(),
         run_as: server.user.clone(),
+        descriptors_per_connection: P::descriptors_per_connection(
+            &args,
+            acceptor.kernel_support().ulp && server.data_plane != DataPlanePolicy::User,
+        ),
     };
     let runtime_stats = Arc::new(RuntimeStats::default());
     let stats = Arc::new(P::Stats::default());
@@ -417,6 +426,7 @@ fn counters<P: Product>(stats: &P::Stats, r: &RuntimeStats) -> Vec<(&'static str
     pairs.extend([
         ("task_panics", r.task_panics.load(Relaxed)),
         ("idle_evicted", r.idle_evicted.load(Relaxed)),
+        ("accept_emfile", r.accept_emfile.load(Relaxed)),
         ("first_byte_timeouts", r.first_byte_timeouts.load(Relaxed)),
         ("handshakes_evicted", r.handshakes_evicted.load(Relaxed)),
         ("reloads", r.reloads.load(Relaxed)),

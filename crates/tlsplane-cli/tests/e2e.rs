@@ -26,6 +26,8 @@ mod config;
 mod content;
 #[path = "e2e/control.rs"]
 mod control;
+#[path = "e2e/descriptors.rs"]
+mod descriptors;
 #[path = "e2e/http.rs"]
 mod http;
 #[path = "e2e/kernel.rs"]

@@ -469,6 +469,54 @@ pub fn set_crypto_info(
     Ok(())
 }
 
+/// The sequence number of the next record the kernel will send on this socket (`rec_seq` of
+/// `getsockopt(SOL_TLS, TLS_TX)`): under the current key, the records sent so far, counting
+/// those rustls sent before the hand-off (the sequence was installed with the key). `cipher`
+/// must be the TX key's cipher: the kernel wants the struct's exact size.
+///
+/// The kernel answers with the whole crypto-info struct, key included, so the copy is wiped
+/// before this returns.
+pub fn tx_record_seq(sock: BorrowedFd<'_>, cipher: KernelCipher) -> io::Result<u64> {
+    // header, iv, key, salt, rec_seq: the layout `CryptoInfo::new` writes.
+    let len = 4 + (12 - cipher.salt_len()) + cipher.key_len() + cipher.salt_len() + 8;
+    let mut buf = [0u8; 56];
+    let mut optlen = len as libc::socklen_t;
+    // SAFETY: the descriptor is live for the borrow; `buf` is valid for writes of `len` bytes
+    // (at most 56, its size) and `optlen` is a valid, exclusively borrowed length the kernel
+    // updates.
+    let r = cvt(unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            uapi::SOL_TLS,
+            uapi::TLS_TX,
+            buf.as_mut_ptr() as *mut libc::c_void,
+            &mut optlen,
+        )
+    });
+    let seq = u64::from_be_bytes(buf[len - 8..len].try_into().expect("8-byte rec_seq"));
+    let short = (optlen as usize) < len;
+    buf.zeroize();
+    r?;
+    if short {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the kernel returned a shorter TLS_TX crypto info than its cipher's",
+        ));
+    }
+    Ok(seq)
+}
+
+/// The soft `RLIMIT_NOFILE`: how many descriptors this process may have open.
+pub fn nofile_limit() -> io::Result<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, exclusively borrowed rlimit the kernel fills in.
+    cvt(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) })?;
+    Ok(lim.rlim_cur)
+}
+
 /// Room for one `cmsghdr` carrying a single byte, with the alignment the kernel expects.
 #[repr(C, align(8))]
 struct CmsgBuf([u8; 64]);
@@ -727,6 +775,16 @@ mod tests {
         assert_eq!(&b[12..28], &key);
         assert_eq!(&b[28..32], &[1, 2, 3, 4]);
         assert_eq!(&b[32..40], &7u64.to_be_bytes());
+    }
+
+    #[test]
+    fn tx_record_seq_of_a_socket_without_tls_is_an_error() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        use std::os::fd::AsFd;
+        for cipher in KernelCipher::ALL {
+            assert!(tx_record_seq(c.as_fd(), cipher).is_err());
+        }
     }
 
     #[test]

@@ -290,6 +290,16 @@ impl Product for Proxy {
         })
     }
 
+    /// The client's socket and its backend's; in TCP mode on the kernel plane, two pipes
+    /// more while the relay splices.
+    fn descriptors_per_connection(args: &ProxyArgs, kernel_plane: bool) -> usize {
+        if args.mode == Mode::Tcp && kernel_plane {
+            6
+        } else {
+            2
+        }
+    }
+
     fn counters(p: &ProxyStats, r: &RuntimeStats) -> Vec<(&'static str, u64)> {
         vec![
             ("proxy_connections", r.connections.load(Relaxed)),

@@ -379,6 +379,33 @@ fn first_byte_deadline_closes_silent_connections_only() {
     assert_eq!(stats["first_byte_timeouts"], 1, "{stats:?}");
 }
 
+/// `--first-byte-timeout 0` leaves a silent connection to the handshake deadline (before, it
+/// had none: it stayed in the lobby for ever).
+#[test]
+fn without_a_first_byte_deadline_the_handshake_deadline_closes_silent_connections() {
+    let server = Server::builder()
+        .arg("--first-byte-timeout")
+        .arg("0")
+        .arg("--handshake-timeout")
+        .arg("1")
+        .start();
+    let started = std::time::Instant::now();
+    let mut silent = tcp_connect(server.port());
+    silent
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut buf = [0u8; 16];
+    let n = silent.read(&mut buf);
+    let closed_after = started.elapsed();
+    assert!(
+        matches!(n, Ok(0)) && closed_after < Duration::from_secs(3),
+        "silent connection: {n:?} after {closed_after:?}, expected closed after about 1 s"
+    );
+    let stats = server.stop();
+    assert_eq!(stats["first_byte_timeouts"], 0, "{stats:?}");
+    assert_eq!(stats["http_timeouts"], 1, "{stats:?}");
+}
+
 #[test]
 fn slow_handshakes_give_way_to_new_connections_at_the_cap() {
     let server = Server::builder()

@@ -127,6 +127,7 @@ pub struct ServerBuilder {
     expect_decrypt_errors: u64,
     shutdown_grace: u64,
     soft_nofile: Option<u64>,
+    hard_nofile: Option<u64>,
     workers: usize,
     config: Option<PathBuf>,
     /// `tlsplane proxy` to these backends instead of `serve`.
@@ -171,6 +172,14 @@ impl ServerBuilder {
         self
     }
 
+    /// Starts the server with this RLIMIT_NOFILE, soft and hard (through `prlimit`): the server
+    /// cannot raise it.
+    pub fn nofile(mut self, n: u64) -> Self {
+        self.soft_nofile = Some(n);
+        self.hard_nofile = Some(n);
+        self
+    }
+
     pub fn shutdown_grace(mut self, secs: u64) -> Self {
         self.shutdown_grace = secs;
         self
@@ -196,7 +205,8 @@ impl ServerBuilder {
         let mut cmd = match self.soft_nofile {
             Some(n) => {
                 let mut c = Command::new("prlimit");
-                c.arg(format!("--nofile={n}:")).arg(&bin);
+                let hard = self.hard_nofile.map(|h| h.to_string()).unwrap_or_default();
+                c.arg(format!("--nofile={n}:{hard}")).arg(&bin);
                 c
             }
             None => Command::new(&bin),
@@ -329,6 +339,7 @@ impl Server {
             expect_decrypt_errors: 0,
             shutdown_grace: 5,
             soft_nofile: None,
+            hard_nofile: None,
             workers: 1,
             config: None,
             proxy_to: None,

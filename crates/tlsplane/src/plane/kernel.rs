@@ -46,18 +46,7 @@ pub(crate) fn crypto_info(
     seq: u64,
     direction: Direction,
 ) -> Result<CryptoInfo, Error> {
-    let (cipher, key, iv) = match secrets {
-        ConnectionTrafficSecrets::Aes128Gcm { key, iv } => {
-            (KernelCipher::Aes128Gcm, key.as_ref(), iv.as_ref())
-        }
-        ConnectionTrafficSecrets::Aes256Gcm { key, iv } => {
-            (KernelCipher::Aes256Gcm, key.as_ref(), iv.as_ref())
-        }
-        ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => {
-            (KernelCipher::Chacha20Poly1305, key.as_ref(), iv.as_ref())
-        }
-        _ => return Err(Error::KernelRequired("suite has no kernel implementation")),
-    };
+    let (cipher, key, iv) = kernel_cipher(secrets)?;
     let salt_len = cipher.salt_len();
     let (salt, rest) = iv.split_at(salt_len);
     let mut explicit = [0u8; 12];
@@ -69,6 +58,58 @@ pub(crate) fn crypto_info(
     }
     CryptoInfo::new(version, cipher, key, salt, &explicit[..rest_len], seq)
         .map_err(|e| Error::Config(e.to_string()))
+}
+
+/// The kernel's cipher for these secrets, with their key and IV.
+fn kernel_cipher(
+    secrets: &ConnectionTrafficSecrets,
+) -> Result<(KernelCipher, &[u8], &[u8]), Error> {
+    Ok(match secrets {
+        ConnectionTrafficSecrets::Aes128Gcm { key, iv } => {
+            (KernelCipher::Aes128Gcm, key.as_ref(), iv.as_ref())
+        }
+        ConnectionTrafficSecrets::Aes256Gcm { key, iv } => {
+            (KernelCipher::Aes256Gcm, key.as_ref(), iv.as_ref())
+        }
+        ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => {
+            (KernelCipher::Chacha20Poly1305, key.as_ref(), iv.as_ref())
+        }
+        _ => return Err(Error::KernelRequired("suite has no kernel implementation")),
+    })
+}
+
+/// Records sent under the current TX key, against the AEAD limit. Each write adds an upper
+/// bound of the records it made (n/16384 rounded up, + 1 for a record left open by an earlier
+/// write with MSG_MORE); a 1-byte write so counts 2 where the kernel makes 1, alerts and
+/// KeyUpdates count nothing. Before the bound is allowed to end the key, the kernel is asked
+/// its own count (its next record sequence number: a getsockopt, so only then): a
+/// connection re-keys or closes at the records it sent, and asks at most about log2(limit)
+/// times per key (each time the bound is off by at most half of what is left).
+struct TxRecords {
+    sent: u64,
+    limit: u64,
+}
+
+impl TxRecords {
+    /// Bytes of `want` that may be written now without passing the limit; `None`: none, by
+    /// the bound (ask the kernel, then re-key or close). One record is kept for the KeyUpdate
+    /// message, which goes out under the old key, and one for a record left open.
+    fn budget(&self, want: usize) -> Option<usize> {
+        let remaining = self.limit.saturating_sub(self.sent);
+        (remaining > 2).then(|| {
+            let budget = (remaining - 2).saturating_mul(MAX_FRAGMENT);
+            want.min(usize::try_from(budget).unwrap_or(usize::MAX))
+        })
+    }
+
+    fn wrote(&mut self, n: usize) {
+        self.sent += (n as u64).div_ceil(MAX_FRAGMENT) + 1;
+    }
+
+    /// The kernel's count, exact where the bound was not.
+    fn sync(&mut self, kernel_seq: u64) {
+        self.sent = kernel_seq;
+    }
 }
 
 /// First explicit nonce for the kernel's TLS 1.2 GCM sender, given that rustls used
@@ -135,9 +176,9 @@ impl Spliced {
 pub(crate) struct KernelPlane {
     kconn: KernelConnection<ServerConnectionData>,
     version: TlsVersion,
-    /// Upper bound of records encrypted by the kernel under the current TX key.
-    tx_records: u64,
-    tx_limit: u64,
+    tx_records: TxRecords,
+    /// The TX key's cipher (to ask the kernel its record count).
+    tx_cipher: KernelCipher,
     rekey: Rekey,
     key_updates: KeyUpdateBudget,
     read_closed: bool,
@@ -160,7 +201,11 @@ impl KernelPlane {
     ) -> Result<Self, Error> {
         let (secrets, kconn) = conn.dangerous_into_kernel_connection()?;
         // Records rustls already sent under this key (Finished, tickets) count too.
-        let tx_records = secrets.tx.0;
+        let tx_records = TxRecords {
+            sent: secrets.tx.0,
+            limit: tx_limit,
+        };
+        let tx_cipher = kernel_cipher(&secrets.tx.1)?.0;
         let tx = crypto_info(version, &secrets.tx.1, secrets.tx.0, Direction::Tx)?;
         let rx = crypto_info(version, &secrets.rx.1, secrets.rx.0, Direction::Rx)?;
         drop(secrets);
@@ -170,7 +215,7 @@ impl KernelPlane {
             kconn,
             version,
             tx_records,
-            tx_limit,
+            tx_cipher,
             rekey,
             key_updates: KeyUpdateBudget {
                 tokens: rekey.key_updates_per_second as f64,
@@ -354,7 +399,7 @@ impl KernelPlane {
         let info = crypto_info(self.version, &secrets, seq, Direction::Tx)?;
         drop(secrets);
         sys::set_crypto_info(sock.as_fd(), Direction::Tx, &info)?;
-        self.tx_records = 0;
+        self.tx_records.sent = seq;
         Ok(())
     }
 
@@ -392,11 +437,8 @@ impl KernelPlane {
         r.map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
     }
 
-    /// Accounts for records about to be written and re-keys or refuses at the AEAD limit.
     /// How many of `want` bytes may be written now without passing the AEAD limit, re-keying
-    /// (TLS 1.3 on kernels that can) or closing when the limit is near. A write of n bytes
-    /// makes at most n/16384 + 1 records; one record is kept in reserve for the KeyUpdate
-    /// message, which goes out under the old key.
+    /// (TLS 1.3 on kernels that can) or closing when the limit is near (see [`TxRecords`]).
     async fn before_write(&mut self, sock: &TcpStream, want: usize) -> io::Result<usize> {
         if self.write_closed {
             return Err(io::Error::new(
@@ -404,11 +446,18 @@ impl KernelPlane {
                 "TLS connection closed for writing",
             ));
         }
+        let mut asked = false;
         loop {
-            let remaining = self.tx_limit.saturating_sub(self.tx_records);
-            if remaining > 2 {
-                let budget = (remaining - 2).saturating_mul(MAX_FRAGMENT);
-                return Ok(want.min(usize::try_from(budget).unwrap_or(usize::MAX)));
+            if let Some(n) = self.tx_records.budget(want) {
+                return Ok(n);
+            }
+            if !asked {
+                asked = true;
+                // Without an answer the bound stands: the key ends early, never late.
+                if let Ok(seq) = sys::tx_record_seq(sock.as_fd(), self.tx_cipher) {
+                    self.tx_records.sync(seq);
+                    continue;
+                }
             }
             if self.version == TlsVersion::Tls13 && self.rekey.supported {
                 self.update_tx(sock).await?;
@@ -438,7 +487,7 @@ impl KernelPlane {
             };
             match r {
                 Ok(n) => {
-                    self.tx_records += (n as u64).div_ceil(MAX_FRAGMENT) + 1;
+                    self.tx_records.wrote(n);
                     data = &data[n..];
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
@@ -471,7 +520,7 @@ impl KernelPlane {
                         "file shrank while being sent",
                     ))
                 }
-                Ok(n) => self.tx_records += (n as u64).div_ceil(MAX_FRAGMENT) + 1,
+                Ok(n) => self.tx_records.wrote(n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e),
             }
@@ -537,7 +586,7 @@ impl KernelPlane {
                     ))
                 }
                 Ok(n) => {
-                    self.tx_records += (n as u64).div_ceil(MAX_FRAGMENT) + 1;
+                    self.tx_records.wrote(n);
                     len -= n;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
@@ -619,6 +668,64 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// One connection writing 1-byte records until its key ends, the kernel making one record
+    /// per write; `ask`: whether the kernel's count is read when the bound says stop.
+    /// Returns the records sent under the key and how many times the kernel was asked.
+    fn one_byte_writes_until_the_key_ends(limit: u64, ask: bool) -> (u64, u64) {
+        let mut tx = TxRecords { sent: 0, limit };
+        let (mut kernel, mut asked) = (0u64, 0u64);
+        loop {
+            if tx.budget(1).is_none() {
+                if !ask {
+                    return (kernel, asked);
+                }
+                asked += 1;
+                tx.sync(kernel);
+                if tx.budget(1).is_none() {
+                    return (kernel, asked);
+                }
+            }
+            tx.wrote(1);
+            kernel += 1;
+        }
+    }
+
+    #[test]
+    fn the_aead_limit_counts_the_records_the_kernel_sent() {
+        for limit in [10u64, 1000, 1 << 20] {
+            let (sent, asked) = one_byte_writes_until_the_key_ends(limit, true);
+            // Two kept back: the KeyUpdate, and a record a write may have left open.
+            assert_eq!(
+                sent,
+                limit - 2,
+                "limit {limit}: re-keyed after {sent} records"
+            );
+            let log2 = 64 - u64::from(limit.leading_zeros());
+            assert!(
+                asked <= log2 + 2,
+                "limit {limit}: asked the kernel {asked} times"
+            );
+        }
+        // The bound alone re-keys at half the limit (each 1-byte write counted 2).
+        let (sent, _) = one_byte_writes_until_the_key_ends(1000, false);
+        assert_eq!(sent, 499);
+    }
+
+    #[test]
+    fn the_record_bound_is_never_below_what_the_kernel_makes() {
+        let mut tx = TxRecords {
+            sent: 0,
+            limit: u64::MAX,
+        };
+        // A full record, one past it, a byte: the kernel makes 1, 2 and 1 records (+1 for a
+        // record an earlier MSG_MORE write left open, closed by this one).
+        for (n, kernel_at_most) in [(16384usize, 2u64), (16385, 3), (1, 2)] {
+            let before = tx.sent;
+            tx.wrote(n);
+            assert!(tx.sent - before >= kernel_at_most, "{n} bytes");
         }
     }
 
