@@ -287,6 +287,8 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     let runtime_stats = Arc::new(RuntimeStats::default());
     let stats = Arc::new(P::Stats::default());
     let first = Arc::new(P::build(&args, sites, &stats, &runtime_stats)?);
+    // Kept to the end: its Unix socket is removed when it drops.
+    let mut _admin = None;
     if let Some(addr) = &server.admin {
         let mut registry = prometheus_client::registry::Registry::with_prefix("tlsplane");
         let (s, r) = (stats.clone(), runtime_stats.clone());
@@ -315,7 +317,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
             },
         )));
         runtime_stats.histograms.register(&mut registry);
-        crate::admin::start(addr, registry)?;
+        _admin = Some(crate::admin::start(addr, registry)?);
     }
     // SIGHUP re-reads the configuration file, or without one the --cert/--key files (a
     // renewed certificate) and what the product serves.
