@@ -327,14 +327,17 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         let keys = keys.clone();
         Box::new(move || {
             let key_generation = keys.reload()?;
+            let mut not_applied = None;
             let reread = match &file {
                 Some(first) => {
                     let f = ConfigFile::read(&first.path).map_err(anyhow::Error::msg)?;
-                    if f.server != first.server {
-                        tracing::warn!(
-                            "{}: [server] changed; global options take effect at the next restart (sites, certificates and what they serve are reloaded now)",
-                            first.path.display()
-                        );
+                    let changed = changed_keys(&first.server, &f.server);
+                    if !changed.is_empty() {
+                        not_applied = Some(format!(
+                            "{}: [server] {} changed: global options take effect at the next restart (sites, certificates and what they serve were reloaded)",
+                            first.path.display(),
+                            changed.join(", ")
+                        ));
                     }
                     Some(f)
                 }
@@ -350,7 +353,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
             current = acceptor.clone();
             // Installed by the runtime as soon as this returns.
             keys.commit(key_generation);
-            Ok(Generation { acceptor, handler })
+            Ok((Generation { acceptor, handler }, not_applied))
         })
     };
     let (restarted, requests) = tokio::sync::mpsc::unbounded_channel();
@@ -372,6 +375,19 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         eprintln!("tlsplane-stats {}", tlsplane::stats::to_json(&pairs));
     }
     Ok(())
+}
+
+/// The keys of two `[server]` tables whose values differ (or that only one has), sorted.
+fn changed_keys(before: &toml::Table, after: &toml::Table) -> Vec<String> {
+    let mut keys: Vec<String> = before
+        .keys()
+        .chain(after.keys())
+        .filter(|k| before.get(*k) != after.get(*k))
+        .cloned()
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
 }
 
 fn counters<P: Product>(stats: &P::Stats, r: &RuntimeStats) -> Vec<(&'static str, u64)> {
