@@ -96,6 +96,10 @@ pub struct Keys {
     /// How long a signature may take (`--keyd-timeout`).
     sign_timeout: Duration,
     stopping: AtomicBool,
+    /// A daemon was started from the files (both were lost): the configuration in force has
+    /// no keys until a reload on it succeeds, which the supervisor asks for again until one
+    /// does (the files may be fixed later: the outage must end by itself then).
+    reload_owed: AtomicBool,
 }
 
 impl Keys {
@@ -127,6 +131,7 @@ impl Keys {
             launcher: Mutex::new(launcher),
             sign_timeout,
             stopping: AtomicBool::new(false),
+            reload_owed: AtomicBool::new(false),
         });
         match &keys.mode {
             KeydMode::Off => {}
@@ -295,6 +300,7 @@ impl Keys {
     /// is replaced by a copy that has the new keys, before the configuration that uses them
     /// serves a handshake.
     pub fn commit(&self, g: Option<u32>) {
+        self.reload_owed.store(false, Relaxed);
         if let (Some(c), Some(g)) = (self.client(), g) {
             if let Err(e) = c.commit(g) {
                 tracing::warn!(error = %e, "the key daemon did not take the commit");
@@ -330,6 +336,7 @@ impl Keys {
             .name("keyd-watch".into())
             .spawn(move || {
                 let mut spare = SpareRetry::default();
+                let mut owed = SpareRetry::default();
                 loop {
                     std::thread::sleep(Duration::from_millis(20));
                     if keys.stopping.load(Relaxed) {
@@ -345,6 +352,17 @@ impl Keys {
                     };
                     if let Some(why) = back {
                         let _ = reload.send(why);
+                        owed = SpareRetry::default();
+                        owed.next_try = Some(Instant::now() + Duration::from_millis(500));
+                    } else if keys.reload_owed.load(Relaxed)
+                        && owed.next_try.is_none_or(|t| Instant::now() >= t)
+                    {
+                        // The last one failed (say, a key file that does not match its
+                        // certificate yet): again, less and less often.
+                        let _ = reload.send("the key daemon restarted from the files has no configuration in force yet");
+                        owed.delay = (owed.delay * 2)
+                            .clamp(Duration::from_secs(1), Duration::from_secs(30));
+                        owed.next_try = Some(Instant::now() + owed.delay);
                     }
                 }
             });
@@ -419,6 +437,7 @@ impl Keys {
                 self.sign_timeout,
             )?);
             self.lock_daemons().in_use = Some(daemon);
+            self.reload_owed.store(true, Relaxed);
             Ok(())
         };
         let back = self.retry(Duration::from_secs(5), attempt, |e| {

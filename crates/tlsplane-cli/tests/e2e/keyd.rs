@@ -822,3 +822,31 @@ fn a_killed_keyd_signs_with_the_key_in_force_when_the_file_holds_another() {
     assert_eq!(stats.get("keyd_restarts"), 3, "{stats:?}");
     assert_eq!(stats.get("reload_failures"), 1, "{stats:?}");
 }
+
+#[test]
+fn with_both_daemons_killed_service_heals_by_itself_once_the_key_file_is_right_again() {
+    let (server, _, leaf) = server_with_own_site("keyd-kill-both");
+    let port = server.port();
+    let good = fs::read(&leaf.key_pem).unwrap();
+    fs::copy(&fixtures::pki().leaf(CertKind::P256).key_pem, &leaf.key_pem).unwrap();
+    // The daemon in use and its spare at once: the keys in force are gone, and the file
+    // holds a key that does not match the certificate.
+    let pids = keyd_pids(server.pid());
+    assert_eq!(pids.len(), 2, "a daemon and its spare: {pids:?}");
+    for pid in pids {
+        send_signal(pid, "-KILL");
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(try_handshake(port).0.is_err(), "served without the key");
+    // Put back (the renewal's certificate never came): no reload by hand.
+    fs::write(&leaf.key_pem, good).unwrap();
+    service_back_within(port, Duration::from_secs(5), "the key file was put back");
+    assert_eq!(index(port), "a");
+    let lines = server.stderr_lines();
+    let failed = lines.iter().filter(|l| l.contains("reload failed")).count();
+    assert!(
+        (1..=4).contains(&failed),
+        "{failed} failed reloads: {lines:#?}"
+    );
+    server.stop();
+}
