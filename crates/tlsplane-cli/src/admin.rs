@@ -161,9 +161,45 @@ impl Histograms {
     }
 }
 
+/// The admin endpoint while it serves: a Unix socket's file is removed when this is dropped
+/// (the server's orderly exit), so that the next start finds the path free.
+pub struct Endpoint(Option<PathBuf>);
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Whether `p` may be bound: free, or a socket nobody listens on (left by a server that was
+/// killed, which could not remove it), which is removed. Anything else is refused: another
+/// server's endpoint, or a file that is not a socket.
+fn free_unix_path(p: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(meta) = std::fs::symlink_metadata(p) else {
+        return Ok(());
+    };
+    if !meta.file_type().is_socket() {
+        bail!(
+            "admin endpoint: {} exists and is not a socket; remove it or choose another path",
+            p.display()
+        );
+    }
+    if std::os::unix::net::UnixStream::connect(p).is_ok() {
+        bail!(
+            "admin endpoint: a server already listens on {}",
+            p.display()
+        );
+    }
+    std::fs::remove_file(p)
+        .with_context(|| format!("admin endpoint: cannot remove the stale {}", p.display()))
+}
+
 /// Binds the endpoint now (so that a bad address stops start-up) and serves it on a thread
-/// of its own.
-pub fn start(addr: &AdminAddr, registry: Registry) -> anyhow::Result<()> {
+/// of its own, until the process exits; keep what it returns until then.
+pub fn start(addr: &AdminAddr, registry: Registry) -> anyhow::Result<Endpoint> {
     let registry = Arc::new(registry);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -178,43 +214,34 @@ pub fn start(addr: &AdminAddr, registry: Registry) -> anyhow::Result<()> {
                 Listener::Tcp(l)
             }
             AdminAddr::Unix(p) => {
-                if p.exists() {
-                    bail!(
-                        "admin endpoint: {} exists; remove it first if no server uses it",
-                        p.display()
-                    );
-                }
+                free_unix_path(p)?;
                 let l = tokio::net::UnixListener::bind(p)
                     .with_context(|| format!("admin endpoint: cannot listen on {}", p.display()))?;
                 eprintln!("admin endpoint on unix:{}", p.display());
-                Listener::Unix(l, p.clone())
+                Listener::Unix(l)
             }
         })
     })?;
+    let endpoint = Endpoint(match addr {
+        AdminAddr::Unix(p) => Some(p.clone()),
+        AdminAddr::Tcp(_) => None,
+    });
     std::thread::Builder::new()
         .name("admin".into())
         .spawn(move || rt.block_on(serve(listener, registry)))?;
-    Ok(())
+    Ok(endpoint)
 }
 
 enum Listener {
     Tcp(tokio::net::TcpListener),
-    Unix(tokio::net::UnixListener, PathBuf),
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        if let Listener::Unix(_, p) = self {
-            let _ = std::fs::remove_file(p);
-        }
-    }
+    Unix(tokio::net::UnixListener),
 }
 
 async fn serve(listener: Listener, registry: Arc<Registry>) {
     loop {
         let accepted: std::io::Result<Box<dyn Conn>> = match &listener {
             Listener::Tcp(l) => l.accept().await.map(|(s, _)| Box::new(s) as Box<dyn Conn>),
-            Listener::Unix(l, _) => l.accept().await.map(|(s, _)| Box::new(s) as Box<dyn Conn>),
+            Listener::Unix(l) => l.accept().await.map(|(s, _)| Box::new(s) as Box<dyn Conn>),
         };
         match accepted {
             Ok(conn) => {

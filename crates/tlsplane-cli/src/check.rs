@@ -123,6 +123,10 @@ pub fn reload(args: ReloadArgs) -> anyhow::Result<()> {
                 println!("reloaded (pid {pid})");
                 return Ok(());
             }
+            if let Some(what) = outcome.strip_prefix("partial: ") {
+                // Asked for and not done: a script must not take it for done.
+                anyhow::bail!("reloaded (pid {pid}) but not all of it: {what}");
+            }
             anyhow::bail!(
                 "reload {}; the server keeps its previous configuration",
                 outcome

@@ -50,10 +50,15 @@ struct SiteToml {
 }
 
 #[derive(Deserialize, Debug, Clone)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct CertToml {
     chain: PathBuf,
     key: PathBuf,
+    /// Serve the certificate even outside its validity dates (expired, or not yet valid):
+    /// otherwise that refuses the start, the reload and `check-config`, since every client
+    /// that checks dates would fail its handshake.
+    #[serde(default)]
+    allow_invalid_dates: bool,
 }
 
 /// A configuration file, read and parsed (nothing it names is loaded yet).
@@ -394,6 +399,16 @@ pub fn load_sites(
                         fail(format!("{}: {why}", chain.display()));
                         continue;
                     }
+                    if let Some(why) = outside_validity(&ck, now) {
+                        if !c.allow_invalid_dates {
+                            fail(format!(
+                                "{}: {why} (to serve it anyway: `allow-invalid-dates = true` in its [[site.cert]])",
+                                chain.display()
+                            ));
+                            continue;
+                        }
+                        warnings.push(format!("{at}: {}: {why}", chain.display()));
+                    }
                     warnings.extend(
                         certificate_warnings(&ck, &patterns, now)
                             .into_iter()
@@ -499,8 +514,29 @@ fn check_chain(ck: &rustls::sign::CertifiedKey) -> Result<(), String> {
     Ok(())
 }
 
-/// Expiry within [`EXPIRY_WARNING`] (or past), and configured names the leaf certificate does
-/// not cover.
+/// Why the leaf certificate is not valid at `now`: expired, or not valid yet.
+fn outside_validity(ck: &rustls::sign::CertifiedKey, now: SystemTime) -> Option<String> {
+    use x509_parser::prelude::*;
+    let (_, cert) = X509Certificate::from_der(ck.cert.first()?.as_ref()).ok()?;
+    let now_secs = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    let validity = cert.validity();
+    if validity.not_after.timestamp() < now_secs {
+        Some(format!("the certificate expired on {}", validity.not_after))
+    } else if validity.not_before.timestamp() > now_secs {
+        Some(format!(
+            "the certificate is not valid before {}",
+            validity.not_before
+        ))
+    } else {
+        None
+    }
+}
+
+/// Expiry within [`EXPIRY_WARNING`], and configured names the leaf certificate does not
+/// cover. (Past dates are [`outside_validity`]'s.)
 fn certificate_warnings(
     ck: &rustls::sign::CertifiedKey,
     names: &[NamePattern],
@@ -521,9 +557,7 @@ fn certificate_warnings(
         .unwrap_or(0);
     let not_after = cert.validity().not_after;
     let left = not_after.timestamp() - now_secs;
-    if left < 0 {
-        out.push(format!("the certificate expired on {not_after}"));
-    } else if left < EXPIRY_WARNING.as_secs() as i64 {
+    if (0..EXPIRY_WARNING.as_secs() as i64).contains(&left) {
         out.push(format!(
             "the certificate expires on {not_after}, in {} days",
             (left + 86399) / 86400

@@ -8,6 +8,12 @@
 //! way it is non-dumpable (`PR_SET_DUMPABLE 0`: no core file, no ptrace or /proc/PID/mem by
 //! other processes of its user), opens no network socket, and drops (zeroizes) its keys before
 //! it exits. SIGUSR1 makes it say on stderr how many signatures it made and their mean cost.
+//!
+//! `serve` keeps a spare daemon started with `--copy-from SOCKET`: it takes the keys of the
+//! daemon in use over that daemon's socket (HANDOFF) instead of reading any file, so that it
+//! can stand in with exactly the keys in force whatever the files hold by then (see
+//! `crate::keys`). A daemon hands its keys only to a process of its own user whose parent is
+//! its own parent and that is a key daemon started with `--copy-from`.
 
 use std::collections::HashMap;
 use std::io::{BufRead, Read};
@@ -41,6 +47,11 @@ pub struct KeydArgs {
     /// then its directory is root's and the peer's uid and the token decide).
     #[arg(long, hide = true, default_value = "600", value_parser = parse_mode)]
     pub socket_mode: u32,
+    /// Started by `serve` (or its launcher) to stand in for the daemon at this socket: takes
+    /// that daemon's keys, handles and generations from it (HANDOFF) instead of reading any
+    /// file; later RELOADs read the files as usual.
+    #[arg(long, hide = true, value_name = "SOCKET", requires = "parent")]
+    pub copy_from: Option<PathBuf>,
 }
 
 /// What the daemon loads keys from, again on each RELOAD.
@@ -78,6 +89,8 @@ struct Store {
 
 struct Held {
     key: Arc<dyn SigningKey>,
+    /// The key's encoding, for a HANDOFF (zeroized when dropped).
+    der: tlsplane::cert::KeyDer,
     path: PathBuf,
     public_key: Vec<u8>,
     /// The latest generation that has it.
@@ -93,8 +106,8 @@ impl Store {
         let mut by_path = HashMap::new();
         let mut loaded = 0;
         for p in paths {
-            let result = match tlsplane::cert::load_key(&p) {
-                Ok(key) => {
+            let result = match tlsplane::cert::load_key_der(&p) {
+                Ok((key, der)) => {
                     loaded += 1;
                     let public_key = key
                         .public_key()
@@ -115,6 +128,7 @@ impl Store {
                                 self.next_handle,
                                 Held {
                                     key,
+                                    der,
                                     path: p.clone(),
                                     public_key,
                                     generation: g,
@@ -145,6 +159,210 @@ impl Store {
     }
 }
 
+/// The longest HANDOFF message: one key's path and encoding (an RSA-8192 PKCS#8 key is about
+/// 4.8 KB; a path at most 4 KB).
+const MAX_HANDOFF_MESSAGE: usize = 64 * 1024;
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    out.extend_from_slice(&(b.len() as u32).to_be_bytes());
+    out.extend_from_slice(b);
+}
+
+/// Reads a HANDOFF message's fields in order.
+struct Fields<'a>(&'a [u8]);
+
+impl<'a> Fields<'a> {
+    fn u8(&mut self) -> Result<u8, String> {
+        let (&b, rest) = self.0.split_first().ok_or("short HANDOFF message")?;
+        self.0 = rest;
+        Ok(b)
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        let b = self.0.get(..4).ok_or("short HANDOFF message")?;
+        let v = u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+        self.0 = &self.0[4..];
+        Ok(v)
+    }
+    fn bytes(&mut self) -> Result<&'a [u8], String> {
+        let n = self.u32()? as usize;
+        let b = self.0.get(..n).ok_or("short HANDOFF message")?;
+        self.0 = &self.0[n..];
+        Ok(b)
+    }
+    fn path(&mut self) -> Result<PathBuf, String> {
+        Ok(PathBuf::from(std::ffi::OsStr::from_bytes(self.bytes()?)))
+    }
+}
+
+impl Store {
+    /// The store as HANDOFF sends it: a header (the generation counters, how many keys and
+    /// paths follow), one message per key (its encoding included), one per key file of the
+    /// latest generation (its handle or why it failed). Zeroized when dropped.
+    fn handoff_messages(&self) -> Vec<zeroize::Zeroizing<Vec<u8>>> {
+        let mut header = vec![proto::OK];
+        for n in [
+            self.generation,
+            self.committed,
+            self.committed_before,
+            self.next_handle,
+            self.keys.len() as u32,
+            self.by_path.len() as u32,
+        ] {
+            header.extend_from_slice(&n.to_be_bytes());
+        }
+        let mut out = vec![zeroize::Zeroizing::new(header)];
+        for (handle, held) in &self.keys {
+            let mut m = zeroize::Zeroizing::new(Vec::with_capacity(64 + held.der.der.len()));
+            m.extend_from_slice(&handle.to_be_bytes());
+            m.extend_from_slice(&held.generation.to_be_bytes());
+            m.push(held.der.format);
+            put_bytes(&mut m, held.path.as_os_str().as_bytes());
+            put_bytes(&mut m, &held.der.der);
+            out.push(m);
+        }
+        for (path, r) in &self.by_path {
+            let mut m = Vec::new();
+            put_bytes(&mut m, path.as_os_str().as_bytes());
+            match r {
+                Ok(h) => {
+                    m.push(0);
+                    m.extend_from_slice(&h.to_be_bytes());
+                }
+                Err(why) => {
+                    m.push(1);
+                    m.extend_from_slice(why.as_bytes());
+                }
+            }
+            out.push(zeroize::Zeroizing::new(m));
+        }
+        out
+    }
+
+    /// The store a HANDOFF's messages describe; `next` gives each message in turn.
+    fn from_handoff(
+        mut next: impl FnMut() -> Result<zeroize::Zeroizing<Vec<u8>>, String>,
+    ) -> Result<Store, String> {
+        let header = next()?;
+        let mut f = Fields(&header);
+        if f.u8()? != proto::OK {
+            return Err(format!(
+                "HANDOFF refused: {}",
+                String::from_utf8_lossy(&header[1..])
+            ));
+        }
+        let mut store = Store {
+            generation: f.u32()?,
+            committed: f.u32()?,
+            committed_before: f.u32()?,
+            next_handle: f.u32()?,
+            ..Store::default()
+        };
+        let (keys, paths) = (f.u32()?, f.u32()?);
+        for _ in 0..keys {
+            let m = next()?;
+            let mut f = Fields(&m);
+            let (handle, generation, format) = (f.u32()?, f.u32()?, f.u8()?);
+            let path = f.path()?;
+            let der = tlsplane::cert::KeyDer {
+                format,
+                der: zeroize::Zeroizing::new(f.bytes()?.to_vec()),
+            };
+            let key = tlsplane::cert::key_from_der(&der)
+                .map_err(|e| format!("{}: a key handed over: {e}", path.display()))?;
+            let public_key = key
+                .public_key()
+                .map(|k| k.as_ref().to_vec())
+                .unwrap_or_default();
+            store.keys.insert(
+                handle,
+                Held {
+                    key,
+                    der,
+                    path,
+                    public_key,
+                    generation,
+                },
+            );
+        }
+        for _ in 0..paths {
+            let m = next()?;
+            let mut f = Fields(&m);
+            let path = f.path()?;
+            let r = match f.u8()? {
+                0 => Ok(f.u32()?),
+                _ => Err(String::from_utf8_lossy(f.0).into_owned()),
+            };
+            store.by_path.insert(path, r);
+        }
+        Ok(store)
+    }
+}
+
+/// Takes the keys of the daemon at `socket` (started by the same server): the predecessor
+/// this one stands in for.
+fn copy_from(socket: &Path, token: &[u8; TOKEN_LEN]) -> anyhow::Result<Store> {
+    let sock = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
+    let wait = Some(std::time::Duration::from_secs(10));
+    sock.set_read_timeout(wait)?;
+    sock.set_write_timeout(wait)?;
+    sock.connect(&SockAddr::unix(socket)?)?;
+    let mut hello = zeroize::Zeroizing::new(vec![op::HELLO]);
+    hello.extend_from_slice(token);
+    sock.send(&hello)?;
+    let mut buf = zeroize::Zeroizing::new(vec![0u8; MAX_HANDOFF_MESSAGE]);
+    let mut recv = || -> Result<zeroize::Zeroizing<Vec<u8>>, String> {
+        loop {
+            match (&sock).read(&mut buf) {
+                Ok(0) => return Err("the daemon closed the connection".into()),
+                Ok(n) => return Ok(zeroize::Zeroizing::new(buf[..n].to_vec())),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    };
+    if recv().map_err(anyhow::Error::msg)?.first() != Some(&proto::OK) {
+        anyhow::bail!("the daemon at {} refused our token", socket.display());
+    }
+    sock.send(&[op::HANDOFF])?;
+    Store::from_handoff(recv)
+        .map_err(|e| anyhow::anyhow!("taking the keys of {}: {e}", socket.display()))
+}
+
+/// Whether the process at the other end of `sock` may have this daemon's keys: only a key
+/// daemon started by the same parent (the server, or its launcher), as the same user, to stand
+/// in for this one. With `serve --user` the user is the boundary: the daemons are root's and
+/// the server (which started none of them, its launcher did) is not. Without it the server and
+/// its daemons share a user, who can read the key files anyway; the checks then keep out
+/// anything that is not such a daemon by mistake. A daemon started by hand hands over nothing.
+fn may_take_over(sock: &Socket, parent: Option<u32>) -> Result<(), String> {
+    use std::os::fd::AsFd;
+    let parent = parent.ok_or("this daemon was started by hand")?;
+    let (pid, uid) =
+        tlsplane_sys::peer_cred(sock.as_fd()).map_err(|e| format!("SO_PEERCRED: {e}"))?;
+    if uid != tlsplane_sys::current_uid() {
+        return Err(format!("user id {uid} is not this daemon's"));
+    }
+    if pid == parent || parent_pid(pid) != Some(parent) {
+        return Err(format!("pid {pid} is not a daemon started by pid {parent}"));
+    }
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+    if args.get(1) != Some(&&b"keyd"[..]) || !args.contains(&&b"--copy-from"[..]) {
+        return Err(format!(
+            "pid {pid} is not a key daemon standing in for this one"
+        ));
+    }
+    Ok(())
+}
+
+fn parent_pid(pid: u32) -> Option<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()?
+        .rsplit_once(')')
+        .and_then(|(_, r)| r.split_whitespace().nth(1))
+        .and_then(|p| p.parse().ok())
+}
+
 pub fn run(args: KeydArgs) -> anyhow::Result<()> {
     tlsplane_sys::set_non_dumpable()?;
     if let Some(parent) = args.parent {
@@ -170,20 +388,30 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
             .map_err(|_| anyhow::anyhow!("no random token"))?;
         write_token_file(&token_path(&args.socket), &token)?;
     }
-    let store = Arc::new(RwLock::new(Store::default()));
-    let (first, n) = {
-        let mut s = store.write().unwrap_or_else(|e| e.into_inner());
-        let loaded = s.load(&source).map_err(anyhow::Error::msg)?;
-        s.commit(loaded.0);
-        for (p, r) in &s.by_path {
-            if let Err(why) = r {
-                // The server reports it too, with the site it belongs to.
-                tracing::debug!(path = %p.display(), "keyd: {why}");
-            }
+    let (store, loaded) = match &args.copy_from {
+        Some(from) => {
+            let store = copy_from(from, &token)?;
+            let n = format!(
+                "{} keys taken over from {}",
+                store.keys.len(),
+                from.display()
+            );
+            (store, n)
         }
-        loaded
+        None => {
+            let mut s = Store::default();
+            let (first, n) = s.load(&source).map_err(anyhow::Error::msg)?;
+            s.commit(first);
+            for (p, r) in &s.by_path {
+                if let Err(why) = r {
+                    // The server reports it too, with the site it belongs to.
+                    tracing::debug!(path = %p.display(), "keyd: {why}");
+                }
+            }
+            (s, format!("{n} keys loaded"))
+        }
     };
-    let _ = first;
+    let store = Arc::new(RwLock::new(store));
 
     let _ = std::fs::remove_file(&args.socket);
     let listener = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
@@ -242,10 +470,7 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
         });
         exit(why);
     });
-    eprintln!(
-        "keyd: {n} keys loaded; listening on {}",
-        args.socket.display()
-    );
+    eprintln!("keyd: {loaded}; listening on {}", args.socket.display());
 
     let source = Arc::new(source);
     let token = Arc::new(token);
@@ -264,7 +489,8 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
             token.clone(),
             allowed.clone(),
         );
-        std::thread::spawn(move || serve_conn(conn, &store, &source, &token, &allowed));
+        let parent = args.parent;
+        std::thread::spawn(move || serve_conn(conn, &store, &source, &token, &allowed, parent));
     }
 }
 
@@ -274,6 +500,7 @@ fn serve_conn(
     source: &Source,
     token: &[u8; TOKEN_LEN],
     allowed: &[u32],
+    parent: Option<u32>,
 ) {
     if let Err(why) = proto::check_hello(&sock, token, allowed) {
         tracing::warn!("keyd: connection refused: {why}");
@@ -289,6 +516,10 @@ fn serve_conn(
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(_) => return,
         };
+        if buf[..n] == [op::HANDOFF] {
+            hand_off(&sock, store, parent);
+            return;
+        }
         let reply = answer(&buf[..n], store, source);
         loop {
             match sock.send(&reply) {
@@ -296,6 +527,26 @@ fn serve_conn(
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(_) => return,
             }
+        }
+    }
+}
+
+/// Answers a HANDOFF: the whole store to a daemon that stands in for this one, or a refusal
+/// (logged: nothing else asks).
+fn hand_off(sock: &Socket, store: &RwLock<Store>, parent: Option<u32>) {
+    if let Err(why) = may_take_over(sock, parent) {
+        tracing::warn!("keyd: HANDOFF refused: {why}");
+        let _ = sock.send(&err(format!("HANDOFF refused: {why}")));
+        return;
+    }
+    let messages = store
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .handoff_messages();
+    for m in &messages {
+        if let Err(e) = sock.send(m) {
+            tracing::warn!("keyd: HANDOFF cut short: {e}");
+            return;
         }
     }
 }
@@ -431,4 +682,62 @@ pub fn decode_hex(s: &str, out: &mut [u8; TOKEN_LEN]) -> Option<()> {
         *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
     }
     Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_handoff_carries_every_key_handle_and_generation() {
+        let dir = std::env::temp_dir().join(format!("tlsplane-handoff-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let path = dir.join("k.pem");
+        std::fs::write(&path, key.serialize_pem()).unwrap();
+        let missing = dir.join("missing.pem");
+        let mut store = Store::default();
+        let source = Source::Keys(vec![path.clone(), missing.clone()]);
+        let (g, _) = store.load(&source).unwrap();
+        store.commit(g);
+        // A second generation, not committed: handed over as it is.
+        store.load(&source).unwrap();
+        let mut messages = store.handoff_messages().into_iter();
+        let copy = Store::from_handoff(|| messages.next().ok_or("no more".into())).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            (copy.generation, copy.committed, copy.committed_before),
+            (store.generation, store.committed, store.committed_before)
+        );
+        assert_eq!(copy.next_handle, store.next_handle);
+        assert_eq!(copy.by_path, store.by_path);
+        let handle = *store.by_path[&path].as_ref().unwrap();
+        assert_eq!(
+            copy.keys[&handle].public_key,
+            store.keys[&handle].public_key
+        );
+        assert_eq!(
+            copy.keys[&handle].generation,
+            store.keys[&handle].generation
+        );
+        assert!(copy.by_path[&missing].is_err());
+    }
+
+    #[test]
+    fn keys_are_handed_only_to_a_daemon_of_the_same_parent() {
+        let (a, _b) = Socket::pair(Domain::UNIX, Type::SEQPACKET, None).unwrap();
+        // Started by hand: nobody.
+        assert!(may_take_over(&a, None)
+            .unwrap_err()
+            .contains("started by hand"));
+        // The peer (this test process) has the right parent but is not a key daemon.
+        let parent = parent_pid(std::process::id()).unwrap();
+        assert!(may_take_over(&a, Some(parent))
+            .unwrap_err()
+            .contains("is not a key daemon"));
+        // Nor is the parent itself.
+        assert!(may_take_over(&a, Some(std::process::id()))
+            .unwrap_err()
+            .contains("is not a daemon started by"));
+    }
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use rustls::sign::SigningKey;
 use tlsplane::keyd::{Endpoint, KeydClient, TOKEN_LEN};
 
-use crate::privileges::{Event, Launcher, RunAs};
+use crate::privileges::{Launcher, RunAs};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeydMode {
@@ -40,27 +40,45 @@ impl FromStr for KeydMode {
     }
 }
 
-/// A key daemon this server started.
-enum Spawned {
-    /// Our child.
-    Child {
-        child: Child,
-        /// Its stdin: the daemon drops its keys and exits when this closes.
-        stdin: Option<ChildStdin>,
-        /// The private (0700) directory of its socket.
-        dir: PathBuf,
-    },
-    /// The launcher's child (`--user`), which the launcher stops and cleans up after.
-    Launched { pid: u32 },
+/// A key daemon this server started, directly or (`--user`) through the launcher.
+struct Daemon {
+    pid: u32,
+    socket: PathBuf,
+    /// Our child; None: the launcher's, which stops it when asked.
+    own: Option<OwnDaemon>,
 }
 
-impl Drop for Spawned {
+struct OwnDaemon {
+    child: Child,
+    /// Its stdin: the daemon drops its keys and exits when this closes.
+    stdin: Option<ChildStdin>,
+    /// The private (0700) directory of its socket.
+    dir: PathBuf,
+}
+
+impl Drop for OwnDaemon {
     fn drop(&mut self) {
-        if let Spawned::Child { child, stdin, dir } = self {
-            crate::privileges::stop_daemon(child, stdin.take());
-            let _ = std::fs::remove_dir_all(dir);
-        }
+        crate::privileges::stop_daemon(&mut self.child, self.stdin.take());
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The daemons of `--keyd on`: the one in use, and its spare, which holds the same keys under
+/// the same handles, copied from it (HANDOFF) after each reload and never read from a file.
+///
+/// Why a spare: a daemon that dies takes its keys with it, and reading the files again
+/// would not bring back the keys in force. The configuration on disk may have been edited
+/// and not reloaded yet, or be broken half-way through an edit, and a renewal may have
+/// written a new key before its certificate, so that the file's key no longer matches the
+/// certificate in force. The server itself must never hold the keys (that is what the daemon
+/// is for), so another daemon does: when the one in use dies or is stuck, the server switches
+/// to the spare at once (the configuration in force, its keys and handles, untouched: no
+/// reload) and starts a new spare copied from it. A copy comes only from a daemon of the same
+/// parent and user (see `tlsplane keyd`'s HANDOFF), never through the server.
+#[derive(Default)]
+struct Daemons {
+    in_use: Option<Daemon>,
+    spare: Option<Daemon>,
 }
 
 /// The server's key source.
@@ -68,20 +86,27 @@ pub struct Keys {
     mode: KeydMode,
     /// What the daemon loads (`--config FILE` or `--key PEM`).
     daemon_args: Vec<OsString>,
+    /// One token for every daemon this server starts: the client keeps it when it switches
+    /// to the spare, and a spare shows it to the daemon whose keys it takes.
+    token: zeroize::Zeroizing<[u8; TOKEN_LEN]>,
     client: Mutex<Option<Arc<KeydClient>>>,
-    spawned: Mutex<Option<Spawned>>,
+    daemons: Mutex<Daemons>,
     /// With `--user`: what starts daemons as root once this server is not.
     launcher: Mutex<Option<Launcher>>,
     /// How long a signature may take (`--keyd-timeout`).
     sign_timeout: Duration,
     stopping: AtomicBool,
+    /// A daemon was started from the files (both were lost): the configuration in force has
+    /// no keys until a reload on it succeeds, which the supervisor asks for again until one
+    /// does (the files may be fixed later: the outage must end by itself then).
+    reload_owed: AtomicBool,
 }
 
 impl Keys {
-    /// Starts (or connects to) the key daemon for the keys `daemon_args` name. `run_as`:
-    /// the user this server becomes once its ports are bound; its daemons are then started by
-    /// a launcher that stays root (see [`crate::privileges`]). A signature not made within
-    /// `sign_timeout` fails its handshake.
+    /// Starts (or connects to) the key daemon for the keys `daemon_args` name, and its spare.
+    /// `run_as`: the user this server becomes once its ports are bound; its daemons are then
+    /// started by a launcher that stays root (see [`crate::privileges`]). A signature not
+    /// made within `sign_timeout` fails its handshake.
     pub fn start(
         mode: KeydMode,
         daemon_args: Vec<OsString>,
@@ -92,18 +117,36 @@ impl Keys {
             (KeydMode::On, Some(user)) => Some(Launcher::start(user.uid, &daemon_args)?),
             _ => None,
         };
+        let mut token = zeroize::Zeroizing::new([0u8; TOKEN_LEN]);
+        rustls::crypto::aws_lc_rs::default_provider()
+            .secure_random
+            .fill(token.as_mut())
+            .map_err(|_| anyhow::anyhow!("no random token"))?;
         let keys = Arc::new(Self {
             mode,
             daemon_args,
+            token,
             client: Mutex::new(None),
-            spawned: Mutex::new(None),
+            daemons: Mutex::default(),
             launcher: Mutex::new(launcher),
             sign_timeout,
             stopping: AtomicBool::new(false),
+            reload_owed: AtomicBool::new(false),
         });
         match &keys.mode {
             KeydMode::Off => {}
-            KeydMode::On => keys.spawn()?,
+            KeydMode::On => {
+                let first = keys.launch(None)?;
+                keys.set_client(KeydClient::connect(
+                    keys.endpoint(&first.socket),
+                    keys.sign_timeout,
+                )?);
+                keys.lock_daemons().in_use = Some(first);
+                if let Err(e) = keys.renew_spare() {
+                    // The supervisor tries again.
+                    tracing::warn!("no spare key daemon yet: {e:#}");
+                }
+            }
             KeydMode::Unix(socket) => {
                 keys.set_client(connect_external(socket, keys.sign_timeout)?);
             }
@@ -111,44 +154,112 @@ impl Keys {
         Ok(keys)
     }
 
-    /// Starts a daemon and connects to it (replacing any previous one).
-    fn spawn(&self) -> anyhow::Result<()> {
-        let mut token = zeroize::Zeroizing::new([0u8; TOKEN_LEN]);
-        rustls::crypto::aws_lc_rs::default_provider()
-            .secure_random
-            .fill(token.as_mut())
-            .map_err(|_| anyhow::anyhow!("no random token"))?;
+    fn endpoint(&self, socket: &Path) -> Endpoint {
+        Endpoint {
+            socket: socket.to_path_buf(),
+            token: self.token.clone(),
+        }
+    }
+
+    fn lock_daemons(&self) -> std::sync::MutexGuard<'_, Daemons> {
+        self.daemons.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts a daemon that reads the key files, or with `copy_of` one that takes that
+    /// daemon's keys; returns once it listens.
+    fn launch(&self, copy_of: Option<&Daemon>) -> anyhow::Result<Daemon> {
         let mut launcher = self.launcher.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(launcher) = launcher.as_mut() {
-            let (pid, socket) = launcher.spawn(&crate::keyd::encode_hex(token.as_ref()))?;
-            let client =
-                wait_until_listening(Endpoint { socket, token }, self.sign_timeout, || {
-                    Ok(match launcher.next(Duration::from_millis(5)) {
-                        Some(Event::Exited { pid: p, status }) if p == pid => Some(status),
-                        _ => None,
-                    })
-                })?;
-            self.set_client(client);
-            *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) =
-                Some(Spawned::Launched { pid });
-            return Ok(());
+            let hex = crate::keyd::encode_hex(self.token.as_ref());
+            let (pid, socket) = launcher.spawn(&hex, copy_of.map(|d| d.pid))?;
+            let ready = wait_until_listening(self.endpoint(&socket), self.sign_timeout, || {
+                Ok(launcher.exited(pid, Duration::from_millis(5)))
+            });
+            if let Err(e) = ready {
+                launcher.stop(pid);
+                return Err(e);
+            }
+            return Ok(Daemon {
+                pid,
+                socket,
+                own: None,
+            });
         }
         drop(launcher);
         let dir = private_dir(0o700)?;
         let socket = dir.join("keyd.sock");
-        let (mut child, stdin) = start_daemon_process(&socket, &self.daemon_args, &[], &token)?;
-        let client = wait_until_listening(Endpoint { socket, token }, self.sign_timeout, || {
+        let extra: Vec<OsString> = match copy_of {
+            Some(d) => vec!["--copy-from".into(), d.socket.clone().into()],
+            None => Vec::new(),
+        };
+        let (mut child, stdin) =
+            start_daemon_process(&socket, &self.daemon_args, &extra, &self.token)?;
+        let ready = wait_until_listening(self.endpoint(&socket), self.sign_timeout, || {
             Ok(child.try_wait()?.map(|status| status.to_string()))
         });
-        let spawned = Spawned::Child {
-            child,
-            stdin: Some(stdin),
-            dir,
+        let daemon = Daemon {
+            pid: child.id(),
+            socket,
+            own: Some(OwnDaemon {
+                child,
+                stdin: Some(stdin),
+                dir,
+            }),
         };
-        // On an error, dropping `spawned` stops the daemon and removes its directory.
-        let client = client?;
-        self.set_client(client);
-        *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) = Some(spawned);
+        // On an error, dropping `daemon` stops it and removes its directory.
+        ready?;
+        Ok(daemon)
+    }
+
+    /// Stops a daemon: orderly (it zeroizes its keys), or killed at once if it is stuck.
+    fn retire(&self, mut daemon: Daemon, kill: bool) {
+        match daemon.own.as_mut() {
+            Some(own) => {
+                if kill {
+                    let _ = own.child.kill();
+                }
+            }
+            None => {
+                if let Some(l) = self
+                    .launcher
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .as_mut()
+                {
+                    l.stop(daemon.pid);
+                }
+            }
+        }
+    }
+
+    /// How `daemon` ended, if it has.
+    fn exited(&self, daemon: &mut Daemon) -> Option<String> {
+        if let Some(own) = daemon.own.as_mut() {
+            return match own.child.try_wait() {
+                Ok(Some(status)) => Some(status.to_string()),
+                _ => None,
+            };
+        }
+        let mut l = self.launcher.lock().unwrap_or_else(|e| e.into_inner());
+        let l = l.as_mut()?;
+        if l.is_gone() {
+            return Some("with its launcher".into());
+        }
+        l.exited(daemon.pid, Duration::ZERO)
+    }
+
+    /// Replaces the spare by a copy of the daemon in use (after a reload: the keys in force
+    /// changed).
+    fn renew_spare(&self) -> anyhow::Result<()> {
+        let mut daemons = self.lock_daemons();
+        let in_use = daemons
+            .in_use
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("no key daemon in use"))?;
+        let spare = self.launch(Some(in_use))?;
+        if let Some(old) = daemons.spare.replace(spare) {
+            self.retire(old, false);
+        }
         Ok(())
     }
 
@@ -184,21 +295,34 @@ impl Keys {
         }
     }
 
-    /// The configuration built on generation `g` is in force: the daemon may drop keys
-    /// neither it nor the previous one uses.
+    /// The configuration built on generation `g` is in force (or will be as soon as this
+    /// returns): the daemon may drop keys neither it nor the previous one uses, and the spare
+    /// is replaced by a copy that has the new keys, before the configuration that uses them
+    /// serves a handshake.
     pub fn commit(&self, g: Option<u32>) {
+        self.reload_owed.store(false, Relaxed);
         if let (Some(c), Some(g)) = (self.client(), g) {
             if let Err(e) = c.commit(g) {
                 tracing::warn!(error = %e, "the key daemon did not take the commit");
             }
         }
+        if self.mode == KeydMode::On && g.is_some() {
+            if let Err(e) = self.renew_spare() {
+                // A spare without the new keys must not stand in; the supervisor starts
+                // another.
+                tracing::warn!("the spare key daemon could not be renewed: {e:#}");
+                if let Some(old) = self.lock_daemons().spare.take() {
+                    self.retire(old, false);
+                }
+            }
+        }
     }
 
     /// Watches the daemon: when the one this server started dies, or is stuck (it let a
-    /// signature time out), starts another; with `--keyd unix:PATH`, connects again (reading
-    /// the token file again: a daemon restarted by hand has a new token) when the daemon
-    /// cannot be reached. Then asks for a reload (new handles), through `reload`. Each step is
-    /// logged once and counted.
+    /// signature time out), its spare takes over and a new spare is made; with `--keyd
+    /// unix:PATH`, connects again (reading the token file again: a daemon restarted by hand
+    /// has a new token) when the daemon cannot be reached, then asks for a reload (new
+    /// handles), through `reload`. Each step is logged once and counted.
     pub fn supervise(
         self: &Arc<Self>,
         reload: tokio::sync::mpsc::UnboundedSender<&'static str>,
@@ -210,31 +334,52 @@ impl Keys {
         let keys = self.clone();
         let _ = std::thread::Builder::new()
             .name("keyd-watch".into())
-            .spawn(move || loop {
-                std::thread::sleep(Duration::from_millis(20));
-                if keys.stopping.load(Relaxed) {
-                    return;
-                }
-                let back = match &keys.mode {
-                    KeydMode::Unix(socket) => keys.reconnect_if_broken(socket, &stats),
-                    _ => keys.restart_if_dead_or_stuck(&stats),
-                };
-                if let Some(why) = back {
-                    let _ = reload.send(why);
+            .spawn(move || {
+                let mut spare = SpareRetry::default();
+                let mut owed = SpareRetry::default();
+                loop {
+                    std::thread::sleep(Duration::from_millis(20));
+                    if keys.stopping.load(Relaxed) {
+                        return;
+                    }
+                    let back = match &keys.mode {
+                        KeydMode::Unix(socket) => keys.reconnect_if_broken(socket, &stats),
+                        _ => {
+                            let back = keys.replace_if_dead_or_stuck(&stats);
+                            keys.keep_a_spare(&mut spare);
+                            back
+                        }
+                    };
+                    if let Some(why) = back {
+                        let _ = reload.send(why);
+                        owed = SpareRetry::default();
+                        owed.next_try = Some(Instant::now() + Duration::from_millis(500));
+                    } else if keys.reload_owed.load(Relaxed)
+                        && owed.next_try.is_none_or(|t| Instant::now() >= t)
+                    {
+                        // The last one failed (say, a key file that does not match its
+                        // certificate yet): again, less and less often.
+                        let _ = reload.send("the key daemon restarted from the files has no configuration in force yet");
+                        owed.delay = (owed.delay * 2)
+                            .clamp(Duration::from_secs(1), Duration::from_secs(30));
+                        owed.next_try = Some(Instant::now() + owed.delay);
+                    }
                 }
             });
     }
 
-    /// Starts another daemon if ours died or is stuck; why, once it is back (None: nothing
-    /// was wrong, or the server is stopping).
-    fn restart_if_dead_or_stuck(
+    /// If the daemon in use died or is stuck, puts its spare in its place (no reload: the
+    /// configuration in force keeps its keys); without a spare, starts a daemon from the
+    /// files, and returns why a reload is needed (new handles).
+    fn replace_if_dead_or_stuck(
         &self,
         stats: &crate::runtime::RuntimeStats,
     ) -> Option<&'static str> {
-        if let Some(status) = self.died() {
-            tracing::error!(
-                "the key daemon exited ({status}); handshakes fail until it is restarted"
-            );
+        let mut daemons = self.lock_daemons();
+        let status = daemons.in_use.as_mut().and_then(|d| self.exited(d));
+        let kill = if let Some(status) = status {
+            tracing::error!("the key daemon exited ({status})");
+            false
         } else if self.stuck() {
             // Alive but not answering (stopped, deadlocked): every handshake would wait out
             // the timeout. Its keys are not zeroized by a kill, but a stuck process would not
@@ -244,23 +389,113 @@ impl Keys {
                 self.sign_timeout.as_secs_f64()
             );
             stats.keyd_stuck.fetch_add(1, Relaxed);
-            self.kill_stuck();
+            true
         } else {
             return None;
-        }
+        };
         stats.keyd_restarts.fetch_add(1, Relaxed);
-        // Retry until it comes back (a key file may be missing right now).
-        let back = self.retry(
-            Duration::from_secs(5),
-            || self.spawn(),
-            |e| {
-                tracing::error!("restarting the key daemon failed: {e:#}; retrying");
-            },
-        );
+        if let Some(old) = daemons.in_use.take() {
+            self.retire(old, kill);
+        }
+        if let Some(mut spare) = daemons.spare.take() {
+            let switched = match self.exited(&mut spare) {
+                Some(status) => Err(anyhow::anyhow!("it exited too ({status})")),
+                None => match self.client() {
+                    Some(c) => c
+                        .switch(self.endpoint(&spare.socket))
+                        .map_err(anyhow::Error::from),
+                    None => Err(anyhow::anyhow!("no client")),
+                },
+            };
+            match switched {
+                Ok(()) => {
+                    tracing::info!(
+                        "the spare key daemon took over with the keys in force; a new spare is started"
+                    );
+                    daemons.in_use = Some(spare);
+                    return None;
+                }
+                Err(e) => {
+                    tracing::error!("the spare key daemon cannot take over: {e:#}");
+                    self.retire(spare, true);
+                }
+            }
+        }
+        drop(daemons);
+        self.restart_from_files()
+    }
+
+    /// Without a spare (both daemons lost at once): a daemon that reads the key files, and a
+    /// reload for the handles it gives. Retries until it is back, each distinct reason logged
+    /// once.
+    fn restart_from_files(&self) -> Option<&'static str> {
+        let mut last = String::new();
+        let attempt = || {
+            let daemon = self.launch(None)?;
+            self.set_client(KeydClient::connect(
+                self.endpoint(&daemon.socket),
+                self.sign_timeout,
+            )?);
+            self.lock_daemons().in_use = Some(daemon);
+            self.reload_owed.store(true, Relaxed);
+            Ok(())
+        };
+        let back = self.retry(Duration::from_secs(5), attempt, |e| {
+            let why = format!("{e:#}");
+            if why != last {
+                tracing::error!("restarting the key daemon failed: {why}; retrying");
+                last = why;
+            }
+        });
         back.then(|| {
-            tracing::info!("key daemon restarted");
-            "key daemon restarted"
+            tracing::info!("key daemon restarted from the key files");
+            "key daemon restarted from the key files"
         })
+    }
+
+    /// Makes a spare when there is none (or it died), retrying with a growing delay; each
+    /// distinct reason it fails for is logged once.
+    fn keep_a_spare(&self, state: &mut SpareRetry) {
+        let status = {
+            let mut daemons = self.lock_daemons();
+            if daemons.in_use.is_none() {
+                return;
+            }
+            match daemons.spare.as_mut() {
+                Some(d) => match self.exited(d) {
+                    Some(status) => {
+                        daemons.spare = None;
+                        status
+                    }
+                    None => return,
+                },
+                None => String::new(),
+            }
+        };
+        if !status.is_empty() {
+            tracing::warn!("the spare key daemon exited ({status}); starting another");
+        }
+        if state.next_try.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        match self.renew_spare() {
+            Ok(()) => {
+                if !state.last_error.is_empty() {
+                    tracing::info!("a spare key daemon runs again");
+                }
+                *state = SpareRetry::default();
+            }
+            Err(e) => {
+                let why = format!("{e:#}");
+                if why != state.last_error {
+                    tracing::warn!("no spare key daemon: {why}; retrying");
+                    state.last_error = why;
+                }
+                state.delay =
+                    (state.delay * 2).clamp(Duration::from_millis(50), Duration::from_secs(5));
+                state.next_try = Some(Instant::now() + state.delay);
+            }
+        }
     }
 
     /// The `--keyd unix:PATH` side: connects again if the daemon could not be reached; why,
@@ -328,51 +563,20 @@ impl Keys {
         self.client().is_some_and(|c| c.timeouts() > 0)
     }
 
-    /// Kills a stuck daemon that is our child at once (an orderly stop would wait for it). One
-    /// the launcher started is stopped by the launcher when it starts the next.
-    fn kill_stuck(&self) {
-        if let Some(Spawned::Child { child, .. }) = self
-            .spawned
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_mut()
-        {
-            let _ = child.kill();
-        }
-    }
-
-    /// How the daemon this server started ended, if it has.
-    fn died(&self) -> Option<String> {
-        let launched = {
-            let mut s = self.spawned.lock().unwrap_or_else(|e| e.into_inner());
-            match s.as_mut() {
-                Some(Spawned::Child { child, .. }) => {
-                    return match child.try_wait() {
-                        Ok(Some(status)) => Some(status.to_string()),
-                        _ => None,
-                    }
-                }
-                Some(Spawned::Launched { pid }) => *pid,
-                None => return None,
-            }
-        };
-        let mut l = self.launcher.lock().unwrap_or_else(|e| e.into_inner());
-        let l = l.as_mut()?;
-        if l.is_gone() {
-            return Some("with its launcher".into());
-        }
-        match l.next(Duration::ZERO) {
-            Some(Event::Exited { pid, status }) if pid == launched => Some(status),
-            _ => None,
-        }
-    }
-
-    /// Stops supervision and the daemon (at exit).
+    /// Stops supervision and the daemons (at exit).
     pub fn stop(&self) {
         self.stopping.store(true, Relaxed);
-        *self.spawned.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.lock_daemons() = Daemons::default();
         *self.launcher.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
+}
+
+/// When the supervisor next tries to make a spare, and why the last try failed.
+#[derive(Default)]
+struct SpareRetry {
+    next_try: Option<Instant>,
+    delay: Duration,
+    last_error: String,
 }
 
 /// Starts `tlsplane keyd` listening on `socket` for the keys `daemon_args` name, a child of
@@ -381,7 +585,7 @@ impl Keys {
 pub fn start_daemon_process(
     socket: &Path,
     daemon_args: &[OsString],
-    extra: &[&str],
+    extra: &[OsString],
     token: &[u8; TOKEN_LEN],
 ) -> anyhow::Result<(Child, ChildStdin)> {
     let mut child = Command::new(std::env::current_exe()?)

@@ -10,7 +10,7 @@
 
 use std::ffi::OsString;
 use std::io::{BufRead, Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
@@ -95,13 +95,19 @@ pub struct LauncherArgs {
     pub daemon_args: Vec<OsString>,
 }
 
-/// The launcher's protocol, one line each way: `spawn HEXTOKEN` → `spawned PID SOCKET` or
-/// `failed REASON`; and unasked, `exited PID STATUS` when a daemon it started ends. Closing
-/// its stdin stops the daemon and the launcher.
+/// How many daemons a launcher runs at once: the one in use, its spare, one being started and
+/// one being stopped. A server that was taken over cannot make it start more.
+const MAX_LAUNCHED: usize = 4;
+
+/// The launcher's protocol, one line each way: `spawn HEXTOKEN` (a daemon that reads the key
+/// files) or `copy HEXTOKEN PID` (one that takes the keys of daemon PID, one of this
+/// launcher's) → `spawned PID SOCKET` or `failed REASON`; `stop PID` → nothing; and unasked,
+/// `exited PID STATUS` when a daemon it started ends other than by `stop`. Closing its stdin
+/// stops every daemon and the launcher.
 pub fn run_launcher(args: LauncherArgs) -> anyhow::Result<()> {
     tlsplane_sys::set_non_dumpable()?;
     tlsplane_sys::die_with_parent(libc::SIGKILL, args.parent)?;
-    let current: Arc<Mutex<Option<Daemon>>> = Arc::default();
+    let daemons: Arc<Mutex<Vec<Daemon>>> = Arc::default();
     let out = Arc::new(Mutex::new(std::io::stdout()));
     let say = {
         let out = out.clone();
@@ -112,30 +118,27 @@ pub fn run_launcher(args: LauncherArgs) -> anyhow::Result<()> {
         }
     };
     {
-        let (current, say) = (current.clone(), say.clone());
+        let (daemons, say) = (daemons.clone(), say.clone());
         std::thread::spawn(move || loop {
             std::thread::sleep(Duration::from_millis(20));
-            let mut c = current.lock().unwrap_or_else(|e| e.into_inner());
-            let ended = match c.as_mut() {
-                Some(d) => match d.child.try_wait() {
-                    Ok(Some(status)) => Some((d.child.id(), status)),
-                    _ => None,
-                },
-                None => None,
-            };
-            if let Some((pid, status)) = ended {
-                if let Some(d) = c.take() {
-                    let _ = std::fs::remove_dir_all(&d.dir);
+            let mut all = daemons.lock().unwrap_or_else(|e| e.into_inner());
+            let mut i = 0;
+            while i < all.len() {
+                match all[i].child.try_wait() {
+                    Ok(Some(status)) => {
+                        let d = all.swap_remove(i);
+                        let _ = std::fs::remove_dir_all(&d.dir);
+                        say(format!("exited {} {status}", d.child.id()));
+                    }
+                    _ => i += 1,
                 }
-                say(format!("exited {pid} {status}"));
             }
         });
     }
-    let stop = |c: &mut Option<Daemon>| {
-        if let Some(mut d) = c.take() {
-            stop_daemon(&mut d.child, d.stdin.take());
-            let _ = std::fs::remove_dir_all(&d.dir);
-        }
+    let take = |pid: u32| -> Option<Daemon> {
+        let mut all = daemons.lock().unwrap_or_else(|e| e.into_inner());
+        let i = all.iter().position(|d| d.child.id() == pid)?;
+        Some(all.swap_remove(i))
     };
     let mut stdin = std::io::stdin().lock();
     loop {
@@ -148,34 +151,61 @@ pub fn run_launcher(args: LauncherArgs) -> anyhow::Result<()> {
             say("failed request too long".into());
             break;
         }
-        let Some(hex) = line.strip_prefix("spawn ") else {
-            say("failed unknown request".into());
-            continue;
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let (hex, from) = match words.as_slice() {
+            ["stop", pid] => {
+                if let Some(mut d) = pid.parse().ok().and_then(take) {
+                    // Apart: a stuck daemon takes a second to give up on.
+                    std::thread::spawn(move || {
+                        stop_daemon(&mut d.child, d.stdin.take());
+                        let _ = std::fs::remove_dir_all(&d.dir);
+                    });
+                }
+                continue;
+            }
+            ["spawn", hex] => (*hex, None),
+            ["copy", hex, pid] => {
+                let all = daemons.lock().unwrap_or_else(|e| e.into_inner());
+                match all.iter().find(|d| pid.parse() == Ok(d.child.id())) {
+                    Some(d) => (*hex, Some(d.socket.clone())),
+                    None => {
+                        say(format!("failed no daemon {pid} of this launcher"));
+                        continue;
+                    }
+                }
+            }
+            _ => {
+                say("failed unknown request".into());
+                continue;
+            }
         };
-        let mut c = current.lock().unwrap_or_else(|e| e.into_inner());
-        stop(&mut c);
-        match start_daemon(&args, hex.trim()) {
-            Ok((child, stdin, dir, socket)) => {
-                say(format!("spawned {} {}", child.id(), socket.display()));
-                *c = Some(Daemon {
-                    child,
-                    stdin: Some(stdin),
-                    dir,
-                });
+        if daemons.lock().unwrap_or_else(|e| e.into_inner()).len() >= MAX_LAUNCHED {
+            say(format!("failed {MAX_LAUNCHED} daemons run already"));
+            continue;
+        }
+        match start_daemon(&args, hex, from.as_deref()) {
+            Ok(d) => {
+                say(format!("spawned {} {}", d.child.id(), d.socket.display()));
+                daemons.lock().unwrap_or_else(|e| e.into_inner()).push(d);
             }
             Err(e) => say(format!("failed {e:#}")),
         }
     }
-    stop(&mut current.lock().unwrap_or_else(|e| e.into_inner()));
+    let all = std::mem::take(&mut *daemons.lock().unwrap_or_else(|e| e.into_inner()));
+    for mut d in all {
+        stop_daemon(&mut d.child, d.stdin.take());
+        let _ = std::fs::remove_dir_all(&d.dir);
+    }
     Ok(())
 }
 
-/// The daemon a launcher started last: the process, the pipe whose closing stops it, and its
-/// socket's directory.
+/// A daemon a launcher started: the process, the pipe whose closing stops it, its socket and
+/// the socket's directory.
 struct Daemon {
     child: Child,
     stdin: Option<ChildStdin>,
     dir: PathBuf,
+    socket: PathBuf,
 }
 
 /// An orderly exit first (the daemon zeroizes its keys when its stdin closes), then SIGKILL.
@@ -189,10 +219,9 @@ pub fn stop_daemon(child: &mut Child, stdin: Option<ChildStdin>) {
     let _ = child.wait();
 }
 
-fn start_daemon(
-    args: &LauncherArgs,
-    hex: &str,
-) -> anyhow::Result<(Child, ChildStdin, PathBuf, PathBuf)> {
+/// A daemon for the server, reading the key files or, with `from`, taking the keys of the
+/// daemon listening there.
+fn start_daemon(args: &LauncherArgs, hex: &str, from: Option<&Path>) -> anyhow::Result<Daemon> {
     let mut token = zeroize::Zeroizing::new([0u8; tlsplane::keyd::TOKEN_LEN]);
     crate::keyd::decode_hex(hex, &mut token).ok_or_else(|| anyhow::anyhow!("not a token"))?;
     // Root's directory, searchable by all: the server (another user now) reaches the socket
@@ -201,13 +230,23 @@ fn start_daemon(
     let dir = crate::keys::private_dir(0o711)?;
     let socket = dir.join("keyd.sock");
     let allow = args.allow_uid.to_string();
-    let (child, stdin) = crate::keys::start_daemon_process(
-        &socket,
-        &args.daemon_args,
-        &["--allow-uid", &allow, "--socket-mode", "666"],
-        &token,
-    )?;
-    Ok((child, stdin, dir, socket))
+    let mut extra = vec![
+        std::ffi::OsString::from("--allow-uid"),
+        allow.into(),
+        "--socket-mode".into(),
+        "666".into(),
+    ];
+    if let Some(from) = from {
+        extra.extend(["--copy-from".into(), from.as_os_str().to_owned()]);
+    }
+    let (child, stdin) =
+        crate::keys::start_daemon_process(&socket, &args.daemon_args, &extra, &token)?;
+    Ok(Daemon {
+        child,
+        stdin: Some(stdin),
+        dir,
+        socket,
+    })
 }
 
 /// The server's end of a launcher.
@@ -215,6 +254,8 @@ pub struct Launcher {
     child: Child,
     stdin: Option<ChildStdin>,
     lines: std::sync::mpsc::Receiver<String>,
+    /// Daemons it said ended, and how, not yet asked about.
+    exited: std::collections::HashMap<u32, String>,
 }
 
 /// What the launcher said about a daemon.
@@ -256,28 +297,42 @@ impl Launcher {
             child,
             stdin,
             lines,
+            exited: Default::default(),
         })
     }
 
-    /// Asks for a daemon with `token`; its pid and socket.
-    pub fn spawn(&mut self, hex_token: &str) -> anyhow::Result<(u32, PathBuf)> {
+    fn say(&mut self, line: &str) -> anyhow::Result<()> {
         let stdin = self
             .stdin
             .as_mut()
             .ok_or_else(|| anyhow::anyhow!("the key daemon launcher is stopped"))?;
-        let request = zeroize::Zeroizing::new(format!("spawn {hex_token}\n"));
         stdin
-            .write_all(request.as_bytes())
+            .write_all(line.as_bytes())
             .and_then(|()| stdin.flush())
-            .map_err(|e| anyhow::anyhow!("the key daemon launcher is gone: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("the key daemon launcher is gone: {e}"))
+    }
+
+    /// Asks for a daemon with `token`, reading the key files, or with `copy_of` taking the
+    /// keys of that daemon (one this launcher started); its pid and socket.
+    pub fn spawn(
+        &mut self,
+        hex_token: &str,
+        copy_of: Option<u32>,
+    ) -> anyhow::Result<(u32, PathBuf)> {
+        let request = zeroize::Zeroizing::new(match copy_of {
+            None => format!("spawn {hex_token}\n"),
+            Some(pid) => format!("copy {hex_token} {pid}\n"),
+        });
+        self.say(&request)?;
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.next(left) {
                 Some(Event::Spawned { pid, socket }) => return Ok((pid, socket)),
                 Some(Event::Failed(why)) => anyhow::bail!("{why}"),
-                // The end of the daemon this one replaces.
-                Some(Event::Exited { .. }) => continue,
+                Some(Event::Exited { pid, status }) => {
+                    self.exited.insert(pid, status);
+                }
                 None if self.child.try_wait()?.is_some() => {
                     anyhow::bail!("the key daemon launcher is gone")
                 }
@@ -286,8 +341,25 @@ impl Launcher {
         }
     }
 
+    /// Stops daemon `pid` (in the background: a stuck one takes a second).
+    pub fn stop(&mut self, pid: u32) {
+        let _ = self.say(&format!("stop {pid}\n"));
+        self.exited.remove(&pid);
+    }
+
+    /// How daemon `pid` ended, if the launcher said it has, waiting up to `wait` for news.
+    pub fn exited(&mut self, pid: u32, wait: Duration) -> Option<String> {
+        if let Some(Event::Exited { pid, status }) = self.next(wait) {
+            self.exited.insert(pid, status);
+        }
+        while let Some(Event::Exited { pid, status }) = self.next(Duration::ZERO) {
+            self.exited.insert(pid, status);
+        }
+        self.exited.remove(&pid)
+    }
+
     /// The launcher's next word, waiting up to `wait`.
-    pub fn next(&mut self, wait: Duration) -> Option<Event> {
+    fn next(&mut self, wait: Duration) -> Option<Event> {
         let line = self.lines.recv_timeout(wait).ok()?;
         let mut words = line.splitn(3, ' ');
         match (words.next(), words.next(), words.next()) {

@@ -244,7 +244,9 @@ pub struct Generation<H> {
 
 /// Builds the next generation on SIGHUP (re-reading the configuration); an error leaves the
 /// current one in force.
-pub type Reload<H> = Box<dyn FnMut() -> anyhow::Result<Generation<H>> + Send>;
+/// Returns the new generation, and what of the new configuration it could not apply (which
+/// `tlsplane reload` reports as a failure: the operator asked for it).
+pub type Reload<H> = Box<dyn FnMut() -> anyhow::Result<(Generation<H>, Option<String>)> + Send>;
 
 struct Shared<H> {
     current: std::sync::RwLock<Arc<Generation<H>>>,
@@ -351,13 +353,19 @@ pub fn run<H: Handler>(
             };
             tracing::info!("{why}: reloading the configuration");
             let status = match reload() {
-                Ok(next) => {
+                Ok((next, not_applied)) => {
                     *shared.current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
                     shared.stats.reloads.fetch_add(1, Relaxed);
                     tracing::info!(
                         "configuration reloaded: new connections use it, established ones keep theirs"
                     );
-                    "ok".to_string()
+                    match not_applied {
+                        None => "ok".to_string(),
+                        Some(what) => {
+                            tracing::warn!("not applied by the reload: {what}");
+                            format!("partial: {}", what.replace('\n', "; "))
+                        }
+                    }
                 }
                 Err(e) => {
                     shared.stats.reload_failures.fetch_add(1, Relaxed);

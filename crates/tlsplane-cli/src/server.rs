@@ -335,6 +335,8 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     let runtime_stats = Arc::new(RuntimeStats::default());
     let stats = Arc::new(P::Stats::default());
     let first = Arc::new(P::build(&args, sites, &stats, &runtime_stats)?);
+    // Kept to the end: its Unix socket is removed when it drops.
+    let mut _admin = None;
     if let Some(addr) = &server.admin {
         let mut registry = prometheus_client::registry::Registry::with_prefix("tlsplane");
         let (s, r) = (stats.clone(), runtime_stats.clone());
@@ -363,7 +365,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
             },
         )));
         runtime_stats.histograms.register(&mut registry);
-        crate::admin::start(addr, registry)?;
+        _admin = Some(crate::admin::start(addr, registry)?);
     }
     // SIGHUP re-reads the configuration file, or without one the --cert/--key files (a
     // renewed certificate) and what the product serves.
@@ -373,14 +375,17 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         let keys = keys.clone();
         Box::new(move || {
             let key_generation = keys.reload()?;
+            let mut not_applied = None;
             let reread = match &file {
                 Some(first) => {
                     let f = ConfigFile::read(&first.path).map_err(anyhow::Error::msg)?;
-                    if f.server != first.server {
-                        tracing::warn!(
-                            "{}: [server] changed; global options take effect at the next restart (sites, certificates and what they serve are reloaded now)",
-                            first.path.display()
-                        );
+                    let changed = changed_keys(&first.server, &f.server);
+                    if !changed.is_empty() {
+                        not_applied = Some(format!(
+                            "{}: [server] {} changed: global options take effect at the next restart (sites, certificates and what they serve were reloaded)",
+                            first.path.display(),
+                            changed.join(", ")
+                        ));
                     }
                     Some(f)
                 }
@@ -396,7 +401,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
             current = acceptor.clone();
             // Installed by the runtime as soon as this returns.
             keys.commit(key_generation);
-            Ok(Generation { acceptor, handler })
+            Ok((Generation { acceptor, handler }, not_applied))
         })
     };
     let (restarted, requests) = tokio::sync::mpsc::unbounded_channel();
@@ -418,6 +423,19 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         eprintln!("tlsplane-stats {}", tlsplane::stats::to_json(&pairs));
     }
     Ok(())
+}
+
+/// The keys of two `[server]` tables whose values differ (or that only one has), sorted.
+fn changed_keys(before: &toml::Table, after: &toml::Table) -> Vec<String> {
+    let mut keys: Vec<String> = before
+        .keys()
+        .chain(after.keys())
+        .filter(|k| before.get(*k) != after.get(*k))
+        .cloned()
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
 }
 
 fn counters<P: Product>(stats: &P::Stats, r: &RuntimeStats) -> Vec<(&'static str, u64)> {

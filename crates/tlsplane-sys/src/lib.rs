@@ -328,6 +328,12 @@ pub fn die_with_parent(signal: i32, parent: u32) -> io::Result<()> {
 
 /// The user id of the process at the other end of a connected Unix socket (`SO_PEERCRED`).
 pub fn peer_uid(sock: BorrowedFd<'_>) -> io::Result<u32> {
+    peer_cred(sock).map(|(_, uid)| uid)
+}
+
+/// The process id and user id of the process at the other end of a connected Unix socket,
+/// as they were when it connected (`SO_PEERCRED`).
+pub fn peer_cred(sock: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
     // SAFETY: a zeroed ucred is a valid value of this plain C struct.
     let mut cred: libc::ucred = unsafe { zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -341,7 +347,7 @@ pub fn peer_uid(sock: BorrowedFd<'_>) -> io::Result<u32> {
             &mut len,
         )
     })?;
-    Ok(cred.uid)
+    Ok((cred.pid as u32, cred.uid))
 }
 
 /// The real user id of this process.

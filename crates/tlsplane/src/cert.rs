@@ -52,6 +52,19 @@ fn pem_error(e: &rustls_pki_types::pem::Error) -> String {
 
 /// A private key from a PEM file, ready to sign. The file's bytes are zeroized once parsed.
 pub fn load_key(key_path: &Path) -> Result<Arc<dyn SigningKey>, Error> {
+    load_key_der(key_path).map(|(key, _)| key)
+}
+
+/// A private key's encoding, as the key daemon keeps it to hand its keys to its successor
+/// without reading the file again (which may have changed since). Zeroized when dropped.
+pub struct KeyDer {
+    /// 1: PKCS#1 (RSA), 2: SEC1 (EC), 3: PKCS#8.
+    pub format: u8,
+    pub der: zeroize::Zeroizing<Vec<u8>>,
+}
+
+/// [`load_key`], and the key's DER encoding.
+pub fn load_key_der(key_path: &Path) -> Result<(Arc<dyn SigningKey>, KeyDer), Error> {
     let pem = zeroize::Zeroizing::new(
         std::fs::read(key_path)
             .map_err(|e| Error::Config(format!("{}: cannot read: {e}", key_path.display())))?,
@@ -68,13 +81,34 @@ pub fn load_key(key_path: &Path) -> Result<Arc<dyn SigningKey>, Error> {
         };
         Error::Config(format!("{}: {why}", key_path.display()))
     })?;
-    let key = any_supported_type(&key).map_err(|e| {
+    let format = match &key {
+        PrivateKeyDer::Pkcs1(_) => 1,
+        PrivateKeyDer::Sec1(_) => 2,
+        _ => 3,
+    };
+    let der = KeyDer {
+        format,
+        der: zeroize::Zeroizing::new(key.secret_der().to_vec()),
+    };
+    let signing = key_from_der(&der).map_err(|e| {
         Error::Config(format!(
             "{}: unsupported private key: {e}",
             key_path.display()
         ))
     })?;
-    Ok(Arc::new(TimedKey(key)))
+    Ok((signing, der))
+}
+
+/// The signing key that `der` encodes.
+pub fn key_from_der(der: &KeyDer) -> Result<Arc<dyn SigningKey>, rustls::Error> {
+    use rustls_pki_types::{PrivatePkcs1KeyDer, PrivatePkcs8KeyDer, PrivateSec1KeyDer};
+    let bytes = der.der.as_slice();
+    let key = match der.format {
+        1 => PrivateKeyDer::Pkcs1(PrivatePkcs1KeyDer::from(bytes)),
+        2 => PrivateKeyDer::Sec1(PrivateSec1KeyDer::from(bytes)),
+        _ => PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(bytes)),
+    };
+    Ok(Arc::new(TimedKey(any_supported_type(&key)?)))
 }
 
 /// A key this process holds, whose signatures are counted and timed (`signatures`,

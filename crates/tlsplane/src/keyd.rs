@@ -61,6 +61,10 @@ pub mod op {
     /// `[generation u32]` → `[]`: that generation is in force; keys neither it nor the one
     /// committed before it use may go.
     pub const COMMIT: u8 = 5;
+    /// `[]` → the daemon's whole key store, keys included, in several messages: asked only by
+    /// the daemon that will stand in for this one, and refused to anyone else (the daemon
+    /// checks the asking process, see `tlsplane keyd`).
+    pub const HANDOFF: u8 = 6;
 }
 
 /// Reply status bytes.
@@ -222,18 +226,37 @@ fn timed_out(timeout: Duration) -> io::Error {
     )
 }
 
-/// A client of one daemon: a few authenticated connections, reused (each handshake thread
-/// takes one for its round trip; no lock is held while waiting).
+/// A client of a daemon: a few authenticated connections, reused (each handshake thread
+/// takes one for its round trip; no lock is held while waiting). The daemon it talks to can
+/// be replaced by one holding the same keys under the same handles ([`KeydClient::switch`]):
+/// the keys already handed out ([`RemoteKey`]) then sign through the new one.
 #[derive(Debug)]
 pub struct KeydClient {
-    endpoint: Endpoint,
     timeout: Duration,
+    target: std::sync::RwLock<Arc<Target>>,
+}
+
+/// One daemon: where it is, the idle connections to it, and how calls to it failed.
+#[derive(Debug)]
+struct Target {
+    endpoint: Endpoint,
     idle: Mutex<Vec<Socket>>,
     /// Calls that got no answer within `timeout`.
     timeouts: AtomicU64,
     /// Calls that failed for the connection's sake: no answer, a closed connection, no daemon
     /// listening, a token it did not take (not an answer that refuses one request).
     broken: AtomicU64,
+}
+
+impl Target {
+    fn new(endpoint: Endpoint, first: Socket) -> Arc<Target> {
+        Arc::new(Target {
+            endpoint,
+            idle: Mutex::new(vec![first]),
+            timeouts: AtomicU64::new(0),
+            broken: AtomicU64::new(0),
+        })
+    }
 }
 
 impl std::fmt::Debug for Conn {
@@ -248,46 +271,61 @@ impl KeydClient {
     pub fn connect(endpoint: Endpoint, timeout: Duration) -> io::Result<Arc<Self>> {
         let first = Conn::open(&endpoint, timeout)?;
         Ok(Arc::new(Self {
-            endpoint,
             timeout,
-            idle: Mutex::new(vec![first.0]),
-            timeouts: AtomicU64::new(0),
-            broken: AtomicU64::new(0),
+            target: std::sync::RwLock::new(Target::new(endpoint, first.0)),
         }))
+    }
+
+    /// From now on, talks to the daemon at `endpoint` (checked by connecting once), which
+    /// holds the same keys under the same handles: the keys handed out keep working. The
+    /// counts of [`KeydClient::timeouts`] and [`KeydClient::broken`] start again from zero.
+    pub fn switch(&self, endpoint: Endpoint) -> io::Result<()> {
+        let first = Conn::open(&endpoint, self.timeout)?;
+        *self.target.write().unwrap_or_else(|e| e.into_inner()) = Target::new(endpoint, first.0);
+        Ok(())
+    }
+
+    fn target(&self) -> Arc<Target> {
+        self.target
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// How many calls the daemon left unanswered past the timeout: a daemon that is alive
     /// but stuck, which its supervisor may replace.
     pub fn timeouts(&self) -> u64 {
-        self.timeouts.load(Ordering::Relaxed)
+        self.target().timeouts.load(Ordering::Relaxed)
     }
 
     /// How many calls failed because the daemon could not be reached or did not answer
     /// (timeouts included): a daemon that died, or was restarted with a new token, which the
     /// server then connects to again.
     pub fn broken(&self) -> u64 {
-        self.broken.load(Ordering::Relaxed)
+        self.target().broken.load(Ordering::Relaxed)
     }
 
     fn call(&self, request: &[u8]) -> io::Result<Vec<u8>> {
-        let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let target = self.target();
+        let pooled = target.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let mut conn = match pooled {
             Some(s) => Conn(s, self.timeout),
-            None => Conn::open(&self.endpoint, self.timeout).inspect_err(|_| {
+            None => Conn::open(&target.endpoint, self.timeout).inspect_err(|_| {
                 // Refused at HELLO too: a daemon with another token.
-                self.broken.fetch_add(1, Ordering::Relaxed);
+                target.broken.fetch_add(1, Ordering::Relaxed);
             })?,
         };
         // On any error the connection is dropped, not pooled: its state is unknown.
         let reply = conn.call(request).inspect_err(|e| {
             if e.kind() == io::ErrorKind::TimedOut {
-                self.timeouts.fetch_add(1, Ordering::Relaxed);
+                target.timeouts.fetch_add(1, Ordering::Relaxed);
             }
             if !is_refusal(e) {
-                self.broken.fetch_add(1, Ordering::Relaxed);
+                target.broken.fetch_add(1, Ordering::Relaxed);
             }
         })?;
-        self.idle
+        target
+            .idle
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(conn.0);
@@ -339,8 +377,9 @@ impl KeydClient {
         self.call(&req).map(drop)
     }
 
-    pub fn endpoint(&self) -> &Endpoint {
-        &self.endpoint
+    /// The daemon it talks to now.
+    pub fn endpoint(&self) -> Endpoint {
+        self.target().endpoint.clone()
     }
 }
 

@@ -243,3 +243,68 @@ fn certificates_near_expiry_or_not_covering_a_name_are_warned_about() {
     );
     assert!(!err.contains("configured name soon.test"), "{err}");
 }
+
+/// A self-signed certificate for `name` valid from `from` to `until` (years), and its key.
+fn dated_certificate(dir: &Path, name: &str, from: i32, until: i32) -> fixtures::CertFiles {
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).expect("key");
+    let mut params = rcgen::CertificateParams::new(vec![name.to_string()]).expect("params");
+    params.not_before = rcgen::date_time_ymd(from, 1, 1);
+    params.not_after = rcgen::date_time_ymd(until, 1, 1);
+    let cert = params.self_signed(&key).expect("certificate");
+    let files = fixtures::CertFiles {
+        cert_pem: dir.join(format!("{name}.pem")),
+        key_pem: dir.join(format!("{name}.key")),
+    };
+    std::fs::write(&files.cert_pem, cert.pem()).unwrap();
+    std::fs::write(&files.key_pem, key.serialize_pem()).unwrap();
+    files
+}
+
+#[test]
+fn a_certificate_outside_its_dates_is_refused_unless_allowed() {
+    for (what, from, until, says) in [
+        ("expired", 2000, 2001, "the certificate expired on"),
+        (
+            "not-yet-valid",
+            2090,
+            2091,
+            "the certificate is not valid before",
+        ),
+    ] {
+        let dir = scratch(&format!("dates-{what}"));
+        let files = dated_certificate(&dir, &format!("{what}.test"), from, until);
+        let config = write_config(
+            &dir,
+            "",
+            &[SiteSpec {
+                names: &[],
+                default: true,
+                certs: vec![files],
+                content: what,
+            }],
+        );
+        let out = check_config(&config);
+        assert!(!out.status.success(), "{what}: {}", out.describe());
+        let err = out.stderr_text();
+        assert!(
+            err.contains(says) && err.contains("allow-invalid-dates = true"),
+            "{what}: {err}"
+        );
+        // Allowed explicitly: a warning only.
+        let text = std::fs::read_to_string(&config).unwrap();
+        std::fs::write(
+            &config,
+            text.replace("key = ", "allow-invalid-dates = true\nkey = "),
+        )
+        .unwrap();
+        let out = check_config(&config);
+        assert!(out.status.success(), "{what}: {}", out.describe());
+        assert!(
+            out.stderr_text()
+                .lines()
+                .any(|l| l.starts_with("warning:") && l.contains(says)),
+            "{what}: {}",
+            out.describe()
+        );
+    }
+}

@@ -114,23 +114,42 @@ fn parent_of(pid: u32) -> Option<u32> {
         .and_then(|p| p.parse().ok())
 }
 
-/// The key daemon `serve` started: its child whose command line says `keyd`, or with
-/// `--user` its launcher's.
+/// When process `pid` started (clock ticks since boot), if it is alive.
+fn start_time(pid: u32) -> Option<u64> {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()?
+        .rsplit_once(')')
+        .and_then(|(_, r)| r.split_whitespace().nth(19))
+        .and_then(|t| t.parse().ok())
+}
+
+/// The key daemons `serve` started: its children whose command line says `keyd`, or with
+/// `--user` its launcher's; oldest first.
+fn keyd_pids(server_pid: u32) -> Vec<u32> {
+    let mut found: Vec<(u64, u32)> = Vec::new();
+    for e in fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Some(ppid) = parent_of(pid) else {
+            continue;
+        };
+        let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let ours = ppid == server_pid || parent_of(ppid) == Some(server_pid);
+        if ours && cmdline.split(|&b| b == 0).any(|a| a == b"keyd") {
+            found.push((start_time(pid).unwrap_or(u64::MAX), pid));
+        }
+    }
+    found.sort();
+    found.into_iter().map(|(_, pid)| pid).collect()
+}
+
+/// The key daemon in use: the oldest (its spare is always started after it, from it).
 fn keyd_pid(server_pid: u32) -> u32 {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        for e in fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            let Some(ppid) = parent_of(pid) else {
-                continue;
-            };
-            let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let ours = ppid == server_pid || parent_of(ppid) == Some(server_pid);
-            if ours && cmdline.split(|&b| b == 0).any(|a| a == b"keyd") {
-                return pid;
-            }
+        if let Some(&pid) = keyd_pids(server_pid).first() {
+            return pid;
         }
         assert!(
             Instant::now() < deadline,
@@ -355,7 +374,9 @@ fn a_dead_or_stuck_keyd_fails_handshakes_fast_and_is_replaced_without_losing_con
         1,
         "{lines:#?}"
     );
-    assert_eq!(count("key daemon restarted: reloading"), 2, "{lines:#?}");
+    // Its spare took over each time, with the keys in force: nothing was read again.
+    assert_eq!(count("the spare key daemon took over"), 2, "{lines:#?}");
+    assert_eq!(count("reloading the configuration"), 0, "{lines:#?}");
     let stats = server.stop();
     assert_eq!(stats.get("keyd_restarts"), 2, "{stats:?}");
     assert_eq!(stats.get("keyd_stuck"), 1, "{stats:?}");
@@ -669,4 +690,163 @@ fn with_user_but_not_root_the_server_refuses_to_start() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("only root can switch users"), "{err}");
+}
+
+/// A server with one site, `localhost`, whose root is `a` (its index.html says "a"), from a
+/// configuration file in the test's own directory, which the test then changes on disk; the
+/// site's certificate and key files.
+fn server_with_own_site(test: &str) -> (Server, std::path::PathBuf, fixtures::CertFiles) {
+    use crate::sites::{write_config, SiteSpec};
+    let dir = crate::sites::scratch(test);
+    let leaf = fixtures::pki().issue_in(&dir, "site", &["localhost", "127.0.0.1"], CertKind::P256);
+    let config = write_config(
+        &dir,
+        "",
+        &[SiteSpec {
+            names: &["localhost"],
+            default: true,
+            certs: vec![fixtures::CertFiles {
+                cert_pem: leaf.cert_pem.clone(),
+                key_pem: leaf.key_pem.clone(),
+            }],
+            content: "a",
+        }],
+    );
+    // Handshake-only connections close before the kernel could take them.
+    let server = Server::builder()
+        .expect_user_fallbacks()
+        .config_file(&config)
+        .start();
+    assert_eq!(index(server.port()), "a");
+    (server, config, leaf)
+}
+
+/// The body of `GET /`.
+fn index(port: u16) -> String {
+    let mut c = TlsClient::connect_version(port, Tls::V13);
+    let r = c.get("/");
+    c.close();
+    assert_eq!(r.status, 200);
+    String::from_utf8_lossy(&r.body).into_owned()
+}
+
+/// SIGKILL to the key daemon in use; when.
+fn kill_keyd(server: &Server) -> u32 {
+    let keyd = keyd_pid(server.pid());
+    send_signal(keyd, "-KILL");
+    keyd
+}
+
+#[test]
+fn a_killed_keyd_brings_back_the_configuration_in_force_not_an_edit_not_yet_reloaded() {
+    let (server, config, _) = server_with_own_site("keyd-kill-edit");
+    let port = server.port();
+    // Edited on disk, not reloaded: the site's root is now `b`.
+    let dir = config.parent().unwrap();
+    fs::create_dir_all(dir.join("b")).unwrap();
+    fs::write(dir.join("b/index.html"), "b").unwrap();
+    let text = fs::read_to_string(&config).unwrap();
+    fs::write(&config, text.replace("root = \"a\"", "root = \"b\"")).unwrap();
+    let killed = kill_keyd(&server);
+    service_back_within(port, Duration::from_secs(1), "keyd was killed");
+    assert_ne!(keyd_pid(server.pid()), killed);
+    assert_eq!(index(port), "a", "an edit that was not reloaded went live");
+    let lines = server.stderr_lines();
+    assert!(
+        !lines
+            .iter()
+            .any(|l| l.contains("reloading the configuration")),
+        "{lines:#?}"
+    );
+    // The edit goes live when asked for.
+    hup(server.pid());
+    wait_line(&server, "configuration reloaded");
+    assert_eq!(index(port), "b");
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_restarts"), 1, "{stats:?}");
+}
+
+#[test]
+fn a_killed_keyd_serves_on_while_the_configuration_on_disk_is_broken() {
+    let (server, config, _) = server_with_own_site("keyd-kill-broken-toml");
+    let port = server.port();
+    // Half-way through an edit.
+    fs::write(&config, "[[site]\nroot = ").unwrap();
+    let mut kept = TlsClient::connect_version(port, Tls::V13);
+    assert_eq!(kept.get("/").status, 200);
+    kill_keyd(&server);
+    service_back_within(port, Duration::from_secs(1), "keyd was killed");
+    assert_eq!(index(port), "a");
+    // Killed again while the file is still broken: the new spare has the keys too, though
+    // nothing could read them from the files.
+    std::thread::sleep(Duration::from_millis(300));
+    kill_keyd(&server);
+    service_back_within(port, Duration::from_secs(1), "keyd was killed again");
+    assert_eq!(
+        kept.get("/").status,
+        200,
+        "the established connection was lost"
+    );
+    kept.close();
+    let lines = server.stderr_lines();
+    let count = |what: &str| lines.iter().filter(|l| l.contains(what)).count();
+    assert_eq!(count("the spare key daemon took over"), 2, "{lines:#?}");
+    assert_eq!(count("retrying"), 0, "{lines:#?}");
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_restarts"), 2, "{stats:?}");
+    assert_eq!(stats.get("reload_failures"), 0, "{stats:?}");
+}
+
+#[test]
+fn a_killed_keyd_signs_with_the_key_in_force_when_the_file_holds_another() {
+    let (server, _, leaf) = server_with_own_site("keyd-kill-new-key");
+    let port = server.port();
+    // A renewal that writes the new key before its certificate: the file's key no longer
+    // matches the certificate in force.
+    let other = fixtures::pki().leaf(CertKind::P256);
+    fs::copy(&other.key_pem, &leaf.key_pem).unwrap();
+    kill_keyd(&server);
+    // The client checks the signature against the certificate in force: a handshake proves
+    // the key in force signed it.
+    service_back_within(port, Duration::from_secs(1), "keyd was killed");
+    std::thread::sleep(Duration::from_millis(300));
+    kill_keyd(&server);
+    service_back_within(port, Duration::from_secs(1), "keyd was killed again");
+    // A reload now fails (the key does not match), and the keys in force stay.
+    hup(server.pid());
+    wait_line(&server, "reload failed");
+    assert_eq!(index(port), "a");
+    kill_keyd(&server);
+    service_back_within(port, Duration::from_secs(1), "keyd was killed a third time");
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_restarts"), 3, "{stats:?}");
+    assert_eq!(stats.get("reload_failures"), 1, "{stats:?}");
+}
+
+#[test]
+fn with_both_daemons_killed_service_heals_by_itself_once_the_key_file_is_right_again() {
+    let (server, _, leaf) = server_with_own_site("keyd-kill-both");
+    let port = server.port();
+    let good = fs::read(&leaf.key_pem).unwrap();
+    fs::copy(&fixtures::pki().leaf(CertKind::P256).key_pem, &leaf.key_pem).unwrap();
+    // The daemon in use and its spare at once: the keys in force are gone, and the file
+    // holds a key that does not match the certificate.
+    let pids = keyd_pids(server.pid());
+    assert_eq!(pids.len(), 2, "a daemon and its spare: {pids:?}");
+    for pid in pids {
+        send_signal(pid, "-KILL");
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(try_handshake(port).0.is_err(), "served without the key");
+    // Put back (the renewal's certificate never came): no reload by hand.
+    fs::write(&leaf.key_pem, good).unwrap();
+    service_back_within(port, Duration::from_secs(5), "the key file was put back");
+    assert_eq!(index(port), "a");
+    let lines = server.stderr_lines();
+    let failed = lines.iter().filter(|l| l.contains("reload failed")).count();
+    assert!(
+        (1..=4).contains(&failed),
+        "{failed} failed reloads: {lines:#?}"
+    );
+    server.stop();
 }

@@ -160,3 +160,44 @@ fn admin_refuses_a_non_loopback_address() {
         out.describe()
     );
 }
+
+#[test]
+fn an_admin_unix_socket_is_removed_at_exit_and_a_stale_one_is_replaced() {
+    let dir = crate::sites::scratch("admin-unix");
+    let path = dir.join("admin.sock");
+    let addr = format!("unix:{}", path.display());
+    let start = || Server::builder().arg("--admin").arg(&addr).start();
+    let server = start();
+    assert!(path.exists());
+    server.stop();
+    assert!(!path.exists(), "the admin socket was left behind");
+    // Started again on the same path; another server on that path meanwhile is refused.
+    let server = start();
+    let mut cmd = Command::new(crate::support::server_bin());
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--admin", &addr]);
+    let out = tools::run(cmd, b"", Duration::from_secs(20));
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(
+        out.stderr_text().contains("already listens"),
+        "{}",
+        out.describe()
+    );
+    server.stop();
+    // A socket nobody listens on (a server that was killed leaves one): replaced.
+    drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+    assert!(path.exists());
+    start().stop();
+    assert!(!path.exists());
+    // A file that is not a socket is not removed.
+    std::fs::write(&path, "not a socket").unwrap();
+    let mut cmd = Command::new(crate::support::server_bin());
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--admin", &addr]);
+    let out = tools::run(cmd, b"", Duration::from_secs(20));
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(
+        out.stderr_text().contains("is not a socket"),
+        "{}",
+        out.describe()
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), b"not a socket");
+}

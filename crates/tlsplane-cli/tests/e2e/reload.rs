@@ -252,3 +252,32 @@ fn a_failed_reload_keeps_the_previous_configuration_and_says_why() {
     assert_eq!(stats.get("reload_failures"), 4, "{stats:?}");
     assert_eq!(stats.get("reloads"), 1, "{stats:?}");
 }
+
+#[test]
+fn a_reload_that_cannot_apply_server_options_says_so_and_fails() {
+    let s = setup("server-options");
+    let old = s.install_new_cert("v1");
+    let server = s.start();
+    // The sites are reloaded (a new certificate), the [server] table is not (it needs a
+    // restart): `tlsplane reload` must not report that as done.
+    let new = s.install_new_cert("v2");
+    assert_ne!(new, old);
+    let text = fs::read_to_string(&s.config).unwrap();
+    fs::write(&s.config, format!("[server]\nshutdown-grace = 3\n{text}")).unwrap();
+    let out = s.reload();
+    assert!(!out.status.success(), "{}", out.describe());
+    let err = out.stderr_text();
+    assert!(
+        err.contains("not all of it") && err.contains("shutdown-grace"),
+        "{err}"
+    );
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    assert_eq!(c.get(&fixtures::get().hello.url).status, 200);
+    c.close();
+    // Once the file matches what runs again, a reload is complete.
+    fs::write(&s.config, text).unwrap();
+    assert!(s.reload().status.success());
+    let stats = server.stop();
+    assert_eq!(stats.get("reloads"), 2, "{stats:?}");
+    assert_eq!(stats.get("reload_failures"), 0, "{stats:?}");
+}
