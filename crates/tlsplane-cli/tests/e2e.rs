@@ -24,6 +24,8 @@ mod config;
 mod content;
 #[path = "e2e/control.rs"]
 mod control;
+#[path = "e2e/hello_records.rs"]
+mod hello_records;
 #[path = "e2e/http.rs"]
 mod http;
 #[path = "e2e/kernel.rs"]
