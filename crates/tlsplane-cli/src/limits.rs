@@ -66,6 +66,11 @@ pub struct LimitArgs {
     /// its 4-byte header, before it is read.
     #[arg(long, default_value_t = tlsplane::config::DEFAULT_MAX_CLIENT_HELLO)]
     pub max_client_hello: usize,
+    /// Records a ClientHello may span; one still incomplete after them gets an
+    /// unexpected_message alert (clients send one; each record can cost the server a read).
+    #[arg(long, default_value_t = tlsplane::config::DEFAULT_MAX_CLIENT_HELLO_RECORDS,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_client_hello_records: usize,
     /// KeyUpdate messages a connection may send per second on the kernel plane (burst as
     /// many); beyond it the connection ends with unexpected_message (0: unlimited). On the
     /// user plane rustls allows 32 in a row without application data.
@@ -169,6 +174,7 @@ pub enum Refusal {
     FullHandshakesPerWorker,
     ClientResumedRate,
     ClientHelloSize,
+    ClientHelloRecords,
 }
 
 /// One counter per [`Refusal`].
@@ -182,6 +188,7 @@ pub struct LimitStats {
     pub full_handshakes_per_worker: AtomicU64,
     pub client_resumed_rate: AtomicU64,
     pub client_hello_size: AtomicU64,
+    pub client_hello_records: AtomicU64,
     /// Times a client address was put on the listeners' drop filter (--client-block).
     pub client_blocks: AtomicU64,
 }
@@ -197,11 +204,12 @@ impl LimitStats {
             Refusal::FullHandshakesPerWorker => &self.full_handshakes_per_worker,
             Refusal::ClientResumedRate => &self.client_resumed_rate,
             Refusal::ClientHelloSize => &self.client_hello_size,
+            Refusal::ClientHelloRecords => &self.client_hello_records,
         };
         c.fetch_add(1, Relaxed);
     }
 
-    pub fn snapshot(&self) -> [(&'static str, u64); 9] {
+    pub fn snapshot(&self) -> [(&'static str, u64); 10] {
         [
             ("limit_max_connections", self.max_connections.load(Relaxed)),
             (
@@ -231,6 +239,10 @@ impl LimitStats {
             (
                 "limit_max_client_hello",
                 self.client_hello_size.load(Relaxed),
+            ),
+            (
+                "limit_max_client_hello_records",
+                self.client_hello_records.load(Relaxed),
             ),
             ("client_blocks", self.client_blocks.load(Relaxed)),
         ]
@@ -670,6 +682,7 @@ mod tests {
             max_full_handshakes_per_worker: None,
             client_resumed_rate: Rate::ZERO,
             max_client_hello: 16384,
+            max_client_hello_records: 16,
             first_byte_timeout: 0.0,
             handshake_evict_after: 0.0,
             key_updates_per_second: 8,

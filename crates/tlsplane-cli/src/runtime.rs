@@ -1013,6 +1013,14 @@ async fn handshake<H: Handler>(
             tracing::debug!(%peer, error = %e, "ClientHello refused");
             return None;
         }
+        Ok(Err(e @ tlsplane::Error::ClientHelloTooManyRecords(_))) => {
+            shared
+                .stats
+                .limits
+                .count(limits::Refusal::ClientHelloRecords);
+            tracing::debug!(%peer, error = %e, "ClientHello refused");
+            return None;
+        }
         Ok(Ok(t)) => {
             guard.ticket.handshake_done();
             shared

@@ -502,6 +502,7 @@ fn server_options(args: &ServerArgs, sites: &Sites) -> ServerOptions {
         aead_record_limit: args.aead_record_limit,
         plain_http_response: Some(plain_http_response().into()),
         max_client_hello: args.limits.max_client_hello,
+        max_client_hello_records: args.limits.max_client_hello_records,
         key_updates_per_second: args.limits.key_updates_per_second,
     }
 }

@@ -27,6 +27,9 @@ pub enum Error {
     /// The ClientHello is longer than the configured cap (its length as claimed); it was
     /// answered with an illegal_parameter alert without being read.
     ClientHelloTooLarge(usize),
+    /// The ClientHello was still incomplete after the configured number of records (this
+    /// many) and went on in another; it was answered with an unexpected_message alert.
+    ClientHelloTooManyRecords(usize),
     /// The caller's admission check refused the ClientHello (a limit); the connection was
     /// reset without a reply.
     Refused,
@@ -49,6 +52,7 @@ impl Error {
                 | Error::PeerClosedInHandshake
                 | Error::PlainHttp
                 | Error::ClientHelloTooLarge(_)
+                | Error::ClientHelloTooManyRecords(_)
                 | Error::UnknownServerName(_)
         ) || matches!(self, Error::Io(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::UnexpectedEof | io::ErrorKind::TimedOut))
     }
@@ -70,6 +74,9 @@ impl fmt::Display for Error {
             Error::PlainHttp => f.write_str("plain HTTP on the TLS port (answered, closed)"),
             Error::ClientHelloTooLarge(n) => {
                 write!(f, "ClientHello of {n} bytes is over the size cap")
+            }
+            Error::ClientHelloTooManyRecords(n) => {
+                write!(f, "ClientHello still incomplete after {n} records")
             }
             Error::Refused => f.write_str("refused by an admission limit at the ClientHello"),
             Error::UnknownServerName(Some(n)) => write!(f, "no site for server name {n:?}"),

@@ -273,11 +273,14 @@ pub(crate) struct Gate<'a> {
     pub(crate) plain_http_response: Option<&'a [u8]>,
     /// See `ServerOptions::max_client_hello`.
     pub(crate) max_client_hello: usize,
+    /// See `ServerOptions::max_client_hello_records`.
+    pub(crate) max_client_hello_records: usize,
     pub(crate) ticketer: &'a dyn rustls::server::ProducesTickets,
     /// The caller's admission decision on the ClientHello (true: go ahead).
     pub(crate) admit: &'a mut (dyn FnMut(&HelloInfo) -> bool + Send),
 }
 
+const ALERT_UNEXPECTED_MESSAGE: u8 = 10;
 const ALERT_ILLEGAL_PARAMETER: u8 = 47;
 pub(crate) const ALERT_UNRECOGNIZED_NAME: u8 = 112;
 
@@ -312,10 +315,13 @@ async fn admit_hello(
     incoming: &mut Incoming,
     gate: &mut Gate<'_>,
 ) -> Result<Option<HelloInfo>, Error> {
+    // Kept across reads: each read costs only what it brought.
+    let mut reader = hello::HelloReader::default();
     loop {
-        match hello::peek(
+        match reader.peek(
             &incoming.buf[..incoming.used],
             gate.max_client_hello,
+            gate.max_client_hello_records,
             gate.ticketer,
         ) {
             Peek::More => {
@@ -326,6 +332,11 @@ async fn admit_hello(
             Peek::TooLarge(len) => {
                 plaintext_alert(sock, ALERT_ILLEGAL_PARAMETER).await;
                 return Err(Error::ClientHelloTooLarge(len));
+            }
+            Peek::TooManyRecords(records) => {
+                // As OpenSSL answers a flood of empty records.
+                plaintext_alert(sock, ALERT_UNEXPECTED_MESSAGE).await;
+                return Err(Error::ClientHelloTooManyRecords(records));
             }
             Peek::Hello(info) => {
                 if !(gate.admit)(&info) {

@@ -85,6 +85,7 @@ impl Acceptor {
         let gate = handshake::Gate {
             plain_http_response: self.plain_http_response.as_deref(),
             max_client_hello: self.max_client_hello,
+            max_client_hello_records: self.max_client_hello_records,
             ticketer: self.ticketer.as_ref(),
             admit,
         };
