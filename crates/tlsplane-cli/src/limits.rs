@@ -4,9 +4,26 @@
 //! ever closes a connection that was admitted.
 //!
 //! Per-client limits key on the client's address: IPv4 /32, IPv6 /64 (one subscriber's
-//! usual allocation; an IPv4-mapped IPv6 address counts as IPv4).
+//! usual allocation; an IPv4-mapped IPv6 address counts as IPv4). They are checked before
+//! the global ones, so that a connection its client's limits refuse never costs another
+//! client its connection (the eviction a global limit makes room with).
+//!
+//! The per-client state lives in a table of fixed size (--client-table-size; HAProxy's stick
+//! tables, nginx's `limit_req` zones): O(1) work per connection, sharded so that workers
+//! seldom wait on each other's lock. When it is full, a new address takes the place of the
+//! address seen least recently that has no connection open, whatever its budgets say:
+//! refusing new addresses instead would let whoever fills the table lock everyone else out.
+//! An evicted address whose budgets had not refilled gets them back, so such evictions are
+//! counted apart (`client_table_hot_evictions`): to reset its own budget that way, a client
+//! must make the table forget it, i.e. bring more new addresses than the table holds between
+//! two of its own connections. Addresses with connections open are never evicted (their
+//! count of connections would be lost); if every entry has one, a new address is admitted
+//! without per-client limits (`client_table_untracked`), which a table at least as large as
+//! --max-connections never needs.
 
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -62,6 +79,13 @@ pub struct LimitArgs {
     /// attempts time out (SYN retransmissions) rather than be reset.
     #[arg(long)]
     pub client_block: bool,
+    /// Client addresses the per-client limits keep track of at once, at most (~0.2 KiB each,
+    /// allocated as the table fills: ~26 MiB at the default). When it is full, the address
+    /// seen least recently that has no connection open makes room (`client_table_evictions`;
+    /// `client_table_hot_evictions` counts those whose budgets had not refilled, which get
+    /// them back).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub client_table_size: u32,
     /// Longest ClientHello accepted, bytes; a longer one gets an illegal_parameter alert from
     /// its 4-byte header, before it is read.
     #[arg(long, default_value_t = tlsplane::config::DEFAULT_MAX_CLIENT_HELLO)]
@@ -191,6 +215,22 @@ pub struct LimitStats {
     pub client_hello_records: AtomicU64,
     /// Times a client address was put on the listeners' drop filter (--client-block).
     pub client_blocks: AtomicU64,
+    /// The per-client table's counters, shared with the table.
+    pub client_table: Arc<TableStats>,
+}
+
+/// What the per-client table did.
+#[derive(Default)]
+pub struct TableStats {
+    /// Addresses in it now (a gauge).
+    pub size: AtomicU64,
+    /// Addresses forgotten to make room for a new one.
+    pub evictions: AtomicU64,
+    /// Of those, addresses whose budgets had not refilled (they got them back).
+    pub hot_evictions: AtomicU64,
+    /// Connections admitted without per-client limits: the table was full of addresses with
+    /// connections open.
+    pub untracked: AtomicU64,
 }
 
 impl LimitStats {
@@ -209,7 +249,16 @@ impl LimitStats {
         c.fetch_add(1, Relaxed);
     }
 
-    pub fn snapshot(&self) -> [(&'static str, u64); 10] {
+    /// Gauges: (name, help, value).
+    pub fn gauges(&self) -> [(&'static str, &'static str, i64); 1] {
+        [(
+            "client_table_size",
+            "Client addresses in the per-client limits' table",
+            self.client_table.size.load(Relaxed) as i64,
+        )]
+    }
+
+    pub fn snapshot(&self) -> [(&'static str, u64); 13] {
         [
             ("limit_max_connections", self.max_connections.load(Relaxed)),
             (
@@ -245,6 +294,18 @@ impl LimitStats {
                 self.client_hello_records.load(Relaxed),
             ),
             ("client_blocks", self.client_blocks.load(Relaxed)),
+            (
+                "client_table_evictions",
+                self.client_table.evictions.load(Relaxed),
+            ),
+            (
+                "client_table_hot_evictions",
+                self.client_table.hot_evictions.load(Relaxed),
+            ),
+            (
+                "client_table_untracked",
+                self.client_table.untracked.load(Relaxed),
+            ),
         ]
     }
 }
@@ -326,20 +387,225 @@ struct Client {
     resumer_at: Option<Instant>,
 }
 
+impl Client {
+    /// Whether forgetting this client would give it nothing back: its buckets are full again
+    /// and it has not resumed lately (a new entry starts so).
+    fn is_cold(&mut self, a: &LimitArgs, burst: f64, now: Instant) -> bool {
+        let full = |b: &mut Bucket, r: Rate, burst: f64| {
+            !r.is_limit() || {
+                b.refill(r, burst, now);
+                b.tokens >= burst
+            }
+        };
+        let (q, inc) = (a.client_resumed_rate, a.client_incomplete_rate);
+        let recent = self
+            .resumer_at
+            .is_some_and(|t| now.saturating_duration_since(t) < RESUMER_FOR);
+        full(&mut self.handshakes, a.client_handshake_rate, burst)
+            && full(&mut self.resumed, q, q.double_burst())
+            && full(&mut self.incomplete, inc, inc.double_burst())
+            && !recent
+    }
+}
+
 /// A client that finished a handshake or resumed within this long may still resume when its
 /// full-handshake budget is spent, so its ClientHello is read before it is refused; any other
 /// (a flood of canned ClientHellos never finishes one) is refused at accept, which is what
 /// keeps a refusal cheap: no read, no parse.
 const RESUMER_FOR: Duration = Duration::from_secs(10);
 
-/// Beyond this many tracked addresses, idle ones whose buckets have refilled are forgotten.
-const SWEEP_ABOVE: usize = 65_536;
+/// The per-client table: `shards` of fixed capacity, each an index and, through the entries
+/// with no connection open, a list from the most to the least recently seen. A key's shard is
+/// chosen by a keyed hash, so an attacker cannot aim its addresses at one shard.
+struct ClientTable {
+    shards: Box<[Mutex<Shard>]>,
+    hasher: RandomState,
+    stats: Arc<TableStats>,
+}
+
+/// An end of the list, or no neighbour.
+const NIL: u32 = u32::MAX;
+
+struct Shard {
+    /// Where each key's entry is in `slots`.
+    index: HashMap<ClientKey, u32>,
+    /// Filled up to `cap`, then reused: an entry is only ever replaced.
+    slots: Vec<Slot>,
+    cap: usize,
+    /// Entries with no connection open, most recently seen first.
+    newest: u32,
+    oldest: u32,
+}
+
+struct Slot {
+    key: ClientKey,
+    client: Client,
+    /// Neighbours in the list, towards `newest` and towards `oldest`.
+    newer: u32,
+    older: u32,
+    /// In the list: exactly when `client.connections` is 0.
+    listed: bool,
+}
+
+impl ClientTable {
+    fn new(size: usize, stats: Arc<TableStats>) -> Self {
+        // A shard per 1,024 entries, up to 64: enough that two workers seldom want the same
+        // lock, few enough that each shard's LRU order stays close to the whole table's.
+        let n = (size / 1024).clamp(1, 64);
+        let cap = size / n;
+        let shards = (0..n)
+            .map(|_| {
+                Mutex::new(Shard {
+                    index: HashMap::new(),
+                    slots: Vec::new(),
+                    cap,
+                    newest: NIL,
+                    oldest: NIL,
+                })
+            })
+            .collect();
+        ClientTable {
+            shards,
+            hasher: RandomState::new(),
+            stats,
+        }
+    }
+
+    fn shard(&self, key: ClientKey) -> std::sync::MutexGuard<'_, Shard> {
+        let i = self.hasher.hash_one(key) as usize % self.shards.len();
+        // The table holds only counters: a panic elsewhere cannot leave it inconsistent.
+        self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap().slots.len())
+            .sum()
+    }
+}
+
+impl Shard {
+    fn get_mut(&mut self, key: ClientKey) -> Option<&mut Client> {
+        let i = *self.index.get(&key)?;
+        Some(&mut self.slots[i as usize].client)
+    }
+
+    /// The entry of `key`, now the most recently seen: found, new, or in the place of the
+    /// least recently seen entry with no connection open. `None`: the shard is full of
+    /// entries with connections open.
+    fn entry(
+        &mut self,
+        key: ClientKey,
+        fresh: impl FnOnce() -> Client,
+        is_hot: impl FnOnce(&mut Client) -> bool,
+        stats: &TableStats,
+    ) -> Option<u32> {
+        if let Some(&i) = self.index.get(&key) {
+            if self.slots[i as usize].listed {
+                self.unlink(i);
+                self.push_newest(i);
+            }
+            return Some(i);
+        }
+        let i = if self.slots.len() < self.cap {
+            if self.slots.capacity() == 0 {
+                // All at once, on the shard's first client: growing later would move the
+                // whole shard while its lock is held (an admission's worst case).
+                self.slots.reserve_exact(self.cap);
+                self.index.reserve(self.cap);
+            }
+            self.slots.push(Slot {
+                key,
+                client: fresh(),
+                newer: NIL,
+                older: NIL,
+                listed: false,
+            });
+            stats.size.fetch_add(1, Relaxed);
+            (self.slots.len() - 1) as u32
+        } else {
+            let i = self.oldest;
+            if i == NIL {
+                return None;
+            }
+            self.unlink(i);
+            let slot = &mut self.slots[i as usize];
+            self.index.remove(&slot.key);
+            stats.evictions.fetch_add(1, Relaxed);
+            if is_hot(&mut slot.client) {
+                stats.hot_evictions.fetch_add(1, Relaxed);
+            }
+            slot.key = key;
+            slot.client = fresh();
+            i
+        };
+        self.index.insert(key, i);
+        self.push_newest(i);
+        Some(i)
+    }
+
+    /// One more connection open for entry `i`: out of the list while it has any.
+    fn connect(&mut self, i: u32) {
+        let slot = &mut self.slots[i as usize];
+        slot.client.connections += 1;
+        if slot.listed {
+            self.unlink(i);
+        }
+    }
+
+    /// A connection of entry `key` closed; back in the list, as the newest, once it has none.
+    fn disconnect(&mut self, key: ClientKey) -> Option<&mut Client> {
+        let i = *self.index.get(&key)?;
+        let slot = &mut self.slots[i as usize];
+        slot.client.connections = slot.client.connections.saturating_sub(1);
+        if slot.client.connections == 0 && !slot.listed {
+            self.push_newest(i);
+        }
+        Some(&mut self.slots[i as usize].client)
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let (newer, older) = {
+            let s = &mut self.slots[i as usize];
+            s.listed = false;
+            (
+                std::mem::replace(&mut s.newer, NIL),
+                std::mem::replace(&mut s.older, NIL),
+            )
+        };
+        match newer {
+            NIL => self.newest = older,
+            n => self.slots[n as usize].older = older,
+        }
+        match older {
+            NIL => self.oldest = newer,
+            o => self.slots[o as usize].newer = newer,
+        }
+    }
+
+    fn push_newest(&mut self, i: u32) {
+        let head = self.newest;
+        {
+            let s = &mut self.slots[i as usize];
+            s.listed = true;
+            s.newer = NIL;
+            s.older = head;
+        }
+        match head {
+            NIL => self.oldest = i,
+            h => self.slots[h as usize].newer = i,
+        }
+        self.newest = i;
+    }
+}
 
 /// The per-client table and the configured limits, shared by every worker.
 pub struct Admission {
     args: LimitArgs,
     per_client: bool,
-    clients: Mutex<HashMap<ClientKey, Client>>,
+    clients: ClientTable,
     /// --client-block: addresses whose SYNs the listeners drop, until when.
     blocked: Mutex<Vec<(ClientKey, Instant)>>,
     /// Bumped when an address is added to `blocked` (each listener then re-filters).
@@ -363,10 +629,16 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    /// Gives the place back for a connection refused by a global limit: a refusal, not the
+    /// client's unfinished handshake.
+    pub fn refused(mut self) {
+        self.handshake_done = true;
+    }
+
     pub fn handshake_done(&mut self) {
         self.handshake_done = true;
         if let Some(key) = self.key {
-            if let Some(c) = self.admission.lock().get_mut(&key) {
+            if let Some(c) = self.admission.clients.shard(key).get_mut(key) {
                 c.resumer_at = Some(Instant::now());
             }
         }
@@ -388,8 +660,8 @@ impl Ticket {
         };
         let now = Instant::now();
         let burst = self.admission.handshake_burst();
-        let mut clients = self.admission.lock();
-        let Some(c) = clients.get_mut(&key) else {
+        let mut shard = self.admission.clients.shard(key);
+        let Some(c) = shard.get_mut(key) else {
             return Ok(());
         };
         let verdict = if resumption {
@@ -421,9 +693,8 @@ impl Drop for Ticket {
             return;
         };
         let rate = self.admission.args.client_incomplete_rate;
-        let mut clients = self.admission.lock();
-        if let Some(c) = clients.get_mut(&key) {
-            c.connections = c.connections.saturating_sub(1);
+        let mut shard = self.admission.clients.shard(key);
+        if let Some(c) = shard.disconnect(key) {
             if !self.handshake_done && rate.is_limit() {
                 c.incomplete.take(rate, rate.double_burst(), Instant::now());
             }
@@ -432,23 +703,19 @@ impl Drop for Ticket {
 }
 
 impl Admission {
-    pub fn new(args: LimitArgs) -> Arc<Self> {
+    /// `table` counts what the per-client table does.
+    pub fn new(args: LimitArgs, table: Arc<TableStats>) -> Arc<Self> {
         let per_client = args.client_max_connections > 0
             || args.client_handshake_rate.is_limit()
             || args.client_resumed_rate.is_limit()
             || args.client_incomplete_rate.is_limit();
         Arc::new(Admission {
+            clients: ClientTable::new(args.client_table_size.max(1) as usize, table),
             args,
             per_client,
-            clients: Mutex::new(HashMap::new()),
             blocked: Mutex::new(Vec::new()),
             blocked_changed: tokio::sync::watch::Sender::new(0),
         })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ClientKey, Client>> {
-        // The table holds only counters: a panic elsewhere cannot leave it inconsistent.
-        self.clients.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn handshake_burst(&self) -> f64 {
@@ -458,14 +725,30 @@ impl Admission {
         }
     }
 
-    /// Decides on a connection just accepted. `open` is the number of connections open now
-    /// (all workers), `handshaking` the handshakes in progress on this worker.
+    /// Decides on a connection just accepted, [`Admission::admit_client`] then
+    /// [`Admission::admit_global`] (the runtime makes room between the two).
+    #[cfg(test)]
     pub fn admit(
         self: &Arc<Self>,
         peer: SocketAddr,
         open: usize,
         handshaking: usize,
     ) -> Result<Ticket, Refusal> {
+        let ticket = self.admit_client(peer)?;
+        match self.admit_global(open, handshaking) {
+            Ok(()) => Ok(ticket),
+            Err(refusal) => {
+                ticket.refused();
+                Err(refusal)
+            }
+        }
+    }
+
+    /// The global limits: `open` is the number of connections open now (all workers),
+    /// `handshaking` the handshakes in progress on this worker. Checked after
+    /// [`Admission::admit_client`], and after the runtime made room by evicting a connection
+    /// if it could: only for a connection its client's limits admitted.
+    pub fn admit_global(&self, open: usize, handshaking: usize) -> Result<(), Refusal> {
         let a = &self.args;
         if a.max_connections > 0 && open >= a.max_connections {
             return Err(Refusal::MaxConnections);
@@ -473,28 +756,40 @@ impl Admission {
         if a.max_handshakes_per_worker > 0 && handshaking >= a.max_handshakes_per_worker {
             return Err(Refusal::HandshakesPerWorker);
         }
+        Ok(())
+    }
+
+    /// The per-client limits of a connection just accepted from `peer`; the ticket holds its
+    /// place among its client's connections (give it back with [`Ticket::refused`] if a
+    /// global limit then refuses it).
+    pub fn admit_client(self: &Arc<Self>, peer: SocketAddr) -> Result<Ticket, Refusal> {
+        let untracked = || Ticket {
+            admission: self.clone(),
+            key: None,
+            handshake_done: false,
+        };
         if !self.per_client {
-            return Ok(Ticket {
-                admission: self.clone(),
-                key: None,
-                handshake_done: false,
-            });
+            return Ok(untracked());
         }
+        let a = &self.args;
         let key = ClientKey::of(peer.ip());
         let now = Instant::now();
         let (rate, burst) = (a.client_handshake_rate, self.handshake_burst());
         let inc = a.client_incomplete_rate;
-        let mut clients = self.lock();
-        if clients.len() >= SWEEP_ABOVE && !clients.contains_key(&key) {
-            sweep(&mut clients, a, burst, now);
-        }
-        let c = clients.entry(key).or_insert_with(|| Client {
+        let mut shard = self.clients.shard(key);
+        let fresh = || Client {
             connections: 0,
             handshakes: Bucket::full(burst, now),
             resumed: Bucket::full(a.client_resumed_rate.double_burst(), now),
             incomplete: Bucket::full(inc.double_burst(), now),
             resumer_at: None,
-        });
+        };
+        let is_hot = |c: &mut Client| !c.is_cold(a, burst, now);
+        let Some(i) = shard.entry(key, fresh, is_hot, &self.clients.stats) else {
+            self.clients.stats.untracked.fetch_add(1, Relaxed);
+            return Ok(untracked());
+        };
+        let c = &mut shard.slots[i as usize].client;
         if a.client_max_connections > 0 && c.connections >= a.client_max_connections {
             return Err(Refusal::ClientConnections);
         }
@@ -510,7 +805,7 @@ impl Admission {
         if rate.is_limit() && !resumer && !c.handshakes.has(rate, burst, now) {
             return Err(Refusal::ClientHandshakeRate);
         }
-        c.connections += 1;
+        shard.connect(i);
         Ok(Ticket {
             admission: self.clone(),
             key: Some(key),
@@ -531,8 +826,8 @@ impl Admission {
         let key = ClientKey::of(peer.ip());
         let now = Instant::now();
         let wait = {
-            let mut clients = self.lock();
-            let Some(c) = clients.get_mut(&key) else {
+            let mut shard = self.clients.shard(key);
+            let Some(c) = shard.get_mut(key) else {
                 return false;
             };
             match refusal {
@@ -633,34 +928,6 @@ fn drop_filter(keys: &[ClientKey]) -> Vec<libc::sock_filter> {
     p
 }
 
-/// Forgets clients with no connection whose buckets are full again (forgetting them loses
-/// nothing: a new entry starts full).
-fn sweep(clients: &mut HashMap<ClientKey, Client>, a: &LimitArgs, burst: f64, now: Instant) {
-    let inc = a.client_incomplete_rate;
-    clients.retain(|_, c| {
-        if c.connections > 0 {
-            return true;
-        }
-        let hs_full = !a.client_handshake_rate.is_limit() || {
-            c.handshakes.refill(a.client_handshake_rate, burst, now);
-            c.handshakes.tokens >= burst
-        };
-        let q = a.client_resumed_rate;
-        let resumed_full = !q.is_limit() || {
-            c.resumed.refill(q, q.double_burst(), now);
-            c.resumed.tokens >= q.double_burst()
-        };
-        let recent = c
-            .resumer_at
-            .is_some_and(|t| now.saturating_duration_since(t) < RESUMER_FOR);
-        let inc_full = !inc.is_limit() || {
-            c.incomplete.refill(inc, inc.double_burst(), now);
-            c.incomplete.tokens >= inc.double_burst()
-        };
-        !(hs_full && resumed_full && inc_full && !recent)
-    });
-}
-
 /// Closes a refused connection with a reset: no FIN handshake, no TIME_WAIT on our side.
 pub fn reset(tcp: std::net::TcpStream) {
     let _ = socket2::SockRef::from(&tcp).set_linger(Some(Duration::ZERO));
@@ -687,6 +954,7 @@ mod tests {
             handshake_evict_after: 0.0,
             key_updates_per_second: 8,
             client_block: false,
+            client_table_size: 100_000,
         }
     }
 
@@ -739,7 +1007,7 @@ mod tests {
         a.client_handshake_rate = "6/min".parse().unwrap();
         a.client_handshake_burst = Some(1);
         a.client_block = true;
-        let adm = Admission::new(a);
+        let adm = Admission::new(a, Default::default());
         let p = peer("10.0.0.1:1000");
         let changes = adm.subscribe_blocks();
         // A flooder: takes its token and never finishes (one that finished lately would be
@@ -768,7 +1036,7 @@ mod tests {
         assert!(!adm.block_refused(peer("10.0.0.2:1"), Refusal::MaxConnections));
         let mut off = args();
         off.client_handshake_rate = "6/min".parse().unwrap();
-        let adm = Admission::new(off);
+        let adm = Admission::new(off, Default::default());
         assert!(!adm.block_refused(p, Refusal::ClientHandshakeRate));
     }
 
@@ -820,7 +1088,7 @@ mod tests {
         let mut a = args();
         a.client_handshake_rate = Rate::per_second(1);
         a.client_handshake_burst = Some(5);
-        let adm = Admission::new(a);
+        let adm = Admission::new(a, Default::default());
         let mut tickets = Vec::new();
         for _ in 0..5 {
             let mut t = adm
@@ -841,7 +1109,7 @@ mod tests {
         let mut a = args();
         a.client_handshake_rate = Rate::per_second(1);
         a.client_resumed_rate = Rate::per_second(1); // burst 2
-        let adm = Admission::new(a);
+        let adm = Admission::new(a, Default::default());
         let p = peer("10.0.0.1:1");
         adm.admit(p, 0, 0).unwrap().on_hello(false, 0).unwrap();
         // Out of full handshakes, and never resumed: refused at accept.
@@ -869,7 +1137,7 @@ mod tests {
         a.max_handshakes_per_worker = 8;
         assert_eq!(a.max_full_handshakes(), 6);
         a.max_full_handshakes_per_worker = Some(2);
-        let adm = Admission::new(a);
+        let adm = Admission::new(a, Default::default());
         let p = peer("10.0.0.1:1");
         assert!(adm.admit(p, 0, 2).unwrap().on_hello(false, 1).is_ok());
         assert_eq!(
@@ -884,7 +1152,7 @@ mod tests {
         let mut a = args();
         a.client_incomplete_rate = Rate::per_second(1); // burst 2
         a.max_full_handshakes_per_worker = Some(1);
-        let adm = Admission::new(a);
+        let adm = Admission::new(a, Default::default());
         let p = peer("10.0.0.1:1");
         for _ in 0..5 {
             let mut t = adm.admit(p, 0, 0).unwrap();
@@ -897,7 +1165,7 @@ mod tests {
     fn connection_limit_frees_a_place_when_a_ticket_drops() {
         let mut a = args();
         a.client_max_connections = 2;
-        let adm = Admission::new(a);
+        let adm = Admission::new(a, Default::default());
         let t1 = adm.admit(peer("10.0.0.1:1"), 0, 0).unwrap();
         let _t2 = adm.admit(peer("10.0.0.1:2"), 0, 0).unwrap();
         assert_eq!(
@@ -912,7 +1180,7 @@ mod tests {
     fn incomplete_handshakes_close_the_door_until_the_budget_refills() {
         let mut a = args();
         a.client_incomplete_rate = Rate::per_second(1); // burst 2
-        let adm = Admission::new(a);
+        let adm = Admission::new(a, Default::default());
         let mut done = adm.admit(peer("10.0.0.1:1"), 0, 0).unwrap();
         done.handshake_done();
         drop(done);
@@ -927,11 +1195,11 @@ mod tests {
     }
 
     #[test]
-    fn global_limits_come_first() {
+    fn global_limits_refuse_at_their_caps() {
         let mut a = args();
         a.max_connections = 10;
         a.max_handshakes_per_worker = 3;
-        let adm = Admission::new(a);
+        let adm = Admission::new(a, Default::default());
         assert_eq!(
             adm.admit(peer("10.0.0.1:1"), 10, 0).err(),
             Some(Refusal::MaxConnections)
@@ -944,16 +1212,186 @@ mod tests {
     }
 
     #[test]
-    fn sweep_forgets_only_idle_clients_with_full_buckets() {
+    fn a_client_refused_by_its_own_limit_is_refused_before_the_global_limits() {
         let mut a = args();
-        a.client_handshake_rate = Rate::per_second(1000);
-        let adm = Admission::new(a.clone());
-        let _held = adm.admit(peer("10.0.0.1:1"), 0, 0).unwrap();
-        drop(adm.admit(peer("10.0.0.2:1"), 0, 0).unwrap());
-        let later = Instant::now() + Duration::from_secs(5);
-        let mut clients = adm.lock();
-        sweep(&mut clients, &a, 1000.0, later);
-        assert!(clients.contains_key(&ClientKey::V4(0x0a00_0001)));
-        assert!(!clients.contains_key(&ClientKey::V4(0x0a00_0002)));
+        a.max_connections = 1;
+        a.client_handshake_rate = "6/min".parse().unwrap();
+        a.client_handshake_burst = Some(1);
+        let adm = Admission::new(a, Default::default());
+        let p = peer("10.0.0.1:1");
+        adm.admit(p, 0, 0).unwrap().on_hello(false, 0).unwrap();
+        // At the connection limit, the client's own refusal comes first: the runtime makes
+        // room (evicts) only between the two, for a connection the client's limits admitted.
+        assert_eq!(
+            adm.admit_client(p).err(),
+            Some(Refusal::ClientHandshakeRate)
+        );
+        assert_eq!(adm.admit(p, 1, 0).err(), Some(Refusal::ClientHandshakeRate));
+        // A global refusal gives the client's place back and is no unfinished handshake.
+        let mut a = args();
+        a.max_connections = 1;
+        a.client_max_connections = 1;
+        a.client_incomplete_rate = Rate::per_second(1); // burst 2
+        let adm = Admission::new(a, Default::default());
+        for _ in 0..5 {
+            assert_eq!(adm.admit(p, 1, 0).err(), Some(Refusal::MaxConnections));
+        }
+        assert!(adm.admit(p, 0, 0).is_ok(), "its place was not given back");
+    }
+
+    fn table(size: u32) -> (Arc<Admission>, Arc<TableStats>) {
+        let mut a = args();
+        a.client_handshake_rate = "6/min".parse().unwrap();
+        a.client_handshake_burst = Some(1);
+        a.client_table_size = size;
+        let stats = Arc::new(TableStats::default());
+        (Admission::new(a, stats.clone()), stats)
+    }
+
+    fn v4(i: u32) -> SocketAddr {
+        SocketAddr::from((std::net::Ipv4Addr::from(0x0a00_0000 + i), 1))
+    }
+
+    #[test]
+    fn a_full_table_forgets_the_least_recently_seen_client_and_counts_it() {
+        let (adm, stats) = table(4);
+        for i in 0..4 {
+            drop(adm.admit(v4(i), 0, 0).unwrap());
+        }
+        // 0 is seen again: 1 is now the least recently seen.
+        drop(adm.admit(v4(0), 0, 0).unwrap());
+        // A client out of tokens (refused) is seen too: kept, its refusal stands.
+        let mut t = adm.admit(v4(3), 0, 0).unwrap();
+        t.on_hello(false, 0).unwrap();
+        t.handshake_done = true;
+        drop(t);
+        drop(adm.admit(v4(2), 0, 0).unwrap());
+        assert_eq!(
+            adm.admit(v4(3), 0, 0).err(),
+            Some(Refusal::ClientHandshakeRate)
+        );
+        drop(adm.admit(v4(10), 0, 0).unwrap());
+        assert_eq!(adm.clients.len(), 4);
+        assert_eq!(stats.size.load(Relaxed), 4);
+        assert_eq!(stats.evictions.load(Relaxed), 1);
+        assert_eq!(stats.hot_evictions.load(Relaxed), 0, "1's budget was full");
+        let shard = adm.clients.shard(ClientKey::of(v4(0).ip()));
+        assert!(
+            !shard.index.contains_key(&ClientKey::of(v4(1).ip())),
+            "1 forgotten"
+        );
+        for kept in [0, 2, 3, 10] {
+            assert!(
+                shard.index.contains_key(&ClientKey::of(v4(kept).ip())),
+                "{kept}"
+            );
+        }
+        drop(shard);
+        assert_eq!(
+            adm.admit(v4(3), 0, 0).err(),
+            Some(Refusal::ClientHandshakeRate)
+        );
+    }
+
+    #[test]
+    fn clients_with_connections_open_are_never_forgotten() {
+        let (adm, stats) = table(2);
+        let held: Vec<Ticket> = (0..2).map(|i| adm.admit(v4(i), 0, 0).unwrap()).collect();
+        // Full of clients with a connection open: a new one is admitted, untracked.
+        let t = adm.admit(v4(5), 0, 0).expect("admitted untracked");
+        assert!(t.key.is_none());
+        assert_eq!(stats.untracked.load(Relaxed), 1);
+        assert_eq!(stats.evictions.load(Relaxed), 0);
+        drop(held);
+        // Both are idle now; 0 was released first, so it is the older of the two.
+        drop(adm.admit(v4(6), 0, 0).unwrap());
+        let shard = adm.clients.shard(ClientKey::of(v4(0).ip()));
+        assert!(!shard.index.contains_key(&ClientKey::of(v4(0).ip())));
+        assert!(shard.index.contains_key(&ClientKey::of(v4(1).ip())));
+    }
+
+    #[test]
+    fn evicting_a_client_whose_budget_is_spent_is_counted_apart() {
+        let (adm, stats) = table(1);
+        let mut t = adm.admit(v4(0), 0, 0).unwrap();
+        t.on_hello(false, 0).unwrap();
+        drop(t);
+        assert!(adm.admit(v4(0), 0, 0).is_err());
+        drop(adm.admit(v4(1), 0, 0).unwrap());
+        assert_eq!(stats.evictions.load(Relaxed), 1);
+        assert_eq!(stats.hot_evictions.load(Relaxed), 1);
+        // The rule's price: forgotten, 0 has its budget back.
+        assert!(adm.admit(v4(0), 0, 0).is_ok());
+    }
+
+    #[test]
+    fn the_table_never_holds_more_than_its_size_whatever_the_shards() {
+        for size in [1, 7, 1023, 1024, 5000, 70_000] {
+            let (adm, stats) = table(size);
+            for i in 0..size + 3000 {
+                drop(adm.admit(v4(i), 0, 0).unwrap());
+            }
+            let len = adm.clients.len();
+            assert!(len <= size as usize && len as u64 == stats.size.load(Relaxed));
+            // Shards fill unevenly: most of the size is used all the same.
+            assert!(len as f64 >= size as f64 * 0.9, "{len} of {size}");
+        }
+    }
+
+    /// `cargo test --release -p tlsplane-cli admission_cost -- --ignored --nocapture`:
+    /// admission of 1 M distinct IPv6 /64 clients, one connection each (admitted, then
+    /// closed), into a table of the default size and into one that holds them all.
+    #[test]
+    #[ignore]
+    fn admission_cost_with_a_million_distinct_clients() {
+        fn rss_kib() -> u64 {
+            let s = std::fs::read_to_string("/proc/self/statm").unwrap();
+            let pages: u64 = s.split_whitespace().nth(1).unwrap().parse().unwrap();
+            pages * 4
+        }
+        const N: u64 = 1_000_000;
+        println!(
+            "an entry: {} B in its shard's slab, {} B in its index (+ the index's slack)",
+            std::mem::size_of::<Slot>(),
+            std::mem::size_of::<(ClientKey, u32)>() + 1
+        );
+        for size in [100_000u32, 1_000_000] {
+            let mut a = args();
+            a.client_handshake_rate = "1/min".parse().unwrap();
+            a.client_incomplete_rate = "1/min".parse().unwrap();
+            a.client_table_size = size;
+            let stats = Arc::new(TableStats::default());
+            let adm = Admission::new(a, stats.clone());
+            let mut ns = vec![0u64; N as usize];
+            let before = rss_kib();
+            let started = Instant::now();
+            for i in 0..N {
+                // Spread over a /32: 2001:db8:XXXX:XXXX::1.
+                let ip =
+                    std::net::Ipv6Addr::from((0x2001_0db8u128 << 96) | ((i as u128) << 64) | 1);
+                let p = SocketAddr::from((ip, 443));
+                let t0 = Instant::now();
+                let mut t = adm.admit(p, 0, 0).unwrap();
+                t.handshake_done();
+                drop(t);
+                ns[i as usize] = t0.elapsed().as_nanos() as u64;
+            }
+            let total = started.elapsed();
+            let grew = rss_kib().saturating_sub(before);
+            ns.sort_unstable();
+            let q = |f: f64| ns[((ns.len() as f64 * f) as usize).min(ns.len() - 1)];
+            println!(
+                "table {size}: {N} clients in {total:?}; per admission+close: p50 {} ns, p99 {} ns, \
+                 p99.9 {} ns, max {} ns; size {}, evictions {}; RSS +{} MiB ({} B per entry)",
+                q(0.5),
+                q(0.99),
+                q(0.999),
+                ns[ns.len() - 1],
+                stats.size.load(Relaxed),
+                stats.evictions.load(Relaxed),
+                grew / 1024,
+                grew * 1024 / stats.size.load(Relaxed).max(1),
+            );
+        }
     }
 }

@@ -315,8 +315,8 @@ pub fn run<H: Handler>(
         current: std::sync::RwLock::new(Arc::new(first)),
         config: config.clone(),
         in_flight: stats.open.clone(),
+        admission: Admission::new(config.limits.clone(), stats.limits.client_table.clone()),
         stats,
-        admission: Admission::new(config.limits.clone()),
         idle: Arc::default(),
         spare: std::sync::Mutex::new(spare),
         accept_failures: std::sync::Mutex::new(Throttled::default()),
@@ -727,6 +727,24 @@ fn handshake_loop<H: Handler>(
                         }
                         r = accept_unregistered(&l) => match r {
                             Ok((tcp, peer)) => {
+                                let refuse = |tcp, refusal| {
+                                    shared.stats.limits.count(refusal);
+                                    tracing::debug!(%peer, ?refusal, "connection refused by a limit");
+                                    limits::reset(tcp);
+                                    if shared.admission.block_refused(peer, refusal) {
+                                        shared.stats.limits.client_blocks.fetch_add(1, Relaxed);
+                                    }
+                                };
+                                // The client's own limits first: a connection they refuse
+                                // must not cost another client its connection (the evictions
+                                // below).
+                                let ticket = match shared.admission.admit_client(peer) {
+                                    Ok(t) => t,
+                                    Err(refusal) => {
+                                        refuse(tcp, refusal);
+                                        continue;
+                                    }
+                                };
                                 let mut open = shared.in_flight.load(Relaxed);
                                 let max = shared.config.limits.max_connections;
                                 if max > 0 && open >= max && shared.idle.evict_oldest() {
@@ -748,18 +766,11 @@ fn handshake_loop<H: Handler>(
                                     shared.stats.handshakes_evicted.fetch_add(1, Relaxed);
                                     hs -= 1;
                                 }
-                                let ticket = match shared.admission.admit(peer, open, hs) {
-                                    Ok(t) => t,
-                                    Err(refusal) => {
-                                        shared.stats.limits.count(refusal);
-                                        tracing::debug!(%peer, ?refusal, "connection refused by a limit");
-                                        limits::reset(tcp);
-                                        if shared.admission.block_refused(peer, refusal) {
-                                            shared.stats.limits.client_blocks.fetch_add(1, Relaxed);
-                                        }
-                                        continue;
-                                    }
-                                };
+                                if let Err(refusal) = shared.admission.admit_global(open, hs) {
+                                    ticket.refused();
+                                    refuse(tcp, refusal);
+                                    continue;
+                                }
                                 shared.stats.connections.fetch_add(1, Relaxed);
                                 let arriving = Arriving {
                                     peer,

@@ -341,11 +341,12 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         let mut registry = prometheus_client::registry::Registry::with_prefix("tlsplane");
         let (s, r) = (stats.clone(), runtime_stats.clone());
         let open = runtime_stats.open.clone();
+        let runtime = runtime_stats.clone();
         registry.register_collector(Box::new(crate::admin::SnapshotCollector::new(
             move || counters::<P>(&s, &r),
             move || {
                 let by_plane = tlsplane::stats::open_by_plane();
-                vec![
+                let mut gauges = vec![
                     (
                         "connections_open",
                         "Connections accepted and not yet closed",
@@ -361,7 +362,9 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
                         "Established connections on the user-space record layer",
                         by_plane.user.load(Relaxed),
                     ),
-                ]
+                ];
+                gauges.extend(runtime.limits.gauges());
+                gauges
             },
         )));
         runtime_stats.histograms.register(&mut registry);
@@ -419,7 +422,13 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     keys.stop();
     served?;
     if server.stats {
-        let pairs = counters::<P>(&stats, &runtime_stats);
+        let mut pairs = counters::<P>(&stats, &runtime_stats);
+        pairs.extend(
+            runtime_stats
+                .limits
+                .gauges()
+                .map(|(name, _, v)| (name, v.max(0) as u64)),
+        );
         eprintln!("tlsplane-stats {}", tlsplane::stats::to_json(&pairs));
     }
     Ok(())

@@ -536,3 +536,147 @@ fn client_block_drops_a_refused_address_until_its_next_token() {
     assert!(stats["client_blocks"] >= 1, "{stats:?}");
     assert!(stats["limit_client_incomplete_rate"] >= 1, "{stats:?}");
 }
+
+/// A handshake + GET from `source` on a connection kept open (keep-alive).
+fn kept_open_from(source: Ipv4Addr, port: u16) -> TlsClient {
+    let sock = tcp_connect_from(source, port).expect("connect");
+    let mut c = TlsClient::over(sock, ClientOpts::version(Tls::V13).config());
+    c.handshake().expect("handshake");
+    assert_eq!(c.get(&fixtures::get().hello.url).status, 200);
+    c
+}
+
+#[test]
+fn a_client_refused_by_its_own_rate_evicts_nobody() {
+    // The server is full: at --max-connections with a good client's idle keep-alive
+    // connections, and at its handshake cap with that client's connection that has not
+    // spoken yet. Both would make room for a connection that the limits admit.
+    let server = Server::builder()
+        .workers(1)
+        .arg("--max-connections")
+        .arg("3")
+        .arg("--max-handshakes-per-worker")
+        .arg("1")
+        .arg("--first-byte-timeout")
+        .arg("30")
+        .arg("--client-handshake-rate")
+        .arg("6/min")
+        .arg("--client-handshake-burst")
+        .arg("3")
+        .start();
+    let port = server.port();
+    // The flooder spends its budget first (3, then one back every 10 s) on handshakes it
+    // never finishes (one that finished lately would be heard out: it may resume).
+    for _ in 0..3 {
+        let sock = tcp_connect_from(SECOND, port).expect("connect");
+        let mut c = TlsClient::over(sock, ClientOpts::version(Tls::V13).config());
+        c.flush_tls().expect("ClientHello");
+        c.read_tls_once().expect("the server's flight");
+    }
+    let mut idle: Vec<TlsClient> = (0..2).map(|_| kept_open_from(FIRST, port)).collect();
+    let mut silent = tcp_connect_from(FIRST, port).expect("connect");
+    std::thread::sleep(Duration::from_millis(100));
+    // Each of its connections is refused by its rate: none may cost the good client one.
+    let answered = (0..20)
+        .filter(|_| syn_answered(SECOND, port, Duration::from_secs(2)))
+        .count();
+    for c in &mut idle {
+        assert_eq!(
+            c.get(&fixtures::get().hello.url).status,
+            200,
+            "an idle connection was evicted for a refused one"
+        );
+    }
+    silent
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .expect("timeout");
+    let e = silent
+        .read(&mut [0u8; 8])
+        .map(|n| format!("read {n}"))
+        .expect_err("the silent connection was evicted for a refused one");
+    assert!(
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+        "the silent connection was evicted for a refused one: {e}"
+    );
+    drop(silent);
+    for c in idle {
+        c.close();
+    }
+    let stats = server.stop();
+    assert_eq!(stats["idle_evicted"], 0, "{stats:?}");
+    assert_eq!(stats["handshakes_evicted"], 0, "{stats:?}");
+    assert_eq!(answered, 20);
+    assert_eq!(stats["limit_client_handshake_rate"], 20, "{stats:?}");
+}
+
+/// Plain HTTP GET of the admin endpoint: the response, whole.
+fn admin_get(port: u16, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("admin connect");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").expect("send");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read");
+    out
+}
+
+#[test]
+fn many_sources_fill_the_client_table_to_its_size_and_new_clients_are_still_served() {
+    const SIZE: u64 = 64;
+    const SOURCES: u32 = 400;
+    let server = Server::builder()
+        .arg("--client-table-size")
+        .arg(SIZE.to_string())
+        .arg("--client-handshake-rate")
+        .arg("6/min")
+        .arg("--client-handshake-burst")
+        .arg("1")
+        .arg("--admin")
+        .arg("127.0.0.1:0")
+        .start();
+    let port = server.port();
+    let admin_port: u16 = server
+        .stderr_lines()
+        .iter()
+        .find_map(|l| {
+            l.strip_prefix("admin endpoint on http://127.0.0.1:")
+                .and_then(|r| r.strip_suffix("/metrics"))
+                .and_then(|p| p.parse().ok())
+        })
+        .expect("the server printed its admin address");
+    // Linux routes all of 127/8 to lo: each source is a client of its own. Each connects,
+    // says nothing and closes; waiting for the server's close makes sure it was admitted.
+    for i in 0..SOURCES {
+        let source = Ipv4Addr::from(u32::from(Ipv4Addr::new(127, 0, 1, 0)) + i);
+        let mut s = tcp_connect_from(source, port).expect("connect");
+        s.shutdown(std::net::Shutdown::Write).expect("FIN");
+        let _ = s.read_to_end(&mut Vec::new());
+    }
+    // A client the table has never seen is served, and so is one it forgot.
+    assert!(served_from(FIRST, port), "a new client was refused");
+    assert!(
+        served_from(Ipv4Addr::new(127, 0, 1, 0), port),
+        "a forgotten client was refused"
+    );
+    let metrics = admin_get(admin_port, "/metrics");
+    assert!(
+        metrics.contains("# TYPE tlsplane_client_table_size gauge")
+            && metrics.contains(&format!("\ntlsplane_client_table_size {SIZE}\n")),
+        "{metrics}"
+    );
+    let stats = server.stop();
+    assert_eq!(stats["client_table_size"], SIZE, "{stats:?}");
+    // 401 addresses through a table of 64, the first one twice.
+    assert_eq!(
+        stats["client_table_evictions"],
+        u64::from(SOURCES) + 2 - SIZE,
+        "{stats:?}"
+    );
+    assert_eq!(
+        stats["client_table_hot_evictions"], 0,
+        "none had spent a token: {stats:?}"
+    );
+    assert_eq!(stats["client_table_untracked"], 0, "{stats:?}");
+    assert_eq!(stats["limit_client_handshake_rate"], 0, "{stats:?}");
+}
