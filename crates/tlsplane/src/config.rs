@@ -101,6 +101,9 @@ pub struct ServerOptions {
     /// with kTLS, haproxy#3450). 0: unlimited. On the user plane rustls applies its own rule
     /// (at most 32 KeyUpdate requests without application data in between).
     pub key_updates_per_second: u32,
+    /// How a closing connection (a last response, a refused handshake's alert) waits for the
+    /// client's input before it closes: see [`crate::linger`].
+    pub linger: crate::Linger,
 }
 
 /// The default KeyUpdate rate: GnuTLS allows 8 per second.
@@ -123,6 +126,7 @@ impl ServerOptions {
             plain_http_response: None,
             max_client_hello: DEFAULT_MAX_CLIENT_HELLO,
             key_updates_per_second: DEFAULT_KEY_UPDATES_PER_SECOND,
+            linger: crate::linger::DEFAULT_LINGER,
         }
     }
 }
@@ -177,6 +181,9 @@ pub struct Acceptor {
     pub(crate) plain_http_response: Option<Arc<[u8]>>,
     pub(crate) max_client_hello: usize,
     pub(crate) key_updates_per_second: u32,
+    /// Shared: every connection keeps a reference for its close (a copy would make each
+    /// `TlsStream` larger).
+    pub(crate) linger: Arc<crate::Linger>,
 }
 
 impl Acceptor {
@@ -264,6 +271,7 @@ impl Acceptor {
             plain_http_response: opts.plain_http_response,
             max_client_hello: opts.max_client_hello,
             key_updates_per_second: opts.key_updates_per_second,
+            linger: Arc::new(opts.linger),
         })
     }
 
