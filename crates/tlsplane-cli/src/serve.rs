@@ -235,8 +235,9 @@ async fn http_loop(
                 deadline = None;
                 if *ctx.stop.borrow() && used == 0 {
                     // Draining after SIGTERM: the response in flight is done, nothing else
-                    // was asked for; end the connection with close_notify now.
-                    return tls.shutdown().await.map(|()| Served::Done);
+                    // was asked for; end the connection with close_notify now (lingering: a
+                    // request may be on its way).
+                    return Box::pin(tls.close()).await.map(|()| Served::Done);
                 }
             }
             Ok(Parsed::Incomplete) => {
@@ -300,23 +301,25 @@ async fn http_loop(
                 match read {
                     Ok(Ok(0)) => {
                         // Peer finished (close_notify or FIN); answer its close_notify.
-                        let _ = tls.close().await;
+                        let _ = Box::pin(tls.close()).await;
                         return Ok(Served::Done);
                     }
                     Ok(Ok(n)) => used += n,
                     Ok(Err(e)) => return Err(e),
                     Err(_) => {
                         shared.stats.timeouts.fetch_add(1, Relaxed);
-                        if used > 0 {
-                            let resp = error_response(408, false);
-                            tls.final_writes();
-                            let _ = Box::pin(send_response(&mut tls, &resp)).await;
+                        if used == 0 {
+                            // Idle: nothing unread to linger for.
+                            return tls.shutdown().await.map(|()| Served::Done);
                         }
-                        return tls.shutdown().await.map(|()| Served::Done);
+                        let resp = error_response(408, false);
+                        tls.final_writes();
+                        let _ = Box::pin(send_response(&mut tls, &resp)).await;
+                        return Box::pin(tls.close()).await.map(|()| Served::Done);
                     }
                 }
                 if *stop.borrow() && used == 0 {
-                    return tls.shutdown().await.map(|()| Served::Done);
+                    return Box::pin(tls.close()).await.map(|()| Served::Done);
                 }
             }
             Err(e) => {
@@ -344,14 +347,15 @@ fn count_status(stats: &HttpStats, status: u16) {
 }
 
 /// The connection's last response: it, the close_notify and the FIN leave together (see
-/// `TlsStream::final_writes`).
+/// `TlsStream::final_writes`); then a lingering close (the client may have sent more, e.g. a
+/// pipelined request, which a plain close would answer with a reset that cuts the response).
 async fn send_last_response(
     tls: &mut TlsStream,
     resp: &tlsplane_http::Response,
 ) -> std::io::Result<()> {
     tls.final_writes();
     send_response(tls, resp).await?;
-    tls.shutdown().await
+    tls.close().await
 }
 
 /// (Callers box this future: its state, several KB for a file, is needed only while sending,

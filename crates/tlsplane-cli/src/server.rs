@@ -85,6 +85,19 @@ pub struct ServerArgs {
     /// Seconds in-flight work gets to finish after SIGTERM/SIGINT.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace: u64,
+    /// Lingering close: after its last response (or a handshake's alert), a connection sends
+    /// close_notify and FIN, then reads and drops what the client still sends until the
+    /// client closes, so that unread input does not make the kernel reset the connection and
+    /// destroy the response on its way. Seconds it waits for the client's next bytes (nginx's
+    /// lingering_timeout).
+    #[arg(long, default_value_t = 5.0, value_name = "S", value_parser = parse_linger_seconds)]
+    pub linger_timeout: f64,
+    /// ... and seconds it lingers in all (nginx's lingering_time); 0 turns lingering off.
+    #[arg(long, default_value_t = 30.0, value_name = "S", value_parser = parse_linger_seconds)]
+    pub linger_time: f64,
+    /// ... and bytes it reads and drops at most.
+    #[arg(long, default_value_t = tlsplane::linger::DEFAULT_LINGER.max_bytes, value_name = "BYTES")]
+    pub linger_max_bytes: u64,
     /// TLS 1.3 session tickets sent after a full handshake (0 disables TLS 1.3 resumption).
     #[arg(long, default_value_t = 1)]
     pub tls13_tickets: usize,
@@ -113,6 +126,14 @@ fn parse_keyd_timeout(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(t) if (0.01..=60.0).contains(&t) => Ok(t),
         Ok(_) => Err("must be between 0.01 and 60 seconds".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn parse_linger_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(t) if (0.0..=3600.0).contains(&t) => Ok(t),
+        Ok(_) => Err("must be between 0 and 3600 seconds".into()),
         Err(e) => Err(e.to_string()),
     }
 }
@@ -513,6 +534,11 @@ fn server_options(args: &ServerArgs, sites: &Sites) -> ServerOptions {
         max_client_hello: args.limits.max_client_hello,
         max_client_hello_records: args.limits.max_client_hello_records,
         key_updates_per_second: args.limits.key_updates_per_second,
+        linger: tlsplane::Linger {
+            timeout: Duration::from_secs_f64(args.linger_timeout),
+            time: Duration::from_secs_f64(args.linger_time),
+            max_bytes: args.linger_max_bytes,
+        },
     }
 }
 

@@ -38,6 +38,8 @@ mod kernel;
 mod keyd;
 #[path = "e2e/limits.rs"]
 mod limits;
+#[path = "e2e/linger.rs"]
+mod linger;
 #[path = "e2e/metrics.rs"]
 mod metrics;
 #[path = "e2e/mutated_hellos.rs"]

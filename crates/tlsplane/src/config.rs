@@ -105,6 +105,9 @@ pub struct ServerOptions {
     /// with kTLS, haproxy#3450). 0: unlimited. On the user plane rustls applies its own rule
     /// (at most 32 KeyUpdate requests without application data in between).
     pub key_updates_per_second: u32,
+    /// How a closing connection (a last response, a refused handshake's alert) waits for the
+    /// client's input before it closes: see [`crate::linger`].
+    pub linger: crate::Linger,
 }
 
 /// The default KeyUpdate rate: GnuTLS allows 8 per second.
@@ -136,6 +139,7 @@ impl ServerOptions {
             max_client_hello: DEFAULT_MAX_CLIENT_HELLO,
             max_client_hello_records: DEFAULT_MAX_CLIENT_HELLO_RECORDS,
             key_updates_per_second: DEFAULT_KEY_UPDATES_PER_SECOND,
+            linger: crate::linger::DEFAULT_LINGER,
         }
     }
 }
@@ -191,6 +195,9 @@ pub struct Acceptor {
     pub(crate) max_client_hello: usize,
     pub(crate) max_client_hello_records: usize,
     pub(crate) key_updates_per_second: u32,
+    /// Shared: every connection keeps a reference for its close (a copy would make each
+    /// `TlsStream` larger).
+    pub(crate) linger: Arc<crate::Linger>,
 }
 
 impl Acceptor {
@@ -279,6 +286,7 @@ impl Acceptor {
             max_client_hello: opts.max_client_hello,
             max_client_hello_records: opts.max_client_hello_records,
             key_updates_per_second: opts.key_updates_per_second,
+            linger: Arc::new(opts.linger),
         })
     }
 

@@ -17,6 +17,7 @@ pub mod error;
 mod handshake;
 pub mod hello;
 pub mod keyd;
+pub mod linger;
 pub mod plane;
 pub mod probe;
 pub mod sites;
@@ -25,5 +26,6 @@ mod stream;
 
 pub use config::{Acceptor, DataPlanePolicy, ServerOptions, SiteTls};
 pub use error::Error;
+pub use linger::Linger;
 pub use plane::PlaneKind;
 pub use stream::{DetachedTlsStream, Spliced, TlsStream};

@@ -92,6 +92,16 @@ counters! {
     /// them (request sent to reply read, ns: the round trip and the daemon's signature).
     keyd_signatures,
     keyd_wait_ns,
+    /// Closes that read and dropped the client's input until its end or a deadline after the
+    /// last byte was sent (see `linger`): a close with unread input would reset the connection
+    /// and destroy the response still on its way.
+    lingering_closes,
+    /// ... of them, ended by a deadline (between reads or in all) before the client closed.
+    lingering_timeouts,
+    /// ... of them, ended because the client sent more than the byte cap.
+    lingering_byte_limits,
+    /// Bytes read and dropped by lingering closes.
+    lingering_bytes,
 }
 
 /// Connections open now, by plane: gauges (they go down), apart from the counters.

@@ -3,6 +3,7 @@
 use std::fs::File;
 use std::future::Future;
 use std::io;
+use std::sync::Arc;
 use std::time::Instant;
 
 use rustls::server::UnbufferedServerConnection;
@@ -13,6 +14,7 @@ use crate::buf::Pending;
 use crate::config::{Acceptor, DataPlanePolicy};
 use crate::handshake::{self, Incoming};
 use crate::hello::HelloInfo;
+use crate::linger::{self, Linger};
 use crate::plane::kernel::KernelPlane;
 pub use crate::plane::kernel::Spliced;
 use crate::plane::user::UserPlane;
@@ -60,6 +62,12 @@ pub struct TlsStream {
     ack_before_wait: bool,
     /// The client sent close_notify with (or right after) its Finished.
     peer_closed: bool,
+    /// How [`TlsStream::close`] waits for the client's input.
+    linger: Arc<Linger>,
+    /// A read returned the end of the stream: nothing more will come.
+    read_ended: bool,
+    /// close_notify was sent and the write side shut down.
+    write_shut: bool,
 }
 
 impl Acceptor {
@@ -98,9 +106,10 @@ impl Acceptor {
             }
             e
         };
-        let hello = handshake::receive_hello(&sock, &mut incoming, gate)
-            .await
-            .map_err(failed)?;
+        let hello = match handshake::receive_hello(&sock, &mut incoming, gate).await {
+            Ok(h) => h,
+            Err(e) => return Err(self.close_refused(&sock, failed(e)).await),
+        };
         let (site, server_name) = match hello {
             // Not a ClientHello: any site's rustls refuses it as well.
             None => (Some(self.names.default_site().unwrap_or(0)), None),
@@ -117,18 +126,23 @@ impl Acceptor {
                     UnknownName::Alert => {
                         handshake::plaintext_alert(&sock, handshake::ALERT_UNRECOGNIZED_NAME).await
                     }
-                    UnknownName::Reset => handshake::reset_on_close(&sock),
+                    UnknownName::Reset => {
+                        handshake::reset_on_close(&sock);
+                        return Err(failed(Error::UnknownServerName(
+                            server_name.map(String::from),
+                        )));
+                    }
                 }
-                return Err(failed(Error::UnknownServerName(
-                    server_name.map(String::from),
-                )));
+                let e = failed(Error::UnknownServerName(server_name.map(String::from)));
+                return Err(self.close_refused(&sock, e).await);
             }
         };
         // Only now, with a whole ClientHello admitted, does the connection cost a rustls state.
         let mut conn = UnbufferedServerConnection::new(self.sites[site].clone())?;
-        let driven = handshake::drive(&mut conn, &sock, &mut incoming)
-            .await
-            .map_err(failed)?;
+        let driven = match handshake::drive(&mut conn, &sock, &mut incoming).await {
+            Ok(d) => d,
+            Err(e) => return Err(self.close_refused(&sock, failed(e)).await),
+        };
         bump(&global().handshakes);
         let resumed = conn.handshake_kind() == Some(HandshakeKind::Resumed);
         if resumed {
@@ -172,7 +186,11 @@ impl Acceptor {
             peer_closed: driven.peer_closed,
         };
         if fallback.is_none() && !driven.peer_closed {
-            settled = handshake::settle(&mut conn, &sock, &mut incoming, &mut deferred).await?;
+            settled = match handshake::settle(&mut conn, &sock, &mut incoming, &mut deferred).await
+            {
+                Ok(s) => s,
+                Err(e) => return Err(self.close_refused(&sock, e).await),
+            };
             if incoming.used > 0 {
                 fallback = Some(FallbackReason::Buffered);
             } else if let Err(e) = tlsplane_sys::attach_tls_ulp(std::os::fd::AsFd::as_fd(&sock)) {
@@ -212,7 +230,9 @@ impl Acceptor {
                 if self.policy == DataPlanePolicy::Kernel {
                     bump(&global().kernel_required_refused);
                     let mut user = UserPlane::new(conn, incoming, deferred, settled);
-                    let _ = user.shutdown(&sock).await;
+                    if user.shutdown(&sock).await.is_ok() {
+                        linger::close_plain(&sock, &self.linger).await;
+                    }
                     return Err(Error::KernelRequired(reason.as_str()));
                 }
                 match reason {
@@ -239,7 +259,27 @@ impl Acceptor {
             peer_closed: driven.peer_closed,
             info,
             small: Pending::default(),
+            linger: self.linger.clone(),
+            read_ended: false,
+            write_shut: false,
         })
+    }
+
+    /// Before a refused handshake's socket is dropped: when the client was told why (an
+    /// alert, the plain-HTTP answer), a lingering close, so that its unread input does not
+    /// make the kernel reset the connection before the client reads the reason. Returns `e`.
+    async fn close_refused(&self, sock: &TcpStream, e: Error) -> Error {
+        let told = matches!(
+            e,
+            Error::Protocol(_)
+                | Error::PlainHttp
+                | Error::ClientHelloTooLarge(_)
+                | Error::UnknownServerName(_)
+        );
+        if told {
+            linger::close_plain(sock, &self.linger).await;
+        }
+        e
     }
 }
 
@@ -253,6 +293,9 @@ pub struct DetachedTlsStream {
     small: Pending,
     ack_before_wait: bool,
     peer_closed: bool,
+    linger: Arc<Linger>,
+    read_ended: bool,
+    write_shut: bool,
 }
 
 impl DetachedTlsStream {
@@ -271,6 +314,9 @@ impl DetachedTlsStream {
             small: self.small,
             ack_before_wait: self.ack_before_wait,
             peer_closed: self.peer_closed,
+            linger: self.linger,
+            read_ended: self.read_ended,
+            write_shut: self.write_shut,
         })
     }
 }
@@ -288,6 +334,9 @@ impl TlsStream {
             small: self.small,
             ack_before_wait: self.ack_before_wait,
             peer_closed: self.peer_closed,
+            linger: self.linger,
+            read_ended: self.read_ended,
+            write_shut: self.write_shut,
         })
     }
 
@@ -357,6 +406,9 @@ impl TlsStream {
     /// an impolite peer, a bare TCP FIN.
     pub async fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.read_acked(buf).await?;
+        if n == 0 && !buf.is_empty() {
+            self.read_ended = true;
+        }
         add(
             match self.info.plane {
                 PlaneKind::Kernel => &global().bytes_rx_kernel,
@@ -489,12 +541,13 @@ impl TlsStream {
                 k.splice_out(&self.sock, pipe, max, spill).await?
             }
             _ => match self.read(spill).await? {
-                0 => Spliced::End,
+                0 => Spliced::End,               // noted by read
                 n => return Ok(Spliced::Buf(n)), // counted by read
             },
         };
-        if let Spliced::Pipe(n) | Spliced::Buf(n) = moved {
-            add(&global().bytes_rx_kernel, n as u64);
+        match moved {
+            Spliced::Pipe(n) | Spliced::Buf(n) => add(&global().bytes_rx_kernel, n as u64),
+            Spliced::End => self.read_ended = true,
         }
         Ok(moved)
     }
@@ -519,14 +572,44 @@ impl TlsStream {
         Ok(())
     }
 
-    /// Ends the connection: close_notify, then the socket is closed. Prefer this over
-    /// [`TlsStream::shutdown`] + drop when nothing more will be read: it saves a packet.
-    pub async fn close(mut self) -> io::Result<()> {
-        match &mut self.plane {
-            Plane::User(u) => u.close(&self.sock).await,
-            // kTLS keeps a MSG_MORE record open and may drop it at close; no shortcut here.
-            Plane::Kernel(k) => k.shutdown(&self.sock).await,
+    /// Ends the connection the careful way (nginx's lingering close): close_notify and the
+    /// write side's shutdown (unless [`shutdown`](Self::shutdown) did them already), then,
+    /// unless the client's input has ended, reads and drops what the client still sends until
+    /// it closes or a deadline passes (see [`crate::linger`]), holding no buffer meanwhile.
+    /// Dropping a socket with unread input instead makes the kernel reset the connection, and
+    /// the reset destroys the response still queued. Nothing can be read or written after.
+    ///
+    /// A connection to be reset on purpose (`SO_LINGER` 0) must be dropped, not closed.
+    pub async fn close(&mut self) -> io::Result<()> {
+        if !self.write_shut {
+            self.shutdown().await?;
         }
+        let ended = self.read_ended
+            || self.peer_closed
+            || match &self.plane {
+                Plane::Kernel(k) => k.read_closed(),
+                Plane::User(_) => false,
+            };
+        if ended {
+            return Ok(());
+        }
+        self.small = Pending::default();
+        let sock = &self.sock;
+        match &mut self.plane {
+            Plane::User(u) => {
+                u.release_buffers();
+                let mut recv =
+                    |buf: &mut [u8]| io::Read::read(&mut &*socket2::SockRef::from(sock), buf);
+                linger::discard_input(sock, &self.linger, &mut recv).await;
+            }
+            Plane::Kernel(k) => {
+                let fd = std::os::fd::AsFd::as_fd(sock);
+                let mut recv = |buf: &mut [u8]| k.discard_record(fd, buf);
+                linger::discard_input(sock, &self.linger, &mut recv).await;
+            }
+        }
+        self.read_ended = true;
+        Ok(())
     }
 
     /// Declares that what is written from now on is the last this connection sends before
@@ -541,11 +624,17 @@ impl TlsStream {
         }
     }
 
-    /// Sends close_notify and shuts down the write side of TCP.
+    /// Sends close_notify and shuts down the write side of TCP: a half-close, reading may go
+    /// on. To end the connection, [`close`](Self::close).
     pub async fn shutdown(&mut self) -> io::Result<()> {
-        match &mut self.plane {
-            Plane::User(u) => u.shutdown(&self.sock).await,
-            Plane::Kernel(k) => k.shutdown(&self.sock).await,
+        if self.write_shut {
+            return Ok(());
         }
+        match &mut self.plane {
+            Plane::User(u) => u.shutdown(&self.sock).await?,
+            Plane::Kernel(k) => k.shutdown(&self.sock).await?,
+        }
+        self.write_shut = true;
+        Ok(())
     }
 }

@@ -271,7 +271,8 @@ async fn read_request(
     }
 }
 
-/// Sends a response the proxy makes itself (an error), then closes unless `keep_alive`.
+/// Sends a response the proxy makes itself (an error), then closes unless `keep_alive`
+/// (lingering: the request's body, or more requests, may still be coming).
 async fn answer(tls: &mut TlsStream, status: u16, keep_alive: bool) -> std::io::Result<()> {
     let r = error_response(status, keep_alive);
     let mut out = r.head;
@@ -280,7 +281,7 @@ async fn answer(tls: &mut TlsStream, status: u16, keep_alive: bool) -> std::io::
     }
     tls.write_all(&out).await?;
     if !keep_alive {
-        tls.shutdown().await?;
+        tls.close().await?;
     }
     Ok(())
 }
@@ -392,7 +393,6 @@ async fn exchange(
                 status,
                 reusable,
                 keep,
-                answered_early,
             }) => {
                 log(status, &label);
                 if reusable {
@@ -406,10 +406,9 @@ async fn exchange(
                 if keep {
                     return Next::KeepAlive;
                 }
-                let _ = Box::pin(tls.shutdown()).await;
-                if answered_early {
-                    linger(tls).await;
-                }
+                // Lingering: the rest of a body answered early, or pipelined requests, may
+                // still be coming.
+                let _ = Box::pin(tls.close()).await;
                 return Next::End(Ended::Closed);
             }
             Ok(Forwarded::Upgraded(status)) => {
@@ -521,9 +520,6 @@ enum Forwarded {
         status: u16,
         reusable: bool,
         keep: bool,
-        /// The backend answered before the whole body was sent: the rest of it is still
-        /// coming from the client.
-        answered_early: bool,
     },
     /// `101`: both sides now speak another protocol.
     Upgraded(u16),
@@ -625,7 +621,6 @@ async fn forward_one(
             && response.framing != Framing::UntilClose
             && backend.is_empty(),
         keep,
-        answered_early,
     })
 }
 
@@ -702,21 +697,6 @@ async fn send_body(
         client.consume(n);
     }
     Ok(BodySent::All)
-}
-
-/// How long the rest of a request body is read and dropped after an early answer.
-const LINGER: Duration = Duration::from_secs(5);
-
-/// Reads and drops what the client still sends (the rest of a body nobody wants) before the
-/// connection closes, for at most [`LINGER`]: closing a socket with unread bytes resets the
-/// connection, and a reset can destroy the answer still on its way to the client (nginx's
-/// lingering close).
-async fn linger(tls: &mut TlsStream) {
-    let mut sink = vec![0u8; 16 * 1024];
-    let _ = timeout(LINGER, async {
-        while matches!(tls.read(&mut sink).await, Ok(n) if n > 0) {}
-    })
-    .await;
 }
 
 /// Whether the backend has begun its final response while the request body is still being

@@ -505,8 +505,8 @@ impl Proxy {
         let Ok((backend, _, _)) = self.backend_for(site, false).await else {
             self.stats.no_backend.fetch_add(1, Relaxed);
             // Nothing was forwarded: tell the client the service is not there rather than
-            // leave it waiting (close_notify, then FIN).
-            let _ = Box::pin(tls.shutdown()).await;
+            // leave it waiting (close_notify, then FIN; lingering over what it sent already).
+            let _ = Box::pin(tls.close()).await;
             return Ended::NoBackend;
         };
         self.stats.forwarded.fetch_add(1, Relaxed);
@@ -570,7 +570,11 @@ impl Proxy {
             }
             Ended::IdleTimeout => {
                 self.stats.idle_timeouts.fetch_add(1, Relaxed);
-                let _ = Box::pin(tls.shutdown()).await;
+                let _ = Box::pin(tls.close()).await;
+            }
+            // Lingering: the client may still be sending (the backend ended first).
+            Ended::Closed => {
+                let _ = Box::pin(tls.close()).await;
             }
             _ => {}
         }

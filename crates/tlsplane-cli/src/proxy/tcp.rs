@@ -182,6 +182,9 @@ pub(super) async fn relay(
                     deadline = tokio::time::Instant::now() + idle;
                 }
                 Up::Read(Err(_)) => return Ended::ClientError,
+                // The backend has said all it had to (its EOF, passed on with close_notify) and
+                // takes no more: a clean end for the client, whose remaining input is dropped.
+                Up::Wrote(Ok(0) | Err(_), _) if backend_done && client_shut => return Ended::Closed,
                 Up::Wrote(Ok(0) | Err(_), _) => return Ended::BackendError,
                 Up::Wrote(Ok(n), spliced) => {
                     wrote_to_backend(&mut up_held, n, spliced, stats);

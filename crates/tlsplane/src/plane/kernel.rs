@@ -596,6 +596,53 @@ impl KernelPlane {
         Ok(())
     }
 
+    /// One non-blocking receive for a lingering close (see `crate::linger`): application data
+    /// is dropped (its length returned), an alert ends the input (`Ok(0)`), a KeyUpdate
+    /// installs the next receive key where the kernel can (our own key is not updated: after
+    /// our close_notify nothing more is sent). Anything else is an error: the kernel cannot
+    /// read on.
+    pub(crate) fn discard_record(
+        &mut self,
+        sock: BorrowedFd<'_>,
+        buf: &mut [u8],
+    ) -> io::Result<usize> {
+        if self.read_closed {
+            return Ok(0);
+        }
+        let unreadable = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_string());
+        match sys::recv_record(sock, buf)? {
+            (0, _) | (_, CT_ALERT) => {
+                self.read_closed = true;
+                Ok(0)
+            }
+            (n, CT_APPLICATION_DATA) => Ok(n),
+            (n, CT_HANDSHAKE) => {
+                let is_key_update = n == 5 && buf[0] == HS_KEY_UPDATE && buf[1..4] == [0, 0, 1];
+                if !(is_key_update && self.version == TlsVersion::Tls13 && self.rekey.supported) {
+                    return Err(unreadable(
+                        "a handshake message other than a KeyUpdate the kernel can follow",
+                    ));
+                }
+                if !self.key_updates.take(self.rekey.key_updates_per_second) {
+                    bump(&global().limit_key_updates);
+                    return Err(unreadable("KeyUpdate rate limit exceeded"));
+                }
+                let (seq, secrets) = self.kconn.update_rx_secret().map_err(io::Error::other)?;
+                let info = crypto_info(self.version, &secrets, seq, Direction::Rx)?;
+                drop(secrets);
+                sys::set_crypto_info(sock, Direction::Rx, &info)?;
+                bump(&global().key_updates);
+                Ok(n)
+            }
+            _ => Err(unreadable("unexpected record type")),
+        }
+    }
+
+    /// Whether the peer's input has ended (close_notify, an alert, EOF).
+    pub(crate) fn read_closed(&self) -> bool {
+        self.read_closed
+    }
+
     /// close_notify through kTLS, then TCP FIN.
     pub(crate) async fn shutdown(&mut self, sock: &TcpStream) -> io::Result<()> {
         if !self.write_closed {

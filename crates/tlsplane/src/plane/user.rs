@@ -331,18 +331,14 @@ impl UserPlane {
         res
     }
 
-    /// close_notify for a connection about to be closed. When the peer has finished sending,
-    /// the alert goes out with MSG_MORE so that the FIN of the close(2) that follows rides in
-    /// the same segment (one loopback/wire packet less per connection).
-    pub(crate) async fn close(&mut self, sock: &TcpStream) -> io::Result<()> {
-        if !self.peer_closed {
-            return self.shutdown(sock).await;
-        }
-        if let Err(e) = self.pump(None, true) {
-            return Err(self.fail(sock, e).await);
-        }
-        self.final_writes = true;
-        self.flush(sock).await
+    /// Frees every buffer before a lingering close: nothing buffered will be read or sent any
+    /// more (what the peer sent and rustls did not take is dropped with them).
+    pub(crate) fn release_buffers(&mut self) {
+        self.incoming.used = 0;
+        self.incoming.release();
+        self.out = OutBuf::new();
+        self.plain = Pending::default();
+        self.file_buf = Vec::new();
     }
 
     /// close_notify, then FIN. The alert goes out with MSG_MORE so that the FIN of the
