@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 
 use crate::config::{load_sites, ConfigFile, SiteNeeds};
-use crate::server::server_options_of;
+use crate::server::{server_options_of, Alpn, Product};
 
 #[derive(Args, Debug)]
 pub struct CheckArgs {
@@ -29,17 +29,24 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
     let file = ConfigFile::read(&args.file).map_err(anyhow::Error::msg)?;
     let mut errors = Vec::new();
     // A file that names backends is a proxy's; checked against the proxy's options.
-    let needs = if file.is_proxy() {
+    let (needs, alpn) = if file.is_proxy() {
         match server_options_of::<crate::proxy::ProxyArgs>(&file, &|_| false, Vec::new()) {
-            Ok(o) => crate::proxy::site_needs(&o),
+            Ok(o) => (crate::proxy::site_needs(&o), crate::proxy::Proxy::alpn(&o)),
             Err(e) => {
                 errors.push(format!("{e:#}"));
-                SiteNeeds::Backends { default: vec![] }
+                (
+                    SiteNeeds::Backends { default: vec![] },
+                    Alpn::new(None, &[], false),
+                )
             }
         }
     } else {
         let options = server_options_of::<crate::serve::ServeArgs>(&file, &|_| false, Vec::new());
-        SiteNeeds::Root {
+        let alpn = match &options {
+            Ok(o) => crate::serve::Serve::alpn(o),
+            Err(_) => Alpn::new(None, &crate::server::HTTP1_ALPN, true),
+        };
+        let needs = SiteNeeds::Root {
             allow_symlinks_outside: match options {
                 Ok(o) => o.allow_symlinks_outside,
                 Err(e) => {
@@ -47,10 +54,11 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
                     false
                 }
             },
-        }
+        };
+        (needs, alpn)
     };
     // Keys are read here, by the operator's tool, as keyd would read them.
-    match load_sites(&file, &needs, &tlsplane::cert::load_key) {
+    match load_sites(&file, &needs, &alpn, &tlsplane::cert::load_key) {
         Ok(sites) => {
             for w in &sites.warnings {
                 eprintln!("warning: {w}");

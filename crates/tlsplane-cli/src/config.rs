@@ -228,16 +228,49 @@ fn certified(
     tlsplane::cert::with_key(chain, key, chain_path, key_path)
 }
 
+/// ALPN ids from `--alpn` or a site's `alpn` key: `none` (or nothing) is no ALPN at all;
+/// each id is what the client must send byte for byte. Ids that cannot be sent (empty, over
+/// 255 bytes) are checked by [`check_alpn`].
+pub fn alpn_ids(list: &[String]) -> Vec<Vec<u8>> {
+    if list.iter().all(|p| p.trim().is_empty()) || list == ["none"] {
+        return Vec::new();
+    }
+    list.iter().map(|p| p.trim().as_bytes().to_vec()).collect()
+}
+
+/// Why an ALPN list cannot be offered, if it cannot.
+pub fn check_alpn(ids: &[Vec<u8>], alpn: &crate::server::Alpn) -> Result<(), String> {
+    for id in ids {
+        if id.is_empty() || id.len() > 255 {
+            return Err(format!(
+                "ALPN id {:?}: must be 1 to 255 bytes",
+                String::from_utf8_lossy(id)
+            ));
+        }
+        if alpn.http1_only && !crate::server::HTTP1_ALPN.contains(&id.as_slice()) {
+            return Err(format!(
+                "ALPN id {:?}: this server speaks HTTP/1 only (http/1.1, http/1.0)",
+                String::from_utf8_lossy(id)
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// One site from the command line: every name, this origin and certificate.
 pub fn single_site(
     origin: Origin,
     chain: &Path,
     key: &Path,
+    alpn: &crate::server::Alpn,
     keys: KeyLoader,
 ) -> anyhow::Result<Sites> {
+    check_alpn(&alpn.default, alpn).map_err(|e| anyhow::anyhow!("--alpn: {e}"))?;
     let cert = certified(chain, key, keys)?;
+    let mut tls = SiteTls::new(vec![cert]);
+    tls.alpn = alpn.default.clone();
     Ok(Sites {
-        tls: vec![SiteTls::new(vec![cert])],
+        tls: vec![tls],
         serve: vec![SiteServe {
             label: "default".into(),
             origin,
@@ -253,9 +286,13 @@ pub fn single_site(
 pub fn load_sites(
     file: &ConfigFile,
     needs: &SiteNeeds,
+    alpn: &crate::server::Alpn,
     keys: KeyLoader,
 ) -> Result<Sites, Vec<String>> {
     let mut errors = Vec::new();
+    if let Err(e) = check_alpn(&alpn.default, alpn) {
+        errors.push(format!("{}: alpn: {e}", file.path.display()));
+    }
     let mut warnings = Vec::new();
     let mut tls = Vec::new();
     let mut serve = Vec::new();
@@ -366,8 +403,14 @@ pub fn load_sites(
             }
         }
         let mut site_tls = SiteTls::new(certs);
-        if let Some(alpn) = &site.alpn {
-            site_tls.alpn = alpn.iter().map(|p| p.as_bytes().to_vec()).collect();
+        site_tls.alpn = match &site.alpn {
+            Some(ids) => alpn_ids(ids),
+            None => alpn.default.clone(),
+        };
+        if site.alpn.is_some() {
+            if let Err(e) = check_alpn(&site_tls.alpn, alpn) {
+                fail(format!("alpn: {e}"));
+            }
         }
         if let Some(versions) = &site.tls_versions {
             site_tls.versions.clear();

@@ -94,6 +94,14 @@ impl Product for Serve {
         }
     }
 
+    fn alpn(args: &ServeArgs) -> crate::server::Alpn {
+        crate::server::Alpn::new(
+            args.server.alpn.as_deref(),
+            &crate::server::HTTP1_ALPN,
+            true,
+        )
+    }
+
     fn flag_origin(args: &ServeArgs) -> anyhow::Result<Origin> {
         use anyhow::Context;
         let root = DocRoot::new(&args.dir, args.allow_symlinks_outside)

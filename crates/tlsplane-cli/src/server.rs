@@ -94,6 +94,12 @@ pub struct ServerArgs {
     pub aead_record_limit: Option<u64>,
     #[command(flatten)]
     pub limits: crate::limits::LimitArgs,
+    /// ALPN protocols offered, most preferred first (comma list, or `none`), by every site
+    /// whose `alpn` key does not say otherwise. Default: `http/1.1,http/1.0` for serve and
+    /// HTTP mode, none in TCP mode (a client offering any ALPN or none is then served).
+    /// A client offering only other protocols gets a no_application_protocol alert.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub alpn: Option<Vec<String>>,
     /// Serve /metrics (OpenMetrics text) and /healthz over plain HTTP at ADDR:PORT (loopback
     /// only) or unix:PATH. Off by default.
     #[arg(long, value_name = "ADDR:PORT|unix:PATH")]
@@ -135,6 +141,8 @@ pub trait Product: Handler + Sized {
         Ok(())
     }
     fn site_needs(args: &Self::Args) -> SiteNeeds;
+    /// The ALPN protocols of a site that names none: `--alpn`, else the product's default.
+    fn alpn(args: &Self::Args) -> Alpn;
     /// The one site of a server without `--config`.
     fn flag_origin(args: &Self::Args) -> anyhow::Result<Origin>;
     fn build(
@@ -148,6 +156,31 @@ pub trait Product: Handler + Sized {
     fn counters(stats: &Self::Stats, runtime: &RuntimeStats) -> Vec<(&'static str, u64)>;
     /// Start-up lines about the product itself.
     fn describe(_args: &Self::Args, _sites: &Sites) {}
+}
+
+/// What a product offers by ALPN.
+pub struct Alpn {
+    /// For sites without an `alpn` key.
+    pub default: Vec<Vec<u8>>,
+    /// The product speaks HTTP/1 only: any other id (`h2`) would have clients speak a
+    /// protocol it cannot read, so it is refused at load.
+    pub http1_only: bool,
+}
+
+/// The ALPN ids of HTTP/1 (RFC 7301): what serve and HTTP mode speak, most preferred first.
+pub const HTTP1_ALPN: [&[u8]; 2] = [b"http/1.1", b"http/1.0"];
+
+impl Alpn {
+    /// `--alpn` if given (checked), else `default`.
+    pub fn new(flag: Option<&[String]>, default: &[&[u8]], http1_only: bool) -> Self {
+        Self {
+            default: match flag {
+                Some(list) => crate::config::alpn_ids(list),
+                None => default.iter().map(|p| p.to_vec()).collect(),
+            },
+            http1_only,
+        }
+    }
 }
 
 /// A product's flags, standalone, to parse a configuration file's `[server]` table with.
@@ -415,11 +448,13 @@ fn load_sites<P: Product>(
     flag: (&std::path::Path, &std::path::Path),
     keys: crate::config::KeyLoader,
 ) -> anyhow::Result<Sites> {
-    if let Some(file) = file {
-        return crate::config::load_sites(file, &P::site_needs(args), keys)
-            .map_err(|errors| anyhow::anyhow!("{}", errors.join("\n")));
-    }
-    crate::config::single_site(P::flag_origin(args)?, flag.0, flag.1, keys)
+    let alpn = P::alpn(args);
+    let sites = match file {
+        Some(file) => crate::config::load_sites(file, &P::site_needs(args), &alpn, keys)
+            .map_err(|errors| anyhow::anyhow!("{}", errors.join("\n")))?,
+        None => crate::config::single_site(P::flag_origin(args)?, flag.0, flag.1, &alpn, keys)?,
+    };
+    Ok(sites)
 }
 
 /// The acceptor's options: the sites' TLS and the global TLS options.

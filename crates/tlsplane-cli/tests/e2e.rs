@@ -14,6 +14,8 @@ mod support;
 
 #[path = "e2e/alerts.rs"]
 mod alerts;
+#[path = "e2e/alpn.rs"]
+mod alpn;
 #[path = "e2e/bad_input.rs"]
 mod bad_input;
 #[path = "e2e/coalesced.rs"]

@@ -251,12 +251,16 @@ fn plaintext_alert_for(e: &rustls::Error) -> Option<u8> {
     const HANDSHAKE_FAILURE: u8 = 40;
     const DECODE_ERROR: u8 = 50;
     const INTERNAL_ERROR: u8 = 80;
+    const NO_APPLICATION_PROTOCOL: u8 = 120;
     match e {
         E::InvalidMessage(_) => Some(DECODE_ERROR),
         E::PeerSentOversizedRecord => Some(RECORD_OVERFLOW),
         E::PeerMisbehaved(_) | E::InappropriateMessage { .. } => Some(UNEXPECTED_MESSAGE),
         E::InappropriateHandshakeMessage { .. } => Some(UNEXPECTED_MESSAGE),
         E::PeerIncompatible(_) => Some(HANDSHAKE_FAILURE),
+        // TLS 1.3: rustls chooses the protocol after its ServerHello, so its alert is
+        // encrypted under keys the client does not have yet (that ServerHello is not sent).
+        E::NoApplicationProtocol => Some(NO_APPLICATION_PROTOCOL),
         // Our side failed, e.g. the key daemon did not sign: say so rather than vanish.
         E::General(_) => Some(INTERNAL_ERROR),
         _ => None,

@@ -39,8 +39,10 @@ pub struct ProxyArgs {
     #[arg(long, value_enum, default_value_t = Mode::Tcp)]
     pub mode: Mode,
     /// HTTP mode: the client's own Forwarded / X-Forwarded-For / X-Forwarded-Proto fields are
-    /// replaced by the proxy's (replace), kept with the proxy's added after them (append: a
-    /// trusted proxy stands in front), or passed through with none added (off).
+    /// replaced by the proxy's (replace; X-Real-IP, X-Forwarded-Host, X-Forwarded-Port and the
+    /// spellings with `_` such as X_Forwarded_For are dropped too), kept with the proxy's added
+    /// after them (append: a trusted proxy stands in front), or passed through with none added
+    /// (off).
     #[arg(long, value_enum, default_value_t = ForwardedArg::Replace)]
     pub forwarded: ForwardedArg,
     /// HTTP mode: seconds from the first byte of a request to the end of its head.
@@ -230,6 +232,18 @@ impl Product for Proxy {
 
     fn site_needs(args: &ProxyArgs) -> SiteNeeds {
         site_needs(args)
+    }
+
+    /// HTTP mode speaks HTTP/1; TCP mode does not know what it carries, so it offers no ALPN
+    /// unless told (a client offering any, or none, is served).
+    fn alpn(args: &ProxyArgs) -> crate::server::Alpn {
+        let http = args.mode == Mode::Http;
+        let default: &[&[u8]] = if http {
+            &crate::server::HTTP1_ALPN
+        } else {
+            &[]
+        };
+        crate::server::Alpn::new(args.server.alpn.as_deref(), default, http)
     }
 
     fn flag_origin(args: &ProxyArgs) -> anyhow::Result<Origin> {
