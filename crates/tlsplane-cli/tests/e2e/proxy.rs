@@ -400,10 +400,13 @@ fn proxy_protocol_v1_carries_the_client_address() {
 fn proxy_protocol_v2_carries_the_address_and_the_tls_facts() {
     let (tx, rx) = mpsc::channel();
     let backend = proxy_header_backend(tx);
+    // TCP mode offers no ALPN unless told: told here, for the TLV to carry it.
     let server = Server::builder()
         .proxy(&[backend.to_string()])
         .arg("--proxy-protocol")
         .arg("v2")
+        .arg("--alpn")
+        .arg("http/1.1")
         .start();
     let rt = runtime();
     let port = server.port();
