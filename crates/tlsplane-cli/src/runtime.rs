@@ -791,7 +791,7 @@ fn handshake_loop<H: Handler>(
                                 }
                             }
                             Err(e) => {
-                                if !accept_with_spare(&l, &e, &shared) {
+                                if !accept_with_spare(&l, &e, &shared).await {
                                     // Nothing could be taken off the queue: back off
                                     // instead of spinning.
                                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -866,28 +866,43 @@ fn open_spare() -> Option<std::fs::File> {
 /// After accept failed with `e`: if the process or the system is out of descriptors, frees
 /// the spare one, accepts the waiting connection with it and resets that connection at once
 /// (a client told now can retry; one left in the queue waits until a descriptor frees up).
-/// Logs the failure, at most once a second. Whether a connection was taken off the queue.
-fn accept_with_spare<H>(
+/// Linux fails accept with EMFILE before it looks at the queue, so the queue may also turn
+/// out empty: then the listener waits for its next connection, and nothing is logged.
+/// Otherwise the failure is logged, at most once a second. False: back off before the next
+/// accept.
+async fn accept_with_spare<H>(
     l: &tokio::io::unix::AsyncFd<std::net::TcpListener>,
     e: &std::io::Error,
     shared: &Shared<H>,
 ) -> bool {
     let out_of_descriptors = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
-    let mut taken = false;
+    let mut reset = false;
     if out_of_descriptors {
-        let mut spare = shared.spare.lock().unwrap_or_else(|e| e.into_inner());
-        // Lost earlier to another thread that took the freed number: try again.
-        let freed = spare
-            .take()
-            .or_else(|| std::fs::File::open("/dev/null").ok());
-        if let Some(freed) = freed {
-            drop(freed);
-            if let Ok((tcp, _)) = l.get_ref().accept() {
-                limits::reset(tcp);
-                shared.stats.accept_emfile.fetch_add(1, Relaxed);
-                taken = true;
-            }
+        let Ok(mut ready) = l.readable().await else {
+            return false;
+        };
+        let accepted = ready.try_io(|l| {
+            let mut spare = shared.spare.lock().unwrap_or_else(|e| e.into_inner());
+            // Lost earlier to another thread that took the freed number: try again.
+            let freed = spare
+                .take()
+                .or_else(|| std::fs::File::open("/dev/null").ok());
+            let r = freed.map(|freed| {
+                drop(freed);
+                // Closed before the spare is opened again: it needs the number back.
+                l.get_ref().accept().map(|(tcp, _)| limits::reset(tcp))
+            });
             *spare = std::fs::File::open("/dev/null").ok();
+            r.unwrap_or_else(|| Err(std::io::Error::from_raw_os_error(libc::EMFILE)))
+        });
+        match accepted {
+            Ok(Ok(())) => {
+                shared.stats.accept_emfile.fetch_add(1, Relaxed);
+                reset = true;
+            }
+            // The queue is empty (its readiness cleared): nothing was refused.
+            Err(_would_block) => return true,
+            Ok(Err(_)) => {}
         }
     }
     let suppressed = shared
@@ -900,10 +915,10 @@ fn accept_with_spare<H>(
             error = %e,
             suppressed,
             "accept failed{}",
-            if taken { "; the connection was reset" } else { "" }
+            if reset { "; the connection was reset" } else { "" }
         );
     }
-    taken
+    reset
 }
 
 /// At most one log line a second, counting the ones held back.
