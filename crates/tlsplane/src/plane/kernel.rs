@@ -142,6 +142,9 @@ pub(crate) struct KernelPlane {
     key_updates: KeyUpdateBudget,
     read_closed: bool,
     write_closed: bool,
+    /// The peer asked for our KeyUpdate and its receive key is installed, but ours is not sent
+    /// yet (the operation that was sending it was cancelled): the next operation sends it.
+    tx_update_pending: bool,
     /// Application data rustls decrypted before the hand-off; delivered before the kernel's.
     early: Pending,
 }
@@ -178,6 +181,7 @@ impl KernelPlane {
             },
             read_closed: settled.peer_closed,
             write_closed: false,
+            tx_update_pending: false,
             early: Pending::from_vec(settled.plain),
         })
     }
@@ -195,6 +199,7 @@ impl KernelPlane {
         // Control records are a few bytes; a tiny caller buffer would split them. Callers of
         // this crate read into buffers of at least this size (TlsStream guarantees it).
         debug_assert!(buf.len() >= 64);
+        self.finish_tx_update(sock).await?;
         if !self.early.is_empty() {
             return Ok(self.early.take_into(buf));
         }
@@ -341,13 +346,24 @@ impl KernelPlane {
         drop(secrets);
         sys::set_crypto_info(sock.as_fd(), Direction::Rx, &info)?;
         if update_requested {
+            self.tx_update_pending = true;
             self.update_tx(sock).await?;
         }
         bump(&global().key_updates);
         Ok(())
     }
 
+    /// Sends the KeyUpdate a cancelled operation left unsent (see `tx_update_pending`).
+    async fn finish_tx_update(&mut self, sock: &TcpStream) -> io::Result<()> {
+        if self.tx_update_pending && !self.write_closed {
+            self.update_tx(sock).await?;
+        }
+        Ok(())
+    }
+
     /// Sends KeyUpdate(update_not_requested) under the old key, then installs the next TX key.
+    /// Cancel-safe: the record goes out whole or not at all (one send), and the new key is
+    /// installed in the same step as its send completes.
     async fn update_tx(&mut self, sock: &TcpStream) -> io::Result<()> {
         send_all_record(sock, CT_HANDSHAKE, &[HS_KEY_UPDATE, 0, 0, 1, 0]).await?;
         let (seq, secrets) = self.kconn.update_tx_secret().map_err(io::Error::other)?;
@@ -355,6 +371,7 @@ impl KernelPlane {
         drop(secrets);
         sys::set_crypto_info(sock.as_fd(), Direction::Tx, &info)?;
         self.tx_records = 0;
+        self.tx_update_pending = false;
         Ok(())
     }
 
@@ -398,6 +415,7 @@ impl KernelPlane {
     /// makes at most n/16384 + 1 records; one record is kept in reserve for the KeyUpdate
     /// message, which goes out under the old key.
     async fn before_write(&mut self, sock: &TcpStream, want: usize) -> io::Result<usize> {
+        self.finish_tx_update(sock).await?;
         if self.write_closed {
             return Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
@@ -495,6 +513,7 @@ impl KernelPlane {
         max: usize,
         spill: &mut [u8],
     ) -> io::Result<Spliced> {
+        self.finish_tx_update(sock).await?;
         if !self.early.is_empty() || self.read_closed {
             return Ok(Spliced::read(self.read(sock, spill).await?));
         }
