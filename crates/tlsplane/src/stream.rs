@@ -404,6 +404,11 @@ impl TlsStream {
 
     /// Reads decrypted application data. `Ok(0)` is the end of the stream: close_notify or, from
     /// an impolite peer, a bare TCP FIN.
+    ///
+    /// Cancel-safe: dropping the future before it completes loses no input (bytes are taken
+    /// from the socket only in steps that finish within one poll) and leaves no reply half
+    /// sent: one it had to send (a KeyUpdate answer, an alert) goes on, from where it
+    /// stopped, with the next operation, never repeated.
     pub async fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.read_acked(buf).await?;
         if n == 0 && !buf.is_empty() {
@@ -470,6 +475,8 @@ impl TlsStream {
         }
     }
 
+    /// Not cancel-safe: a cancelled write may have sent part of `data`; the connection can only
+    /// be closed after that.
     pub async fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
         match &mut self.plane {
             Plane::User(u) => u.write_all(&self.sock, data).await?,
@@ -522,7 +529,8 @@ impl TlsStream {
     /// Moves up to `max` bytes from the peer: on the kernel plane into the empty pipe `pipe`
     /// by `splice(2)` (decrypted by the kernel, never copied here), except around control
     /// records, which are handled as [`read`](Self::read) handles them and may leave data in
-    /// `spill`; on the user plane always into `spill`.
+    /// `spill`; on the user plane always into `spill`. Cancel-safe as `read` is (a splice
+    /// moves bytes within one poll).
     pub async fn splice_out(
         &mut self,
         pipe: std::os::fd::BorrowedFd<'_>,

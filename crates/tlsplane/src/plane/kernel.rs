@@ -183,6 +183,9 @@ pub(crate) struct KernelPlane {
     key_updates: KeyUpdateBudget,
     read_closed: bool,
     write_closed: bool,
+    /// The peer asked for our KeyUpdate and its receive key is installed, but ours is not sent
+    /// yet (the operation that was sending it was cancelled): the next operation sends it.
+    tx_update_pending: bool,
     /// Application data rustls decrypted before the hand-off; delivered before the kernel's.
     early: Pending,
 }
@@ -223,6 +226,7 @@ impl KernelPlane {
             },
             read_closed: settled.peer_closed,
             write_closed: false,
+            tx_update_pending: false,
             early: Pending::from_vec(settled.plain),
         })
     }
@@ -240,6 +244,7 @@ impl KernelPlane {
         // Control records are a few bytes; a tiny caller buffer would split them. Callers of
         // this crate read into buffers of at least this size (TlsStream guarantees it).
         debug_assert!(buf.len() >= 64);
+        self.finish_tx_update(sock).await?;
         if !self.early.is_empty() {
             return Ok(self.early.take_into(buf));
         }
@@ -386,13 +391,24 @@ impl KernelPlane {
         drop(secrets);
         sys::set_crypto_info(sock.as_fd(), Direction::Rx, &info)?;
         if update_requested {
+            self.tx_update_pending = true;
             self.update_tx(sock).await?;
         }
         bump(&global().key_updates);
         Ok(())
     }
 
+    /// Sends the KeyUpdate a cancelled operation left unsent (see `tx_update_pending`).
+    async fn finish_tx_update(&mut self, sock: &TcpStream) -> io::Result<()> {
+        if self.tx_update_pending && !self.write_closed {
+            self.update_tx(sock).await?;
+        }
+        Ok(())
+    }
+
     /// Sends KeyUpdate(update_not_requested) under the old key, then installs the next TX key.
+    /// Cancel-safe: the record goes out whole or not at all (one send), and the new key is
+    /// installed in the same step as its send completes.
     async fn update_tx(&mut self, sock: &TcpStream) -> io::Result<()> {
         send_all_record(sock, CT_HANDSHAKE, &[HS_KEY_UPDATE, 0, 0, 1, 0]).await?;
         let (seq, secrets) = self.kconn.update_tx_secret().map_err(io::Error::other)?;
@@ -400,6 +416,7 @@ impl KernelPlane {
         drop(secrets);
         sys::set_crypto_info(sock.as_fd(), Direction::Tx, &info)?;
         self.tx_records.sent = seq;
+        self.tx_update_pending = false;
         Ok(())
     }
 
@@ -440,6 +457,7 @@ impl KernelPlane {
     /// How many of `want` bytes may be written now without passing the AEAD limit, re-keying
     /// (TLS 1.3 on kernels that can) or closing when the limit is near (see [`TxRecords`]).
     async fn before_write(&mut self, sock: &TcpStream, want: usize) -> io::Result<usize> {
+        self.finish_tx_update(sock).await?;
         if self.write_closed {
             return Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
@@ -544,6 +562,7 @@ impl KernelPlane {
         max: usize,
         spill: &mut [u8],
     ) -> io::Result<Spliced> {
+        self.finish_tx_update(sock).await?;
         if !self.early.is_empty() || self.read_closed {
             return Ok(Spliced::read(self.read(sock, spill).await?));
         }

@@ -12,7 +12,7 @@ use rustls::unbuffered::{ConnectionState, EncryptError, UnbufferedStatus};
 use tokio::net::TcpStream;
 
 use crate::buf::{OutBuf, Pending};
-use crate::handshake::{encode_into, flush_alert, write_all, write_all_with, Incoming};
+use crate::handshake::{encode_into, flush_alert, Incoming};
 use crate::stats::{bump, global};
 use crate::Error;
 
@@ -42,6 +42,9 @@ pub(crate) struct UserPlane {
     /// `out` holds only what the peer does not wait for (session tickets): it may ride along
     /// with the next write instead of costing a write (and a loopback/wire packet) of its own.
     out_deferrable: bool,
+    /// Bytes at the start of `out` already written: a flush cancelled part-way (a relay drops
+    /// a read that had a reply to send) goes on from here next time, never sends them twice.
+    out_sent: usize,
     /// Decrypted bytes not yet delivered to the application.
     plain: Pending,
     /// File chunks are read here before encryption; sized to the response, kept for the next
@@ -72,6 +75,7 @@ impl UserPlane {
             incoming,
             out_deferrable: !pending.is_empty(),
             out: pending,
+            out_sent: 0,
             plain: Pending::from_vec(settled.plain),
             file_buf: Vec::new(),
             peer_closed: settled.peer_closed,
@@ -174,19 +178,28 @@ impl UserPlane {
         }
     }
 
+    /// Writes `out`. Cancel-safe: progress is kept in `out_sent` after every send.
     async fn flush(&mut self, sock: &TcpStream) -> io::Result<()> {
-        if !self.out.is_empty() {
-            if self.final_writes {
-                // Full segments still leave at once; only the tail waits for what follows.
-                write_all_with(sock, self.out.filled(), |b| {
-                    tlsplane_sys::send_more(std::os::fd::AsFd::as_fd(sock), b)
-                })
-                .await?;
-            } else {
-                write_all(sock, self.out.filled()).await?;
+        while self.out_sent < self.out.filled().len() {
+            sock.writable().await?;
+            let rest = &self.out.filled()[self.out_sent..];
+            let sent = sock.try_io(tokio::io::Interest::WRITABLE, || {
+                if self.final_writes {
+                    // Full segments still leave at once; only the tail waits for what follows.
+                    tlsplane_sys::send_more(std::os::fd::AsFd::as_fd(sock), rest)
+                } else {
+                    socket2::SockRef::from(sock).send(rest)
+                }
+            });
+            match sent {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.out_sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
             }
-            self.out.clear();
         }
+        self.out.clear();
+        self.out_sent = 0;
         self.out_deferrable = false;
         Ok(())
     }
@@ -337,6 +350,7 @@ impl UserPlane {
         self.incoming.used = 0;
         self.incoming.release();
         self.out = OutBuf::new();
+        self.out_sent = 0;
         self.plain = Pending::default();
         self.file_buf = Vec::new();
     }
