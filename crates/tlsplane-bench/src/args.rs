@@ -144,6 +144,10 @@ pub struct TlsArgs {
     /// checked). One of --cacert or this flag is required.
     #[arg(long, conflicts_with = "cacert")]
     pub insecure_no_verify: bool,
+    /// Connect to ADDR for NAME:PORT instead of resolving NAME, as curl's --resolve (the
+    /// name is still sent as SNI and checked in the certificate). Repeatable.
+    #[arg(long, value_name = "NAME:PORT:ADDR")]
+    pub resolve: Vec<String>,
 }
 
 /// `tlsplane bench handshake TARGET`
@@ -227,6 +231,10 @@ pub struct FloodArgs {
     /// else "localhost").
     #[arg(long, value_name = "NAME")]
     pub sni: Option<String>,
+    /// Connect to ADDR for NAME:PORT instead of resolving NAME, as curl's --resolve.
+    /// Repeatable.
+    #[arg(long, value_name = "NAME:PORT:ADDR")]
+    pub resolve: Vec<String>,
     /// ALPN protocols to offer, comma-separated ("" offers none).
     #[arg(long, value_name = "LIST", default_value = "http/1.1")]
     pub alpn: String,
@@ -299,7 +307,7 @@ impl HoldArgs {
         let (config, _) =
             tls::build_config(&self.tls, self.resume, parse_alpn(&self.alpn)?, verify)?;
         let config = tls::loop_config(&config, self.resume != ResumeMode::None);
-        let addr = resolve(&host, port)?;
+        let addr = resolve(&host, port, &self.tls.resolve)?;
         let sources = match &self.sources {
             None => Vec::new(),
             Some(list) => parse_sources(list)?,
@@ -494,7 +502,33 @@ pub(crate) fn parse_https_url(url: &str) -> Result<HttpsUrl> {
     Ok(HttpsUrl { host, port, path })
 }
 
-fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+/// `--resolve NAME:PORT:ADDR` entries, as curl takes them (ADDR may be an IPv6 address in
+/// brackets); a NAME of `*` matches every host.
+fn resolve_override(entries: &[String], host: &str, port: u16) -> Result<Option<SocketAddr>> {
+    for e in entries {
+        let mut parts = e.splitn(3, ':');
+        let (Some(name), Some(p), Some(addr)) = (parts.next(), parts.next(), parts.next()) else {
+            bail!("--resolve `{e}`: expected NAME:PORT:ADDR");
+        };
+        let p: u16 = p
+            .parse()
+            .map_err(|_| anyhow!("--resolve `{e}`: bad port `{p}`"))?;
+        let addr = addr.trim_start_matches('[').trim_end_matches(']');
+        let ip: IpAddr = addr
+            .parse()
+            .map_err(|_| anyhow!("--resolve `{e}`: `{addr}` is not an IP address"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if p == port && (name == "*" || name.eq_ignore_ascii_case(host)) {
+            return Ok(Some(SocketAddr::new(ip, port)));
+        }
+    }
+    Ok(None)
+}
+
+fn resolve(host: &str, port: u16, overrides: &[String]) -> Result<SocketAddr> {
+    if let Some(addr) = resolve_override(overrides, host, port)? {
+        return Ok(addr);
+    }
     if let Ok(ip) = host.parse::<IpAddr>() {
         return Ok(SocketAddr::new(ip, port));
     }
@@ -602,7 +636,7 @@ fn common_plan(
     let (engine, threads) = choose_engine(load.engine, load.connections, load.threads)?;
     let (config, version) = tls::build_config(tls_args, resume, alpn, verify)?;
     let server_name = server_name_for(host, tls_args.sni.as_deref())?;
-    let addr = resolve(host, port)?;
+    let addr = resolve(host, port, &tls_args.resolve)?;
     Ok(Plan {
         target_label: label,
         addr,
@@ -701,6 +735,7 @@ impl FloodArgs {
             sni: self.sni.clone(),
             cacert: None,
             insecure_no_verify: true,
+            resolve: Vec::new(),
         };
         let (config, _) = tls::build_config(
             &tls_args,
@@ -711,7 +746,7 @@ impl FloodArgs {
         let concurrency = self.concurrency as usize;
         Ok(FloodPlan {
             target_label: self.target.trim().to_string(),
-            addr: resolve(&host, port)?,
+            addr: resolve(&host, port, &self.resolve)?,
             server_name: server_name_for(&host, self.sni.as_deref())?,
             concurrency,
             // No idle threads: at most one per connection.
@@ -751,6 +786,24 @@ impl ThroughputArgs {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn resolve_takes_curl_style_overrides() {
+        let e = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let list = e(&["a.test:443:127.0.0.9", "b.test:8443:[::1]", "*:9:10.0.0.1"]);
+        let got = |h: &str, p: u16| resolve(h, p, &list).unwrap();
+        assert_eq!(got("A.test", 443), "127.0.0.9:443".parse().unwrap());
+        assert_eq!(got("b.test", 8443), "[::1]:8443".parse().unwrap());
+        assert_eq!(got("anything.test", 9), "10.0.0.1:9".parse().unwrap());
+        // Another port is not overridden (an address resolves as before).
+        assert_eq!(
+            resolve("127.0.0.1", 443, &e(&["127.0.0.1:80:10.0.0.2"])).unwrap(),
+            "127.0.0.1:443".parse().unwrap()
+        );
+        for bad in ["a.test:443", "a.test:x:127.0.0.1", "a.test:443:nowhere"] {
+            assert!(resolve("a.test", 443, &e(&[bad])).is_err(), "{bad}");
+        }
+    }
+
     #[test]
     fn sources_expand_ranges_and_lists() {
         let v = parse_sources("127.0.0.2-127.0.0.4, ::1").unwrap();

@@ -134,14 +134,22 @@ fn tokio_thread(work: Work, ctl: Arc<Control>, cfgs: Vec<Arc<ClientConfig>>) -> 
     })
 }
 
-pub(crate) fn progress(ctl: &Control, throughput: bool) {
+/// How often the progress line is shown: rewritten in place every second on a terminal,
+/// else (a log file, a CI job) a line of its own every 5 s, so a long run shows it is alive
+/// without filling the log.
+pub(crate) fn progress_every(terminal: bool) -> Duration {
+    Duration::from_secs(if terminal { 1 } else { 5 })
+}
+
+pub(crate) fn progress(ctl: &Control, throughput: bool, terminal: bool) {
+    use std::fmt::Write as _;
     use std::io::Write;
     let now = Instant::now();
-    let mut err = std::io::stderr().lock();
+    let mut line = String::new();
     if now < ctl.measure_from {
         let _ = write!(
-            err,
-            "\r\x1b[2Kwarming up, {:.0} s left",
+            line,
+            "warming up, {:.0} s left",
             (ctl.measure_from - now).as_secs_f64()
         );
     } else {
@@ -151,26 +159,32 @@ pub(crate) fn progress(ctl: &Control, throughput: bool) {
         let _ = if throughput {
             let bytes = ctl.bytes.load(Ordering::Relaxed);
             write!(
-                err,
-                "\r\x1b[2K[{secs:5.0} s] {ok} requests  {:.0}/s  {:.3} GB/s  {failed} failed",
+                line,
+                "[{secs:5.0} s] {ok} requests  {:.0}/s  {:.3} GB/s  {failed} failed",
                 ok as f64 / secs,
                 bytes as f64 / 1e9 / secs
             )
         } else {
             write!(
-                err,
-                "\r\x1b[2K[{secs:5.0} s] {ok} ok  {:.0}/s  {failed} failed",
+                line,
+                "[{secs:5.0} s] {ok} ok  {:.0}/s  {failed} failed",
                 ok as f64 / secs
             )
         };
     }
+    let mut err = std::io::stderr().lock();
+    let _ = if terminal {
+        write!(err, "\r\x1b[2K{line}")
+    } else {
+        writeln!(err, "progress {line}")
+    };
     let _ = err.flush();
 }
 
 /// Runs the plan to completion.
 pub(crate) fn execute(plan: &Plan, work: Work) -> Result<Outcome> {
     use std::io::IsTerminal;
-    let show_progress = std::io::stderr().is_terminal();
+    let terminal = std::io::stderr().is_terminal();
     let throughput = matches!(work, Work::Throughput(_));
     // aws-lc seeds its process-wide RNG on first use, which burns ~40 ms of
     // CPU: do it before measuring so it pollutes neither the first
@@ -220,7 +234,7 @@ pub(crate) fn execute(plan: &Plan, work: Work) -> Result<Outcome> {
     }
     drop(tx);
 
-    let tick = Duration::from_secs(1);
+    let tick = progress_every(terminal);
     let mut next_tick = started + tick;
     let mut merged = Stats::default();
     let mut done = 0;
@@ -244,9 +258,7 @@ pub(crate) fn execute(plan: &Plan, work: Work) -> Result<Outcome> {
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if Instant::now() >= next_tick {
-                    if show_progress {
-                        progress(&ctl, throughput);
-                    }
+                    progress(&ctl, throughput, terminal);
                     next_tick += tick;
                 }
             }
@@ -255,7 +267,7 @@ pub(crate) fn execute(plan: &Plan, work: Work) -> Result<Outcome> {
     }
     let finished = Instant::now();
     let cpu_end = process_cpu_time()?;
-    if show_progress {
+    if terminal {
         use std::io::Write;
         let _ = write!(std::io::stderr(), "\r\x1b[2K");
     }

@@ -43,7 +43,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::args::FloodPlan;
 use crate::cpu::process_cpu_time;
-use crate::engine::{progress, Control};
+use crate::engine::{progress, progress_every, Control};
 use crate::stats::{FlightShape, FloodFailure, FloodStats, Negotiated};
 
 /// Record content types.
@@ -296,7 +296,7 @@ pub(crate) struct FloodOutcome {
 /// Runs the flood to completion.
 pub(crate) fn execute(plan: &FloodPlan, p: Arc<FloodParams>) -> Result<FloodOutcome> {
     use std::io::IsTerminal;
-    let show_progress = std::io::stderr().is_terminal();
+    let terminal = std::io::stderr().is_terminal();
     let started = Instant::now();
     let measure_from = started + plan.warmup;
     let ctl = Arc::new(Control::new(measure_from, plan.stop));
@@ -321,7 +321,7 @@ pub(crate) fn execute(plan: &FloodPlan, p: Arc<FloodParams>) -> Result<FloodOutc
     }
     drop(tx);
 
-    let tick = Duration::from_secs(1);
+    let tick = progress_every(terminal);
     let mut next_tick = started + tick;
     let mut merged = FloodStats::default();
     let mut first_err = None;
@@ -345,9 +345,7 @@ pub(crate) fn execute(plan: &FloodPlan, p: Arc<FloodParams>) -> Result<FloodOutc
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 if Instant::now() >= next_tick {
-                    if show_progress {
-                        progress(&ctl, false);
-                    }
+                    progress(&ctl, false, terminal);
                     next_tick += tick;
                 }
             }
@@ -356,7 +354,7 @@ pub(crate) fn execute(plan: &FloodPlan, p: Arc<FloodParams>) -> Result<FloodOutc
     }
     let finished = Instant::now();
     let cpu_end = process_cpu_time()?;
-    if show_progress {
+    if terminal {
         let _ = write!(std::io::stderr(), "\r\x1b[2K");
     }
     for h in handles {

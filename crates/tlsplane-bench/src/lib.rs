@@ -73,9 +73,27 @@ pub enum BenchCommand {
 /// Runs a benchmark and prints its report (JSON with `--json`) on stdout.
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match &cmd {
-        BenchCommand::Handshake(a) => emit(&run_handshake(a)?, a.load.json, Report::to_text),
-        BenchCommand::Throughput(a) => emit(&run_throughput(a)?, a.load.json, Report::to_text),
-        BenchCommand::Flood(a) => emit(&run_flood(a)?, a.json, FloodReport::to_text),
+        BenchCommand::Handshake(a) => {
+            let r = run_handshake(a)?;
+            emit(&r, a.load.json, Report::to_text)?;
+            // With --request, a cycle succeeds when its response does.
+            let ok = if r.response_latency_us.is_some() {
+                r.requests
+            } else {
+                r.handshakes
+            };
+            nothing_succeeded(ok, r.failures_total)
+        }
+        BenchCommand::Throughput(a) => {
+            let r = run_throughput(a)?;
+            emit(&r, a.load.json, Report::to_text)?;
+            nothing_succeeded(r.requests, r.failures_total)
+        }
+        BenchCommand::Flood(a) => {
+            let r = run_flood(a)?;
+            emit(&r, a.json, FloodReport::to_text)?;
+            nothing_succeeded(r.flights, r.failures_total)
+        }
         BenchCommand::Hold(a) => {
             let report = run_hold(a)?;
             emit(&report, a.json, HoldReport::to_text)?;
@@ -85,6 +103,15 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// A run where no attempt succeeded measured nothing: say so in the exit status (scripts and
+/// CI check that), not only in the report.
+fn nothing_succeeded(ok: u64, failed: u64) -> Result<()> {
+    if ok == 0 {
+        anyhow::bail!("no attempt succeeded ({failed} failed): nothing was measured");
+    }
+    Ok(())
 }
 
 fn emit<R: serde::Serialize>(report: &R, json: bool, text: fn(&R) -> String) -> Result<()> {

@@ -215,6 +215,8 @@ impl Stats {
 /// Latency percentiles in microseconds.
 #[derive(Serialize, Debug, Clone, Copy, PartialEq, Default)]
 pub struct Latency {
+    /// Operations measured (0: nothing succeeded, the percentiles mean nothing).
+    pub samples: u64,
     pub p50: u64,
     pub p90: u64,
     pub p99: u64,
@@ -228,12 +230,24 @@ impl Latency {
             return Latency::default();
         }
         Latency {
+            samples: h.len(),
             p50: h.value_at_quantile(0.50),
             p90: h.value_at_quantile(0.90),
             p99: h.value_at_quantile(0.99),
             max: h.max(),
             mean: (h.mean() * 10.0).round() / 10.0,
         }
+    }
+
+    /// "p50 .. p90 .. p99 .. max .. (mean ..)", or "n/a" when nothing was measured.
+    pub(crate) fn to_text(self) -> String {
+        if self.samples == 0 {
+            return "n/a (nothing succeeded)".into();
+        }
+        format!(
+            "p50 {}  p90 {}  p99 {}  max {}  (mean {:.1})",
+            self.p50, self.p90, self.p99, self.max, self.mean
+        )
     }
 }
 
@@ -394,12 +408,7 @@ impl Report {
                 parts.join(", ")
             }
         }
-        let lat = |l: &Latency| {
-            format!(
-                "p50 {}  p90 {}  p99 {}  max {}  (mean {:.1})",
-                l.p50, l.p90, l.p99, l.max, l.mean
-            )
-        };
+        let lat = |l: &Latency| l.to_text();
         let mut s = String::new();
         let _ = writeln!(
             s,
@@ -670,12 +679,7 @@ impl FloodReport {
             "  first flights  {:>10}  {:.1}/s  ({} attempts)",
             self.flights, self.rate_per_s, self.attempts
         );
-        let l = &self.latency_us;
-        let _ = writeln!(
-            s,
-            "  latency µs     p50 {}  p90 {}  p99 {}  max {}  (mean {:.1})",
-            l.p50, l.p90, l.p99, l.max, l.mean
-        );
+        let _ = writeln!(s, "  latency µs     {}", self.latency_us.to_text());
         if self.failures.is_empty() {
             let _ = writeln!(s, "  failures       0");
         } else {

@@ -18,6 +18,8 @@ mod alerts;
 mod alpn;
 #[path = "e2e/bad_input.rs"]
 mod bad_input;
+#[path = "e2e/bench_cli.rs"]
+mod bench_cli;
 #[path = "e2e/coalesced.rs"]
 mod coalesced;
 #[path = "e2e/config.rs"]

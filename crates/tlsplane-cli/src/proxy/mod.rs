@@ -512,7 +512,7 @@ impl Proxy {
         self.stats.forwarded.fetch_add(1, Relaxed);
         if let Some(version) = self.args.proxy_protocol {
             let info = tls.info();
-            let suite = format!("{:?}", info.suite);
+            let suite = proxy_protocol::cipher_name(info.suite);
             let tls_version = match info.version {
                 rustls::ProtocolVersion::TLSv1_3 => "TLSv1.3",
                 rustls::ProtocolVersion::TLSv1_2 => "TLSv1.2",

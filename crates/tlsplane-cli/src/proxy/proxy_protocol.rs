@@ -28,8 +28,30 @@ pub struct TlsFacts<'a> {
     pub server_name: Option<&'a str>,
     /// "TLSv1.3", as OpenSSL names versions (what HAProxy sends).
     pub version: Option<&'a str>,
-    /// The suite's IANA name (e.g. TLS13_AES_128_GCM_SHA256).
+    /// The suite's name as OpenSSL gives it ([`cipher_name`]).
     pub cipher: Option<&'a str>,
+}
+
+/// A cipher suite's name as OpenSSL, and so HAProxy, puts it in the SSL_CIPHER TLV: the PROXY
+/// protocol's own example of that TLV is an OpenSSL name ("ECDHE-RSA-AES128-GCM-SHA256"), and
+/// what backends match on (nginx's `$proxy_protocol_tlv_ssl_cipher`, HAProxy's fetches).
+/// OpenSSL names TLS 1.3 suites as IANA does (TLS_AES_128_GCM_SHA256); rustls' own names
+/// (TLS13_AES_128_GCM_SHA256) are neither. A suite not listed keeps rustls' name.
+pub fn cipher_name(suite: rustls::CipherSuite) -> std::borrow::Cow<'static, str> {
+    use rustls::CipherSuite as S;
+    let name = match suite {
+        S::TLS13_AES_128_GCM_SHA256 => "TLS_AES_128_GCM_SHA256",
+        S::TLS13_AES_256_GCM_SHA384 => "TLS_AES_256_GCM_SHA384",
+        S::TLS13_CHACHA20_POLY1305_SHA256 => "TLS_CHACHA20_POLY1305_SHA256",
+        S::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256 => "ECDHE-ECDSA-AES128-GCM-SHA256",
+        S::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384 => "ECDHE-ECDSA-AES256-GCM-SHA384",
+        S::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256 => "ECDHE-ECDSA-CHACHA20-POLY1305",
+        S::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256 => "ECDHE-RSA-AES128-GCM-SHA256",
+        S::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384 => "ECDHE-RSA-AES256-GCM-SHA384",
+        S::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256 => "ECDHE-RSA-CHACHA20-POLY1305",
+        other => return format!("{other:?}").into(),
+    };
+    name.into()
 }
 
 const V2_SIGNATURE: [u8; 12] = *b"\r\n\r\n\0\r\nQUIT\n";
@@ -193,5 +215,28 @@ mod tests {
         assert_eq!(&ssl[5..8], &[PP2_SUBTYPE_SSL_VERSION, 0, 7]);
         assert_eq!(&ssl[8..15], b"TLSv1.3");
         assert_eq!(ssl[15], PP2_SUBTYPE_SSL_CIPHER);
+    }
+
+    #[test]
+    fn cipher_names_are_openssls() {
+        let provider = tlsplane::config::crypto_provider();
+        for suite in &provider.cipher_suites {
+            let name = cipher_name(suite.suite());
+            assert!(!name.starts_with("TLS13_"), "{name}");
+            // OpenSSL's TLS 1.2 names have no TLS_ prefix and dashes; its TLS 1.3 ones are
+            // IANA's.
+            let tls13 = suite.version() == &rustls::version::TLS13;
+            assert_eq!(name.starts_with("TLS_"), tls13, "{name}");
+            assert_eq!(name.contains('-'), !tls13, "{name}");
+        }
+        use rustls::CipherSuite as S;
+        assert_eq!(
+            cipher_name(S::TLS13_AES_128_GCM_SHA256),
+            "TLS_AES_128_GCM_SHA256"
+        );
+        assert_eq!(
+            cipher_name(S::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256),
+            "ECDHE-ECDSA-CHACHA20-POLY1305"
+        );
     }
 }
