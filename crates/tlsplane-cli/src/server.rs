@@ -214,31 +214,6 @@ impl Alpn {
     }
 }
 
-/// What a product offers by ALPN.
-pub struct Alpn {
-    /// For sites without an `alpn` key.
-    pub default: Vec<Vec<u8>>,
-    /// The product speaks HTTP/1 only: any other id (`h2`) would have clients speak a
-    /// protocol it cannot read, so it is refused at load.
-    pub http1_only: bool,
-}
-
-/// The ALPN ids of HTTP/1 (RFC 7301): what serve and HTTP mode speak, most preferred first.
-pub const HTTP1_ALPN: [&[u8]; 2] = [b"http/1.1", b"http/1.0"];
-
-impl Alpn {
-    /// `--alpn` if given (checked), else `default`.
-    pub fn new(flag: Option<&[String]>, default: &[&[u8]], http1_only: bool) -> Self {
-        Self {
-            default: match flag {
-                Some(list) => crate::config::alpn_ids(list),
-                None => default.iter().map(|p| p.to_vec()).collect(),
-            },
-            http1_only,
-        }
-    }
-}
-
 /// A product's flags, standalone, to parse a configuration file's `[server]` table with.
 #[derive(clap::Parser, Debug)]
 #[command(no_binary_name = true)]
