@@ -103,6 +103,9 @@ pub enum Phase<P> {
 }
 
 /// How a handler's turn with a connection ended.
+// Returned once per handler turn and moved straight on: boxing `Park` to keep `Done` small
+// would cost an allocation for every connection that moves to the connection loop.
+#[allow(clippy::large_enum_variant)]
 pub enum Served<P> {
     /// The connection is finished (closed, or failed).
     Done,
