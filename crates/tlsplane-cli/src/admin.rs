@@ -173,13 +173,13 @@ impl Drop for Endpoint {
     }
 }
 
-/// Whether `p` may be bound: free, or a socket nobody listens on (left by a server that was
-/// killed, which could not remove it), which is removed. Anything else is refused: another
-/// server's endpoint, or a file that is not a socket.
-fn free_unix_path(p: &std::path::Path) -> anyhow::Result<()> {
+/// Refuses a Unix path that another server listens on, or a file that is not a socket.
+/// Returns whether a stale socket is there (left by a server that was killed, which could not
+/// remove it; nobody listens on it).
+fn unix_path_in_use(p: &std::path::Path) -> anyhow::Result<bool> {
     use std::os::unix::fs::FileTypeExt;
     let Ok(meta) = std::fs::symlink_metadata(p) else {
-        return Ok(());
+        return Ok(false);
     };
     if !meta.file_type().is_socket() {
         bail!(
@@ -193,8 +193,26 @@ fn free_unix_path(p: &std::path::Path) -> anyhow::Result<()> {
             p.display()
         );
     }
-    std::fs::remove_file(p)
-        .with_context(|| format!("admin endpoint: cannot remove the stale {}", p.display()))
+    Ok(true)
+}
+
+/// Whether `p` may be bound: free, or a stale socket, which is removed.
+fn free_unix_path(p: &std::path::Path) -> anyhow::Result<()> {
+    if unix_path_in_use(p)? {
+        std::fs::remove_file(p)
+            .with_context(|| format!("admin endpoint: cannot remove the stale {}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// Before any start-up work (the kernel probe, the key daemon, certificates): refuses an
+/// admin path that is taken, as a taken listening port is, so that a second server started by
+/// mistake stops at once and touches nothing.
+pub fn refuse_taken(addr: &AdminAddr) -> anyhow::Result<()> {
+    match addr {
+        AdminAddr::Unix(p) => unix_path_in_use(p).map(|_| ()),
+        AdminAddr::Tcp(_) => Ok(()),
+    }
 }
 
 /// Binds the endpoint now (so that a bad address stops start-up) and serves it on a thread

@@ -282,6 +282,9 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     }
     // Before the kTLS probe and the certificates: a taken port is the cheapest error to find.
     runtime::refuse_taken(&server.listen)?;
+    if let Some(admin) = &server.admin {
+        crate::admin::refuse_taken(admin)?;
+    }
     match tlsplane_sys::raise_nofile_limit() {
         Ok(n) => tracing::debug!(open_files = n, "open-files limit"),
         Err(e) => tracing::warn!(error = %e, "could not raise the open-files limit"),
