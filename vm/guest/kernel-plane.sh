@@ -120,11 +120,11 @@ if [ "$VM_LABEL" = new ]; then
 else
 	# Under emulation the whole suite takes 7-9 minutes a kernel; the older kernels run the
 	# tests whose bytes cross the kernel's TLS code (records, alerts, sendfile, splice,
-	# KeyUpdate, close_notify, shutdown; each suite is in the cipher matrix above), and the
-	# newest runs everything, so that CI stays well under its time limit.
+	# KeyUpdate, close_notify, lingering close, shutdown; each suite is in the cipher matrix
+	# above), and the newest runs everything, so that CI stays well under its time limit.
 	step "end-to-end tests of the data path with the kernel plane required (all of them: kernel 'new')"
 	run /bin/e2e --test-threads=1 --skip proxy_http \
-		alerts:: bad_input:: coalesced:: content:: control:: http:: kernel:: proxy:: \
+		alerts:: bad_input:: coalesced:: content:: control:: http:: kernel:: linger:: proxy:: \
 		shutdown::
 fi
 finish

@@ -47,6 +47,10 @@ fn bench_resolves_with_resolve_and_shows_progress_in_a_log() {
             "--resolve",
             &resolve,
             "--insecure-no-verify",
+            // A request per connection: a client that closes right after its handshake races
+            // the kernel plane's hand-off (kernel_setup_failures), which this is not about.
+            "--request",
+            "/hello.txt",
             "--duration",
             "5.5",
         ],

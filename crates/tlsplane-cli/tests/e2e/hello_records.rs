@@ -121,6 +121,12 @@ fn read_until_closed(mut s: std::net::TcpStream) -> Vec<u8> {
 
 #[test]
 fn hello_in_one_byte_records_costs_no_more_than_a_handshake() {
+    if crate::support::mode() == crate::support::Mode::Kernel {
+        // The ClientHello is read before any plane exists; what this compares is CPU time,
+        // which under the guests' emulation says nothing (a system call costs far more there).
+        eprintln!("SKIPPED: a CPU-time comparison, run natively (user plane)");
+        return;
+    }
     let server = Server::start();
     let (port, pid) = (server.port(), server.pid());
     let hello = padded_client_hello(16_000);

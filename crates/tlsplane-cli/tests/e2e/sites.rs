@@ -68,10 +68,19 @@ fn first_pem(text: &str) -> Option<String> {
 /// `extra` adds s_client options (versions, signature algorithms).
 pub fn served_leaf(port: u16, sni: &str, extra: &[&str]) -> String {
     let mut cmd = Command::new("openssl");
-    cmd.args(["s_client", "-connect", &format!("127.0.0.1:{port}")])
-        .args(["-servername", sni])
-        .args(extra);
-    let out = tools::run(cmd, b"", Duration::from_secs(10));
+    // A request, and s_client waits for the server's close (-ign_eof): a client that closes
+    // right after its handshake races the kernel plane's hand-off (kernel_setup_failures),
+    // which is not what this looks at.
+    cmd.args([
+        "s_client",
+        "-ign_eof",
+        "-connect",
+        &format!("127.0.0.1:{port}"),
+    ])
+    .args(["-servername", sni])
+    .args(extra);
+    let request = format!("GET / HTTP/1.0\r\nHost: {sni}\r\n\r\n");
+    let out = tools::run(cmd, request.as_bytes(), Duration::from_secs(10));
     first_pem(&out.stdout_text()).unwrap_or_else(|| {
         panic!(
             "s_client -servername {sni} got no certificate: {}",
