@@ -36,6 +36,8 @@ pub struct AccessLog {
     format: Format,
     /// `None`: lines go to stderr through `tracing`.
     file: Option<File>,
+    /// A write failed already (a full disk would otherwise give a warning per request).
+    write_failed: std::sync::atomic::AtomicBool,
 }
 
 /// What one line says. Byte strings are the client's, as sent (escaped when written).
@@ -81,6 +83,7 @@ impl AccessLog {
         Ok(Some(AccessLog {
             format: args.access_log_format,
             file,
+            write_failed: Default::default(),
         }))
     }
 
@@ -122,7 +125,10 @@ impl AccessLog {
                 // One write(2) of the whole line: O_APPEND makes it atomic against the other
                 // workers' lines for a regular file.
                 if let Err(err) = (&*f).write_all(line.as_bytes()) {
-                    tracing::warn!(error = %err, "access log write failed");
+                    use std::sync::atomic::Ordering::Relaxed;
+                    if !self.write_failed.swap(true, Relaxed) {
+                        tracing::warn!(error = %err, "access log write failed (further failures until the next reload are not reported)");
+                    }
                 }
             }
             None => tracing::info!("{}", line.trim_end()),
