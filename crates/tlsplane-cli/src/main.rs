@@ -2,6 +2,7 @@
 //! daemon, and a TLS load generator.
 #![forbid(unsafe_code)]
 
+mod access_log;
 mod admin;
 mod check;
 mod config;

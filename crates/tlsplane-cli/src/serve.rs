@@ -16,6 +16,7 @@ use tlsplane::sites::SiteNames;
 use tlsplane::TlsStream;
 use tlsplane_http::{error_response, parse_request, respond, Body, DocRoot, Limits, Parsed};
 
+use crate::access_log::{self, AccessLog, Entry, RequestLine};
 use crate::config::{Origin, SiteNeeds, Sites};
 use crate::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
 use crate::server::{Product, ServerArgs};
@@ -60,6 +61,8 @@ pub struct Serve {
     stats: Arc<HttpStats>,
     /// Time to the first byte of a connection's first response (shared with /metrics).
     ttfb: prometheus_client::metrics::histogram::Histogram,
+    /// Opened again with each generation (a reload re-opens the file).
+    access_log: Option<AccessLog>,
 }
 
 /// A keep-alive connection between requests, as it moves to the connection loop.
@@ -130,6 +133,7 @@ impl Product for Serve {
             limits: Limits::default(),
             stats: stats.clone(),
             ttfb: runtime.histograms.first_response.clone(),
+            access_log: AccessLog::open(&args.server)?,
         })
     }
 
@@ -200,6 +204,11 @@ async fn http_loop(
                 mut request,
             }) => {
                 shared.stats.requests.fetch_add(1, Relaxed);
+                // Only with the access log: no clock read per request otherwise.
+                let started = shared
+                    .access_log
+                    .as_ref()
+                    .map(|_| tokio::time::Instant::now());
                 if *ctx.stop.borrow() {
                     // Draining: answer this request with `Connection: close`, then close.
                     request.keep_alive = false;
@@ -216,20 +225,45 @@ async fn http_loop(
                     respond(&request, &shared.roots[site], SystemTime::now())
                 };
                 count_status(&shared.stats, resp.status);
-                if args.server.access_log {
-                    tracing::info!(%peer, method = %request.method.as_str(), target = %request.target, status = resp.status, plane = %tls.plane().as_str(), "request");
-                }
+                let log = |tls: &TlsStream, sent: &std::io::Result<()>| {
+                    if let (Some(log), Some(started)) = (&shared.access_log, started) {
+                        let head = &buf[..head_len];
+                        log.write(&Entry {
+                            peer,
+                            host: request.host.as_deref().map(str::as_bytes),
+                            request: Some(RequestLine {
+                                method: request.method.as_str(),
+                                target: &request.target,
+                                minor_version: request.minor_version,
+                            }),
+                            status: Some(resp.status),
+                            bytes: if sent.is_ok() { body_len(&resp) } else { 0 },
+                            duration: started.elapsed(),
+                            user_agent: access_log::header(head, "user-agent"),
+                            referer: access_log::header(head, "referer"),
+                            plane: tls.plane().as_str(),
+                            server_name: tls.info().server_name.as_deref(),
+                            backend: None,
+                            outcome: None,
+                        });
+                    }
+                };
                 if !std::mem::replace(&mut responded, true) {
                     shared
                         .ttfb
                         .observe(tls.info().accepted_at.elapsed().as_secs_f64());
                 }
                 if !resp.keep_alive {
-                    return Box::pin(send_last_response(&mut tls, &resp))
-                        .await
-                        .map(|()| Served::Done);
+                    // The line before the lingering close, which is no part of the response.
+                    tls.final_writes();
+                    let sent = Box::pin(send_response(&mut tls, &resp)).await;
+                    log(&tls, &sent);
+                    sent?;
+                    return Box::pin(tls.close()).await.map(|()| Served::Done);
                 }
-                Box::pin(send_response(&mut tls, &resp)).await?;
+                let sent = Box::pin(send_response(&mut tls, &resp)).await;
+                log(&tls, &sent);
+                sent?;
                 buf.copy_within(head_len..used, 0);
                 used -= head_len;
                 deadline = None;
@@ -325,14 +359,44 @@ async fn http_loop(
             Err(e) => {
                 let status = e.status();
                 count_status(&shared.stats, status);
-                if args.server.access_log {
-                    tracing::info!(%peer, status, error = %e, "bad request");
+                let started = shared
+                    .access_log
+                    .as_ref()
+                    .map(|_| tokio::time::Instant::now());
+                let resp = error_response(status, false);
+                tls.final_writes();
+                let sent = Box::pin(send_response(&mut tls, &resp)).await;
+                if let (Some(log), Some(started)) = (&shared.access_log, started) {
+                    // Refused unparsed: no request fields, the reason instead.
+                    let why = e.to_string();
+                    log.write(&Entry {
+                        peer,
+                        host: None,
+                        request: None,
+                        status: Some(status),
+                        bytes: if sent.is_ok() { body_len(&resp) } else { 0 },
+                        duration: started.elapsed(),
+                        user_agent: None,
+                        referer: None,
+                        plane: tls.plane().as_str(),
+                        server_name: tls.info().server_name.as_deref(),
+                        backend: None,
+                        outcome: Some(&why),
+                    });
                 }
-                return Box::pin(send_last_response(&mut tls, &error_response(status, false)))
-                    .await
-                    .map(|()| Served::Done);
+                sent?;
+                return Box::pin(tls.close()).await.map(|()| Served::Done);
             }
         }
+    }
+}
+
+/// Bytes of the response's body (what nginx's `$body_bytes_sent` counts once it is sent).
+fn body_len(resp: &tlsplane_http::Response) -> u64 {
+    match &resp.body {
+        Body::Empty => 0,
+        Body::Bytes(b) => b.len() as u64,
+        Body::File { len, .. } => *len,
     }
 }
 

@@ -66,9 +66,18 @@ pub struct ServerArgs {
     /// refuse to start without a TLS ULP, close connections it cannot take), `user`.
     #[arg(long, default_value = "auto", value_name = "auto|kernel|user")]
     pub data_plane: DataPlanePolicy,
-    /// Log one line per request (serve) or connection (proxy) at info level.
+    /// Log one line per request (serve, proxy HTTP mode) or connection (proxy TCP mode):
+    /// to stderr at info level, unless --access-log-file is given.
     #[arg(long)]
     pub access_log: bool,
+    /// Append the access log to FILE instead (implies --access-log): one write per line,
+    /// O_APPEND. Opened again at each reload, so to rotate: rename FILE, then reload (with
+    /// --user, that user must be able to write FILE).
+    #[arg(long, value_name = "FILE")]
+    pub access_log_file: Option<PathBuf>,
+    /// Access log lines as `text` (key=value), `combined` (nginx's) or `json`.
+    #[arg(long, default_value = "text", value_name = "text|combined|json")]
+    pub access_log_format: crate::access_log::Format,
     /// Seconds a TLS handshake may take.
     #[arg(long, default_value_t = 10)]
     pub handshake_timeout: u64,

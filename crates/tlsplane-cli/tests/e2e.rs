@@ -12,6 +12,8 @@
 
 mod support;
 
+#[path = "e2e/access_log.rs"]
+mod access_log;
 #[path = "e2e/alerts.rs"]
 mod alerts;
 #[path = "e2e/alpn.rs"]

@@ -450,6 +450,14 @@ pub struct Origin<'a> {
 }
 
 impl RequestHead {
+    /// The first end-to-end field named `name` (any case), its value as sent.
+    pub fn field(&self, name: &str) -> Option<&[u8]> {
+        self.fields
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_slice())
+    }
+
     /// Whether a request may be sent again on another connection when the first one failed
     /// before any response byte (RFC 9110 §9.2.2), given it has no body to replay.
     pub fn is_retryable(&self) -> bool {

@@ -24,6 +24,7 @@ use tokio::time::{timeout, timeout_at, Instant};
 use super::backend::BackendConn;
 use super::tcp::relay;
 use super::{reset, Ended, Proxy, Unavailable};
+use crate::access_log::{Entry, RequestLine};
 use crate::runtime::ConnContext;
 
 /// Largest response head accepted from a backend.
@@ -159,11 +160,13 @@ pub(super) async fn serve(
     let mut client = Buf::new(2048, capacity);
     let mut backend = Buf::new(capacity, capacity.max(MAX_RESPONSE_HEAD));
     loop {
-        let request = match read_request(proxy, tls, &mut client, ctx).await {
+        let request = match read_request(proxy, tls, peer, &mut client, ctx).await {
             Ok(r) => r,
             Err(ended) => return ended,
         };
         proxy.stats.http_requests.fetch_add(1, Relaxed);
+        // Only with the access log: no clock read per request otherwise.
+        let started = proxy.access_log.as_ref().map(|_| Instant::now());
         // Boxed: the exchange's state is large and only lives while a request is served,
         // not while the connection waits for the next one.
         match Box::pin(exchange(
@@ -171,6 +174,7 @@ pub(super) async fn serve(
             tls,
             peer,
             &request,
+            started,
             &mut client,
             &mut backend,
             ctx,
@@ -188,6 +192,7 @@ pub(super) async fn serve(
 async fn read_request(
     proxy: &Proxy,
     tls: &mut TlsStream,
+    peer: SocketAddr,
     client: &mut Buf,
     ctx: &mut ConnContext,
 ) -> Result<RequestHead, Ended> {
@@ -201,11 +206,31 @@ async fn read_request(
             }
             Ok(Head::Incomplete) => {}
             Err(e) => {
-                if proxy.args.server.access_log {
-                    tracing::info!(status = e.status(), error = %e, "bad request");
-                }
                 proxy.stats.http_refused.fetch_add(1, Relaxed);
-                let _ = Box::pin(answer(tls, e.status(), false)).await;
+                let started = proxy.access_log.as_ref().map(|_| Instant::now());
+                let sent = Box::pin(answer(tls, e.status(), false)).await;
+                if let (Some(log), Some(started)) = (&proxy.access_log, started) {
+                    // Refused unparsed: no request fields, the reason instead.
+                    let why = e.to_string();
+                    log.write(&Entry {
+                        peer,
+                        host: None,
+                        request: None,
+                        status: Some(e.status()),
+                        bytes: if sent.is_ok() {
+                            error_body_len(e.status())
+                        } else {
+                            0
+                        },
+                        duration: started.elapsed(),
+                        user_agent: None,
+                        referer: None,
+                        plane: tls.plane().as_str(),
+                        server_name: tls.info().server_name.as_deref(),
+                        backend: None,
+                        outcome: Some(&why),
+                    });
+                }
                 return Err(Ended::ClientError);
             }
         }
@@ -287,11 +312,13 @@ async fn answer(tls: &mut TlsStream, status: u16, keep_alive: bool) -> std::io::
 }
 
 /// Forwards one request and its response.
+#[allow(clippy::too_many_arguments)]
 async fn exchange(
     proxy: &Proxy,
     tls: &mut TlsStream,
     peer: SocketAddr,
     request: &RequestHead,
+    started: Option<Instant>,
     client: &mut Buf,
     backend: &mut Buf,
     ctx: &ConnContext,
@@ -299,9 +326,27 @@ async fn exchange(
     let site = tls.info().site;
     let keep_alive = request.keep_alive && !*ctx.stop.borrow();
     let has_body = request.framing != Framing::Empty;
-    let log = |status: u16, backend: &str| {
-        if proxy.args.server.access_log {
-            tracing::info!(%peer, method = %request.method, target = %request.target, status, backend, "proxied");
+    // `bytes`: the body relayed, or `None` for an answer of the proxy's own (its error page).
+    let log = |tls: &TlsStream, status: u16, backend: &str, bytes: Option<u64>| {
+        if let (Some(log), Some(started)) = (&proxy.access_log, started) {
+            log.write(&Entry {
+                peer,
+                host: request.host.as_deref().map(str::as_bytes),
+                request: Some(RequestLine {
+                    method: &request.method,
+                    target: &request.target,
+                    minor_version: request.minor_version,
+                }),
+                status: Some(status),
+                bytes: bytes.unwrap_or_else(|| error_body_len(status)),
+                duration: started.elapsed(),
+                user_agent: request.field("user-agent"),
+                referer: request.field("referer"),
+                plane: tls.plane().as_str(),
+                server_name: tls.info().server_name.as_deref(),
+                backend: (backend != "-").then_some(backend),
+                outcome: None,
+            });
         }
     };
     let misdirected = request.host.as_deref().is_some_and(|h| {
@@ -312,8 +357,9 @@ async fn exchange(
         // The Host belongs to another site than the one the TLS connection was set up for
         // (RFC 9110 §15.5.20). The body, if any, was not read: close after.
         proxy.stats.http_refused.fetch_add(1, Relaxed);
-        log(421, "-");
-        return match answer(tls, 421, keep_alive && !has_body).await {
+        let sent = answer(tls, 421, keep_alive && !has_body).await;
+        log(tls, 421, "-", None);
+        return match sent {
             Ok(()) if keep_alive && !has_body => Next::KeepAlive,
             _ => Next::End(Ended::Closed),
         };
@@ -352,10 +398,11 @@ async fn exchange(
                         502
                     }
                 };
-                log(status, "-");
                 // Nothing of the body was read: the connection can go on only without one.
                 let keep = keep_alive && !has_body;
-                return match answer(tls, status, keep).await {
+                let sent = answer(tls, status, keep).await;
+                log(tls, status, "-", None);
+                return match sent {
                     Ok(()) if keep => Next::KeepAlive,
                     _ => Next::End(Ended::NoBackend),
                 };
@@ -393,8 +440,9 @@ async fn exchange(
                 status,
                 reusable,
                 keep,
+                bytes,
             }) => {
-                log(status, &label);
+                log(tls, status, &label, Some(bytes));
                 if reusable {
                     proxy.pools[site].put_idle(
                         which,
@@ -412,7 +460,7 @@ async fn exchange(
                 return Next::End(Ended::Closed);
             }
             Ok(Forwarded::Upgraded(status)) => {
-                log(status, &label);
+                log(tls, status, &label, Some(0));
                 proxy.stats.upgrades.fetch_add(1, Relaxed);
                 return Next::End(tunnel(proxy, tls, client, backend, &conn).await);
             }
@@ -427,7 +475,7 @@ async fn exchange(
             Err(Fail::Timeout) => {
                 proxy.pools[site]
                     .mark_down(which, Duration::from_secs(proxy.args.backend_down_time));
-                log(504, &label);
+                log(tls, 504, &label, None);
                 break Fail::Timeout;
             }
             Err(Fail::BadGateway(why)) => break Fail::BadGateway(format!("{label}: {why}")),
@@ -435,8 +483,8 @@ async fn exchange(
                 // The backend has part of a request or of a response: it cannot be reused.
                 conn.reset_on_close();
                 match progress {
-                    Progress::Receiving => log(408, &label),
-                    Progress::Waiting => log(504, &label),
+                    Progress::Receiving => log(tls, 408, &label, None),
+                    Progress::Waiting => log(tls, 504, &label, None),
                     // Like a backend failing midway: a reset, and no status to log.
                     Progress::Responding => {}
                 }
@@ -463,8 +511,8 @@ async fn exchange(
             tracing::warn!(%peer, error = %why, "bad gateway");
             proxy.stats.backend_errors.fetch_add(1, Relaxed);
             proxy.stats.http_502.fetch_add(1, Relaxed);
-            log(502, "-");
             let _ = answer(tls, 502, false).await;
+            log(tls, 502, "-", None);
             Next::End(Ended::BackendError)
         }
         Fail::Timeout | Fail::Deadline(Progress::Waiting) => {
@@ -474,8 +522,8 @@ async fn exchange(
         }
         Fail::BadBody => {
             proxy.stats.http_refused.fetch_add(1, Relaxed);
-            log(400, "-");
             let _ = answer(tls, 400, false).await;
+            log(tls, 400, "-", None);
             Next::End(Ended::ClientError)
         }
         Fail::Midway(why) => {
@@ -501,6 +549,14 @@ async fn exchange(
     }
 }
 
+/// Body bytes of the error page the proxy sends for `status`.
+fn error_body_len(status: u16) -> u64 {
+    match error_response(status, false).body {
+        Body::Bytes(b) => b.len() as u64,
+        _ => 0,
+    }
+}
+
 /// The host name of a `Host` value (no port, no IPv6 brackets).
 fn host_name(host: &str) -> &str {
     if let Some(rest) = host.strip_prefix('[') {
@@ -520,6 +576,8 @@ enum Forwarded {
         status: u16,
         reusable: bool,
         keep: bool,
+        /// Response body bytes relayed to the client.
+        bytes: u64,
     },
     /// `101`: both sides now speak another protocol.
     Upgraded(u16),
@@ -613,8 +671,9 @@ async fn forward_one(
     }
     let keep = keep_alive && !answered_early && response.framing != Framing::UntilClose;
     *progress = Progress::Responding;
-    relay_response(proxy, tls, &response, backend, conn, keep, backend_timeout).await?;
+    let bytes = relay_response(proxy, tls, &response, backend, conn, keep, backend_timeout).await?;
     Ok(Forwarded::Done {
+        bytes,
         status: response.status,
         reusable: response.keep_alive
             && !answered_early
@@ -789,7 +848,7 @@ async fn relay_response(
     conn: &BackendConn,
     keep: bool,
     wait: Duration,
-) -> Result<(), Fail> {
+) -> Result<u64, Fail> {
     let stats = &proxy.stats;
     let mut body = BodyFraming::new(response.framing);
     // Nothing has reached the client yet: broken framing here is still a 502.
@@ -800,6 +859,7 @@ async fn relay_response(
     response.encode(1, keep, &mut out);
     out.extend_from_slice(&backend.bytes()[..n]);
     backend.consume(n);
+    let mut body_sent = n as u64;
     tls.write_all(&out).await.map_err(|_| Fail::Client)?;
     stats
         .bytes_to_client_copied
@@ -820,9 +880,10 @@ async fn relay_response(
             .await
             .map_err(|_| Fail::Client)?;
         stats.bytes_to_client_copied.fetch_add(n as u64, Relaxed);
+        body_sent += n as u64;
         backend.consume(n);
     }
-    Ok(())
+    Ok(body_sent)
 }
 
 /// After `101 Switching Protocols`: what each side sent past the heads, then TCP mode.

@@ -219,6 +219,8 @@ pub struct Proxy {
     forwarded: tlsplane_http::forward::ForwardedPolicy,
     args: ProxyArgs,
     stats: Arc<ProxyStats>,
+    /// Opened again with each generation (a reload re-opens the file).
+    access_log: Option<crate::access_log::AccessLog>,
 }
 
 impl Product for Proxy {
@@ -287,6 +289,7 @@ impl Product for Proxy {
             },
             args: args.clone(),
             stats: stats.clone(),
+            access_log: crate::access_log::AccessLog::open(&args.server)?,
         })
     }
 
@@ -389,16 +392,37 @@ impl Handler for Proxy {
             return Served::Park(tls, ());
         }
         self.stats.connections.fetch_add(1, Relaxed);
-        let started = Instant::now();
-        let outcome = match self.args.mode {
-            Mode::Tcp => self.forward(tls, peer).await,
-            Mode::Http => {
-                let mut tls = tls;
-                http::serve(&self, &mut tls, peer, &mut ctx).await
+        match self.args.mode {
+            Mode::Tcp => {
+                // Only with the access log: no clock read or copy per connection otherwise.
+                let logged = self.access_log.as_ref().map(|log| {
+                    let name = tls.info().server_name.clone();
+                    (log, Instant::now(), tls.plane().as_str(), name)
+                });
+                let outcome = self.forward(tls, peer).await;
+                if let Some((log, started, plane, name)) = logged {
+                    let outcome = format!("{outcome:?}");
+                    log.write(&crate::access_log::Entry {
+                        peer,
+                        host: None,
+                        request: None,
+                        status: None,
+                        bytes: 0,
+                        duration: started.elapsed(),
+                        user_agent: None,
+                        referer: None,
+                        plane,
+                        server_name: name.as_deref(),
+                        backend: None,
+                        outcome: Some(&outcome),
+                    });
+                }
             }
-        };
-        if self.args.server.access_log {
-            tracing::info!(%peer, outcome = ?outcome, secs = started.elapsed().as_secs_f64(), "proxied");
+            Mode::Http => {
+                // One access-log line per request (http.rs).
+                let mut tls = tls;
+                let _ = http::serve(&self, &mut tls, peer, &mut ctx).await;
+            }
         }
         Served::Done
     }
