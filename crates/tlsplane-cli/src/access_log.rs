@@ -63,6 +63,34 @@ pub struct Entry<'a> {
     pub outcome: Option<&'a str>,
 }
 
+impl<'a> Entry<'a> {
+    /// A request refused before it was parsed (a bad head): no request fields, the reason as
+    /// its outcome.
+    pub fn refused(
+        tls: &'a tlsplane::TlsStream,
+        peer: SocketAddr,
+        status: u16,
+        bytes: u64,
+        duration: Duration,
+        why: &'a str,
+    ) -> Self {
+        Entry {
+            peer,
+            host: None,
+            request: None,
+            status: Some(status),
+            bytes,
+            duration,
+            user_agent: None,
+            referer: None,
+            plane: tls.plane().as_str(),
+            server_name: tls.info().server_name.as_deref(),
+            backend: None,
+            outcome: Some(why),
+        }
+    }
+}
+
 pub struct RequestLine<'a> {
     pub method: &'a str,
     pub target: &'a str,

@@ -369,20 +369,15 @@ async fn http_loop(
                 if let (Some(log), Some(started)) = (&shared.access_log, started) {
                     // Refused unparsed: no request fields, the reason instead.
                     let why = e.to_string();
-                    log.write(&Entry {
+                    let bytes = if sent.is_ok() { body_len(&resp) } else { 0 };
+                    log.write(&Entry::refused(
+                        &tls,
                         peer,
-                        host: None,
-                        request: None,
-                        status: Some(status),
-                        bytes: if sent.is_ok() { body_len(&resp) } else { 0 },
-                        duration: started.elapsed(),
-                        user_agent: None,
-                        referer: None,
-                        plane: tls.plane().as_str(),
-                        server_name: tls.info().server_name.as_deref(),
-                        backend: None,
-                        outcome: Some(&why),
-                    });
+                        status,
+                        bytes,
+                        started.elapsed(),
+                        &why,
+                    ));
                 }
                 sent?;
                 return Box::pin(tls.close()).await.map(|()| Served::Done);

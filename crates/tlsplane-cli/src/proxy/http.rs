@@ -212,24 +212,19 @@ async fn read_request(
                 if let (Some(log), Some(started)) = (&proxy.access_log, started) {
                     // Refused unparsed: no request fields, the reason instead.
                     let why = e.to_string();
-                    log.write(&Entry {
+                    let bytes = if sent.is_ok() {
+                        error_body_len(e.status())
+                    } else {
+                        0
+                    };
+                    log.write(&Entry::refused(
+                        tls,
                         peer,
-                        host: None,
-                        request: None,
-                        status: Some(e.status()),
-                        bytes: if sent.is_ok() {
-                            error_body_len(e.status())
-                        } else {
-                            0
-                        },
-                        duration: started.elapsed(),
-                        user_agent: None,
-                        referer: None,
-                        plane: tls.plane().as_str(),
-                        server_name: tls.info().server_name.as_deref(),
-                        backend: None,
-                        outcome: Some(&why),
-                    });
+                        e.status(),
+                        bytes,
+                        started.elapsed(),
+                        &why,
+                    ));
                 }
                 return Err(Ended::ClientError);
             }

@@ -618,15 +618,6 @@ fn a_client_refused_by_its_own_rate_evicts_nobody() {
     assert_eq!(stats["limit_client_handshake_rate"], 20, "{stats:?}");
 }
 
-/// Plain HTTP GET of the admin endpoint: the response, whole.
-fn admin_get(port: u16, path: &str) -> String {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("admin connect");
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").expect("send");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read");
-    out
-}
-
 #[test]
 fn many_sources_fill_the_client_table_to_its_size_and_new_clients_are_still_served() {
     const SIZE: u64 = 64;
@@ -665,7 +656,7 @@ fn many_sources_fill_the_client_table_to_its_size_and_new_clients_are_still_serv
         served_from(Ipv4Addr::new(127, 0, 1, 0), port),
         "a forgotten client was refused"
     );
-    let metrics = admin_get(admin_port, "/metrics");
+    let metrics = crate::metrics::http_get(admin_port, "/metrics");
     assert!(
         metrics.contains("# TYPE tlsplane_client_table_size gauge")
             && metrics.contains(&format!("\ntlsplane_client_table_size {SIZE}\n")),

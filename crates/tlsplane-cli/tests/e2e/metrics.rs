@@ -48,7 +48,8 @@ fn value(m: &serde_json::Map<String, serde_json::Value>, key: &str) -> f64 {
         .unwrap_or_else(|| panic!("no sample {key} in /metrics: {:?}", m.keys()))
 }
 
-fn http_get(port: u16, path: &str) -> String {
+/// Plain HTTP GET of the admin endpoint: the response, whole.
+pub fn http_get(port: u16, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("admin connect");
     write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").expect("send");
     let mut out = String::new();
