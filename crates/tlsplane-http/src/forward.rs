@@ -674,7 +674,7 @@ pub struct BodyFraming {
     name_len: usize,
 }
 
-/// More than the longest name in [`FORBIDDEN_TRAILERS`].
+/// More than the longest name in [`FORBIDDEN_TRAILERS`] and [`FORWARDING_FIELDS`].
 const TRAILER_NAME_SEEN: usize = 24;
 
 /// Fields a trailer may not carry (RFC 9110 §6.5.1): framing, routing, request modifiers,
@@ -716,12 +716,7 @@ const FORBIDDEN_TRAILERS: &[&str] = &[
     "content-encoding",
     "content-type",
     "content-range",
-    "forwarded",
-    "x-forwarded-for",
-    "x-forwarded-proto",
-    "x-forwarded-host",
-    "x-forwarded-port",
-    "x-real-ip",
+    // and FORWARDING_FIELDS, checked beside this list.
 ];
 
 /// A token character (RFC 9110 §5.6.2), as a field name is made of.
@@ -895,9 +890,10 @@ impl BodyFraming {
                 (State::TrailerName, b':') => {
                     let seen = &self.name[..self.name_len.min(TRAILER_NAME_SEEN)];
                     if self.name_len <= TRAILER_NAME_SEEN
-                        && FORBIDDEN_TRAILERS
+                        && (FORBIDDEN_TRAILERS
                             .iter()
                             .any(|f| same_field_loosely(seen, f))
+                            || is_forwarding_field(seen))
                     {
                         return Err(BadBody::Trailer);
                     }

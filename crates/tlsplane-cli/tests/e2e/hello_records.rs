@@ -4,7 +4,6 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::support::client::{tcp_connect, ClientOpts, Tls, TlsClient};
@@ -46,18 +45,7 @@ fn cpu_per_connection(pid: u32, n: u32, deadline: Instant, mut one: impl FnMut()
 /// A real rustls ClientHello (TLS 1.3, X25519MLKEM768 key share) padded with a padding
 /// extension to `size` bytes of handshake message, without its record header.
 fn padded_client_hello(size: usize) -> Vec<u8> {
-    let config: Arc<rustls::ClientConfig> = ClientOpts::version(Tls::V13).config();
-    let mut conn = rustls::ClientConnection::new(
-        config,
-        rustls_pki_types::ServerName::try_from("localhost")
-            .expect("name")
-            .to_owned(),
-    )
-    .expect("client");
-    let mut wire = Vec::new();
-    while conn.wants_write() {
-        conn.write_tls(&mut wire).expect("write_tls");
-    }
+    let wire = crate::mutated_hellos::client_hello(Tls::V13);
     assert_eq!(wire[0], 22, "one handshake record");
     let mut msg = wire[5..].to_vec();
     // The extension list's length: after version and random (34), session id, suites and

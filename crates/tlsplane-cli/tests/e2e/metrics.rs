@@ -48,6 +48,19 @@ fn value(m: &serde_json::Map<String, serde_json::Value>, key: &str) -> f64 {
         .unwrap_or_else(|| panic!("no sample {key} in /metrics: {:?}", m.keys()))
 }
 
+/// The port of a server's admin endpoint (`--admin 127.0.0.1:0`), from its start-up line.
+pub fn admin_port(server: &Server) -> u16 {
+    server
+        .stderr_lines()
+        .iter()
+        .find_map(|l| {
+            l.strip_prefix("admin endpoint on http://127.0.0.1:")
+                .and_then(|r| r.strip_suffix("/metrics"))
+                .and_then(|p| p.parse().ok())
+        })
+        .expect("the server printed its admin address")
+}
+
 /// Plain HTTP GET of the admin endpoint: the response, whole.
 pub fn http_get(port: u16, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("admin connect");
@@ -66,15 +79,7 @@ fn metrics_move_with_traffic_and_agree_with_stats() {
         panic!("this test needs Python's prometheus_client (apt-get install python3-prometheus-client)");
     };
     let server = Server::builder().arg("--admin").arg("127.0.0.1:0").start();
-    let admin_port: u16 = server
-        .stderr_lines()
-        .iter()
-        .find_map(|l| {
-            l.strip_prefix("admin endpoint on http://127.0.0.1:")
-                .and_then(|r| r.strip_suffix("/metrics"))
-                .and_then(|p| p.parse().ok())
-        })
-        .expect("the server printed its admin address");
+    let admin_port = admin_port(&server);
     let url = format!("http://127.0.0.1:{admin_port}/metrics");
     let before = scrape(py, &url);
 

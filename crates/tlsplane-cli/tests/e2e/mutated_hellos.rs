@@ -29,7 +29,7 @@ impl Rng {
 }
 
 /// The first flight of a real rustls client (one ClientHello record).
-fn client_hello(v: Tls) -> Vec<u8> {
+pub fn client_hello(v: Tls) -> Vec<u8> {
     let config: Arc<rustls::ClientConfig> = ClientOpts::version(v).config();
     let mut conn = rustls::ClientConnection::new(
         config,
