@@ -57,6 +57,8 @@ fn waits<W>(slots: &[Option<Waiting<W>>], t: u64) -> bool {
 pub struct Lobby<W> {
     inner: Mutex<Inner<W>>,
     registry: mio::Registry,
+    /// Wakes the watcher's deadline ticks when the lobby stops being empty.
+    entered: tokio::sync::Notify,
 }
 
 impl<W> Lobby<W> {
@@ -72,6 +74,7 @@ impl<W> Lobby<W> {
                 generation: 0,
             }),
             registry,
+            entered: tokio::sync::Notify::new(),
         };
         Ok((Arc::new(lobby), poll))
     }
@@ -107,6 +110,9 @@ impl<W> Lobby<W> {
             generation,
         });
         inner.order.push_back((Instant::now(), t));
+        if inner.order.len() == 1 {
+            self.entered.notify_one();
+        }
         // Entries of connections that left stay in `order` until they reach its front; behind
         // one that stays (a long deadline), they would pile up. Dropped once they outnumber
         // those still waiting: amortised O(1) per connection, `order` at most twice the lobby.
@@ -216,6 +222,9 @@ impl<W> Lobby<W> {
         let mut ticker = tokio::time::interval(tick.max(Duration::from_millis(1)));
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            // Ticks only while someone waits: an idle server's loop sleeps (each tick costs
+            // it a wakeup, and tokio a write to its own eventfd to re-arm the timer).
+            let empty = self.lock().order.is_empty();
             tokio::select! {
                 r = poll.readable_mut() => {
                     let Ok(mut guard) = r else { break };
@@ -232,12 +241,13 @@ impl<W> Lobby<W> {
                         .is_ok()
                     {}
                 }
-                _ = ticker.tick() => {
+                _ = ticker.tick(), if !empty => {
                     let n = self.expire(first_byte);
                     if n > 0 {
                         on_expired(n);
                     }
                 }
+                _ = self.entered.notified(), if empty => {}
                 _ = stop.changed() => break,
             }
         }

@@ -533,6 +533,19 @@ fn current_thread_runtime() -> Option<tokio::runtime::Runtime> {
     }
 }
 
+/// Keeps a timer pending in the event loop that is always due sooner than the per-connection
+/// deadlines (handshake, idle, header and lingering timeouts, all 1 s or more by default).
+/// Why: tokio writes to its own eventfd whenever a new timer becomes the loop's earliest, even
+/// from the loop's own thread; on a quiet loop every connection's first deadline did, one
+/// `write(2)` (and the wakeup it causes) per connection. The anchor costs a wakeup a second.
+fn spawn_timer_anchor() {
+    tokio::spawn(async {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+}
+
 /// One unit of a count for as long as it lives (however the task holding it ends).
 struct Counted(Arc<AtomicUsize>);
 impl Counted {
@@ -590,7 +603,8 @@ struct HandshakeStart<H: Handler> {
 
 impl<H: Handler> HandshakeStart<H> {
     /// Spawns the task of a connection whose first byte (or end) has arrived.
-    fn start(&self, tcp: std::net::TcpStream, a: Arriving) {
+    /// `received`: its first bytes, when they were read at accept.
+    fn start(&self, tcp: std::net::TcpStream, a: Arriving, received: Option<tlsplane::Received>) {
         let (s, to_conn, stop) = (self.shared.clone(), self.to_conn.clone(), self.stop.clone());
         let entry = self.pre_hello.enter();
         let (post_hello, full) = (self.post_hello.clone(), self.full.clone());
@@ -612,7 +626,7 @@ impl<H: Handler> HandshakeStart<H> {
             // The handshake's state is boxed and freed before the handler's is allocated.
             contain_panics(&stats, async move {
                 let Some((tls, handler)) = Box::pin(handshake(
-                    tcp, peer, &s, &mut guard, full, entry, post_hello,
+                    tcp, peer, received, &s, &mut guard, full, entry, post_hello,
                 ))
                 .await
                 else {
@@ -632,17 +646,6 @@ fn evict_oldest_unspoken(lobby: &crate::lobby::Lobby<Arriving>, pre_hello: &Evic
         (Some(a), Some(b)) if b < a => pre_hello.evict_oldest(),
         (Some(_), _) => lobby.evict_oldest(),
         (None, _) => pre_hello.evict_oldest(),
-    }
-}
-
-/// Whether a just-accepted connection has sent something (or ended) already: then it goes
-/// straight to its handshake, else to the lobby. `None`: it failed (drop it).
-fn spoke_already(tcp: &std::net::TcpStream) -> Option<bool> {
-    tcp.set_nonblocking(true).ok()?;
-    match tcp.peek(&mut [0u8; 1]) {
-        Ok(_) => Some(true),
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Some(false),
-        Err(_) => None,
     }
 }
 
@@ -675,6 +678,7 @@ fn handshake_loop<H: Handler>(
         post_hello: Arc::new(EvictionList::default()),
     });
     rt.block_on(async move {
+        spawn_timer_anchor();
         let (lobby, poll) = match crate::lobby::Lobby::<Arriving>::new()
             .and_then(|(l, p)| Ok((l, tlsplane_sys::async_epoll(p)?)))
         {
@@ -692,7 +696,7 @@ fn handshake_loop<H: Handler>(
                 // At --first-byte-timeout 0 the handshake deadline still applies to a
                 // connection that never speaks (and it counts as a handshake timeout).
                 first_byte_deadline.unwrap_or(shared.config.handshake_timeout),
-                move |tcp, a| starter.start(tcp, a),
+                move |tcp, a| starter.start(tcp, a, None),
                 move |n| {
                     let counter = match first_byte_deadline {
                         Some(_) => &stats.first_byte_timeouts,
@@ -783,14 +787,16 @@ fn handshake_loop<H: Handler>(
                                     },
                                     counted: Counted::new(handshaking.clone()),
                                 };
-                                match spoke_already(&tcp) {
-                                    Some(true) => starter.start(tcp, arriving),
-                                    Some(false) => {
+                                // A connection that has spoken (or ended) goes straight to its
+                                // handshake, with what it sent; a silent one to the lobby.
+                                match tlsplane::Received::read(&tcp) {
+                                    Ok(Some(received)) => starter.start(tcp, arriving, Some(received)),
+                                    Ok(None) => {
                                         if let Err(e) = lobby.enter(tcp, arriving) {
                                             tracing::debug!(%peer, error = %e, "lobby registration failed");
                                         }
                                     }
-                                    None => {}
+                                    Err(_) => {}
                                 }
                             }
                             Err(e) => {
@@ -976,15 +982,19 @@ async fn accept_unregistered(
 ) -> std::io::Result<(std::net::TcpStream, SocketAddr)> {
     loop {
         let mut ready = l.readable().await?;
-        if let Ok(r) = ready.try_io(|l| l.get_ref().accept()) {
+        if let Ok(r) = ready
+            .try_io(|l| tlsplane_sys::accept_nonblocking(std::os::fd::AsFd::as_fd(l.get_ref())))
+        {
             return r;
         }
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn handshake<H: Handler>(
     tcp: tokio::net::TcpStream,
     peer: SocketAddr,
+    received: Option<tlsplane::Received>,
     shared: &Shared<H>,
     guard: &mut Admitted,
     full: Arc<AtomicUsize>,
@@ -1020,7 +1030,9 @@ async fn handshake<H: Handler>(
     };
     let accept = tokio::time::timeout(
         shared.config.handshake_timeout,
-        generation.acceptor.accept_with(tcp, &mut admit),
+        generation
+            .acceptor
+            .accept_received(tcp, received, &mut admit),
     );
     let accepted = tokio::select! {
         r = accept => r,
@@ -1115,6 +1127,7 @@ fn connection_loop<H: Handler>(
         return;
     };
     rt.block_on(async move {
+        spawn_timer_anchor();
         let start = |(d, peer, parked, guard, handler): Established<H, H::Parked>| {
             let (s, stop) = (shared.clone(), stop.clone());
             tokio::spawn(async move {

@@ -64,5 +64,7 @@ mod shutdown;
 mod sites;
 #[path = "e2e/suites.rs"]
 mod suites;
+#[path = "e2e/syscalls.rs"]
+mod syscalls;
 #[path = "e2e/traversal.rs"]
 mod traversal;

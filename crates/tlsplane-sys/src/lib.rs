@@ -675,6 +675,53 @@ pub fn send_more(sock: BorrowedFd<'_>, data: &[u8]) -> io::Result<usize> {
     })
 }
 
+/// `accept4(2)` with `SOCK_NONBLOCK | SOCK_CLOEXEC`: the connection comes out non-blocking,
+/// without the `ioctl(FIONBIO)` per connection that `std`'s accept and `set_nonblocking` cost.
+pub fn accept_nonblocking(
+    listener: BorrowedFd<'_>,
+) -> io::Result<(std::net::TcpStream, std::net::SocketAddr)> {
+    // SAFETY: an all-zero sockaddr_storage is a valid (unspecified) address.
+    let mut addr: libc::sockaddr_storage = unsafe { zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // SAFETY: `addr` and `len` are valid and exclusive for the call, and `len` holds the size
+    // of `addr`; the kernel writes at most that many bytes.
+    let fd = cvt(unsafe {
+        libc::accept4(
+            listener.as_raw_fd(),
+            &mut addr as *mut libc::sockaddr_storage as *mut libc::sockaddr,
+            &mut len,
+            libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+        )
+    })?;
+    // SAFETY: accept4 returned a new descriptor that nothing else owns.
+    let tcp = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+    let peer = match addr.ss_family as libc::c_int {
+        libc::AF_INET => {
+            // SAFETY: the family says the storage holds a sockaddr_in, which it is large
+            // and aligned enough for.
+            let a =
+                unsafe { &*(&addr as *const libc::sockaddr_storage as *const libc::sockaddr_in) };
+            std::net::SocketAddr::from((
+                std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
+                u16::from_be(a.sin_port),
+            ))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: as above, for a sockaddr_in6.
+            let a =
+                unsafe { &*(&addr as *const libc::sockaddr_storage as *const libc::sockaddr_in6) };
+            std::net::SocketAddr::V6(std::net::SocketAddrV6::new(
+                std::net::Ipv6Addr::from(a.sin6_addr.s6_addr),
+                u16::from_be(a.sin6_port),
+                a.sin6_flowinfo,
+                a.sin6_scope_id,
+            ))
+        }
+        _ => tcp.peer_addr()?,
+    };
+    Ok((tcp, peer))
+}
+
 /// Registers a listening socket with the current tokio runtime (call it inside one) for
 /// readiness only, so that connections can be accepted without being registered themselves:
 /// a connection refused by a limit then costs accept(2) and close(2), not two epoll_ctl calls

@@ -30,6 +30,9 @@ pub(crate) const MAX_RECORD_LEN: usize = HEADER_LEN + 16384 + 2048;
 pub(crate) struct Incoming {
     pub(crate) buf: Vec<u8>,
     pub(crate) used: usize,
+    /// An error a non-blocking read met (`try_read_more`), for the next read to report: the
+    /// kernel reports a reset once.
+    error: Option<io::Error>,
 }
 
 /// Input buffer size to start with: a ClientHello (~1.5 KB with a post-quantum key share) or
@@ -41,6 +44,22 @@ impl Incoming {
         Self {
             buf: vec![0; INCOMING_START],
             used: 0,
+            error: None,
+        }
+    }
+
+    /// One non-blocking read of a connection's first bytes, on the socket as accepted (not yet
+    /// registered with an event loop). `None`: nothing has arrived yet.
+    pub(crate) fn read_first(tcp: &std::net::TcpStream) -> io::Result<Option<Self>> {
+        use std::io::Read;
+        let mut first = Self::new();
+        match (&*tcp).read(&mut first.buf) {
+            Ok(n) => {
+                first.used = n;
+                Ok(Some(first))
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e),
         }
     }
 
@@ -95,7 +114,45 @@ impl Incoming {
     }
 
     /// Greedy read for the user plane, where nothing is handed to the kernel.
+    /// One non-blocking read for the user plane, without waiting for readiness: what a
+    /// `FIONREAD` would tell, with the bytes read as well. `None`: nothing has arrived;
+    /// `Some(0)`: the end, or an error kept for `read_more` to report.
+    pub(crate) fn try_read_more(&mut self, sock: &TcpStream) -> io::Result<Option<usize>> {
+        use std::io::Read;
+        if self.buf.is_empty() {
+            self.buf = vec![0; INCOMING_START];
+        }
+        if self.buf.len() - self.used < 1024 {
+            let grow = (self.buf.len() * 2).min(4 * MAX_RECORD_LEN);
+            self.buf.resize(grow.max(self.used + 1024), 0);
+        }
+        // Past tokio's readiness: it may say "not ready" for bytes that arrived since the
+        // event loop last looked.
+        match (&*socket2::SockRef::from(sock)).read(&mut self.buf[self.used..]) {
+            Ok(n) => {
+                self.used += n;
+                Ok(Some(n))
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                // And it may say "ready" from an event already consumed: clear that, so that
+                // a wait that follows waits for the next arrival instead of returning at once.
+                let _ = sock.try_io(tokio::io::Interest::READABLE, || {
+                    Err::<(), _>(io::ErrorKind::WouldBlock.into())
+                });
+                self.release();
+                Ok(None)
+            }
+            Err(e) => {
+                self.error = Some(e);
+                Ok(Some(0))
+            }
+        }
+    }
+
     pub(crate) async fn read_more(&mut self, sock: &TcpStream) -> io::Result<usize> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
         if self.buf.is_empty() {
             // Released while idle: allocate only once there is something to read.
             sock.readable().await?;
@@ -136,15 +193,36 @@ pub(crate) async fn write_all_with(
     mut send: impl FnMut(&[u8]) -> io::Result<usize>,
 ) -> io::Result<()> {
     while !buf.is_empty() {
-        sock.writable().await?;
-        match sock.try_io(tokio::io::Interest::WRITABLE, || send(buf)) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => buf = &buf[n..],
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
+        match send_with(sock, || send(buf)).await? {
+            0 => return Err(io::ErrorKind::WriteZero.into()),
+            n => buf = &buf[n..],
         }
     }
     Ok(())
+}
+
+/// Runs `send`, a non-blocking send of some kind on `sock`, until it does not meet
+/// WouldBlock, waiting for writability in between. The first try goes ahead without asking
+/// tokio: a socket's send buffer usually has room, and a socket new to the event loop has no
+/// readiness recorded until its first event, so asking first cost an `epoll_wait` per
+/// connection for nothing.
+pub(crate) async fn send_with<T>(
+    sock: &TcpStream,
+    mut send: impl FnMut() -> io::Result<T>,
+) -> io::Result<T> {
+    match send() {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+        r => return r,
+    }
+    loop {
+        // Readiness recorded before the WouldBlock above may be stale: the try below then
+        // meets WouldBlock again and clears it.
+        sock.writable().await?;
+        match sock.try_io(tokio::io::Interest::WRITABLE, &mut send) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            r => return r,
+        }
+    }
 }
 
 /// Appends an encoded TLS message from rustls to `out`, growing it as rustls asks.
@@ -293,7 +371,8 @@ pub(crate) async fn receive_hello(
     incoming: &mut Incoming,
     mut gate: Gate<'_>,
 ) -> Result<Option<HelloInfo>, Error> {
-    if incoming.read_more(sock).await? == 0 {
+    // Usually read already, right after accept (see `Received`).
+    if incoming.used == 0 && incoming.read_more(sock).await? == 0 {
         return Err(Error::PeerClosedInHandshake);
     }
     if let Some(resp) = gate.plain_http_response {

@@ -28,4 +28,4 @@ pub use config::{Acceptor, DataPlanePolicy, ServerOptions, SiteTls};
 pub use error::Error;
 pub use linger::Linger;
 pub use plane::PlaneKind;
-pub use stream::{DetachedTlsStream, Spliced, TlsStream};
+pub use stream::{DetachedTlsStream, Received, Spliced, TlsStream};

@@ -70,6 +70,21 @@ pub struct TlsStream {
     write_shut: bool,
 }
 
+/// A connection's first bytes, read right after accept: when the ClientHello is already
+/// there (it usually is, it comes right behind the TCP handshake), this read replaces both the
+/// look at whether the client spoke and the handshake's first wait for readiness (an
+/// `epoll_wait` and a read each).
+pub struct Received(Incoming);
+
+impl Received {
+    /// One non-blocking read on an accepted, non-blocking socket. `Ok(None)`: nothing has
+    /// arrived yet. A connection that has ended gives an empty `Received` (its handshake then
+    /// reports the end).
+    pub fn read(tcp: &std::net::TcpStream) -> io::Result<Option<Received>> {
+        Ok(Incoming::read_first(tcp)?.map(Received))
+    }
+}
+
 impl Acceptor {
     /// Runs the TLS handshake on an accepted TCP connection and sets up its data plane.
     ///
@@ -88,8 +103,18 @@ impl Acceptor {
         sock: TcpStream,
         admit: &mut (dyn FnMut(&HelloInfo) -> bool + Send),
     ) -> Result<TlsStream, Error> {
+        self.accept_received(sock, None, admit).await
+    }
+
+    /// As [`Acceptor::accept_with`], for a connection whose first bytes were read already.
+    pub async fn accept_received(
+        &self,
+        sock: TcpStream,
+        received: Option<Received>,
+        admit: &mut (dyn FnMut(&HelloInfo) -> bool + Send),
+    ) -> Result<TlsStream, Error> {
         let started = Instant::now();
-        let mut incoming = Incoming::new();
+        let mut incoming = received.map_or_else(Incoming::new, |r| r.0);
         let gate = handshake::Gate {
             plain_http_response: self.plain_http_response.as_deref(),
             max_client_hello: self.max_client_hello,
@@ -345,11 +370,13 @@ impl TlsStream {
     }
 
     /// Whether a read would return at once rather than wait for the peer: input buffered in
-    /// the record layer, or bytes in the socket's receive queue. Costs at most one `FIONREAD`
-    /// (a peer's EOF alone does not count: the read that finds it may as well come later).
+    /// the record layer, or bytes in the socket's receive queue. Costs at most one system
+    /// call: on the user plane a non-blocking read into the record layer (which also finds
+    /// the peer's end), on the kernel plane a `FIONREAD` (a peer's EOF alone does not count
+    /// there: the read that finds it may as well come later).
     pub fn input_pending(&mut self) -> bool {
         let buffered = match &mut self.plane {
-            Plane::User(u) => u.has_buffered_input(),
+            Plane::User(u) => return u.input_ready(&self.sock),
             Plane::Kernel(k) => k.has_buffered_input() || !self.small.is_empty(),
         };
         if buffered {
@@ -371,19 +398,8 @@ impl TlsStream {
             if matches!(self.plane, Plane::Kernel(_)) {
                 return Ok(());
             }
-            // Readiness is kept until an operation meets EAGAIN, so it may be stale: a peek
-            // that would block clears it. A byte (a record is coming) or the end: the read
-            // will see it. An error is returned here: the kernel reports it once, and a read
-            // after this peek would take a reset for a clean end.
-            let probe = self.sock.try_io(tokio::io::Interest::READABLE, || {
-                let mut byte = [std::mem::MaybeUninit::<u8>::uninit()];
-                socket2::SockRef::from(&self.sock).peek(&mut byte)
-            });
-            match probe {
-                Ok(_) => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
-            }
+            // Readiness may be stale on the user plane: the read in `input_pending` finds
+            // out, and clears it when nothing came.
         }
     }
 
@@ -584,21 +600,36 @@ impl TlsStream {
     /// write side's shutdown (unless [`shutdown`](Self::shutdown) did them already), then,
     /// unless the client's input has ended, reads and drops what the client still sends until
     /// it closes or a deadline passes (see [`crate::linger`]), holding no buffer meanwhile.
+    /// When the client's input has ended already, the FIN is left to the descriptor's close:
+    /// drop the stream right after.
     /// Dropping a socket with unread input instead makes the kernel reset the connection, and
     /// the reset destroys the response still queued. Nothing can be read or written after.
     ///
     /// A connection to be reset on purpose (`SO_LINGER` 0) must be dropped, not closed.
     pub async fn close(&mut self) -> io::Result<()> {
+        let ended = |s: &Self| {
+            s.read_ended
+                || s.peer_closed
+                || match &s.plane {
+                    Plane::Kernel(k) => k.read_closed(),
+                    Plane::User(u) => u.peer_closed(),
+                }
+        };
         if !self.write_shut {
-            self.shutdown().await?;
+            if ended(self) {
+                // Nothing to linger for: the close of the descriptor (when the stream is
+                // dropped) sends the FIN, with the close_notify still held back by MSG_MORE
+                // if it can, one `shutdown(2)` fewer per connection.
+                match &mut self.plane {
+                    Plane::User(u) => u.close_notify(&self.sock).await?,
+                    Plane::Kernel(k) => k.shutdown(&self.sock).await?,
+                }
+                self.write_shut = true;
+            } else {
+                self.shutdown().await?;
+            }
         }
-        let ended = self.read_ended
-            || self.peer_closed
-            || match &self.plane {
-                Plane::Kernel(k) => k.read_closed(),
-                Plane::User(_) => false,
-            };
-        if ended {
+        if ended(self) {
             return Ok(());
         }
         self.small = Pending::default();

@@ -14,7 +14,7 @@ use tokio::io::Interest;
 use tokio::net::TcpStream;
 
 use crate::buf::Pending;
-use crate::handshake::write_all_with;
+use crate::handshake::{send_with, write_all_with};
 use crate::stats::{bump, global};
 use crate::Error;
 
@@ -496,21 +496,17 @@ impl KernelPlane {
     ) -> io::Result<()> {
         while !data.is_empty() {
             let allowed = self.before_write(sock, data.len().min(1 << 20)).await?;
-            sock.writable().await?;
             let chunk = &data[..allowed];
-            let r = if more {
-                sock.try_io(Interest::WRITABLE, || sys::send_more(sock.as_fd(), chunk))
-            } else {
-                sock.try_write(chunk)
-            };
-            match r {
-                Ok(n) => {
-                    self.tx_records.wrote(n);
-                    data = &data[n..];
+            let n = send_with(sock, || {
+                if more {
+                    sys::send_more(sock.as_fd(), chunk)
+                } else {
+                    socket2::SockRef::from(sock).send(chunk)
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
-            }
+            })
+            .await?;
+            self.tx_records.wrote(n);
+            data = &data[n..];
         }
         Ok(())
     }
@@ -528,10 +524,11 @@ impl KernelPlane {
             let want = self
                 .before_write(sock, (end - offset).min(1 << 22) as usize)
                 .await?;
-            sock.writable().await?;
-            match sock.try_io(Interest::WRITABLE, || {
+            match send_with(sock, || {
                 sys::sendfile(sock.as_fd(), file.as_fd(), &mut offset, want)
-            }) {
+            })
+            .await
+            {
                 Ok(0) => {
                     return Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
@@ -539,7 +536,6 @@ impl KernelPlane {
                     ))
                 }
                 Ok(n) => self.tx_records.wrote(n),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e),
             }
         }
@@ -594,10 +590,7 @@ impl KernelPlane {
     ) -> io::Result<()> {
         while len > 0 {
             let allowed = self.before_write(sock, len).await?;
-            sock.writable().await?;
-            match sock.try_io(Interest::WRITABLE, || {
-                sys::splice(pipe, sock.as_fd(), allowed)
-            }) {
+            match send_with(sock, || sys::splice(pipe, sock.as_fd(), allowed)).await {
                 Ok(0) => {
                     return Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
@@ -608,7 +601,6 @@ impl KernelPlane {
                     self.tx_records.wrote(n);
                     len -= n;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e),
             }
         }

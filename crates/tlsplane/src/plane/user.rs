@@ -181,20 +181,20 @@ impl UserPlane {
     /// Writes `out`. Cancel-safe: progress is kept in `out_sent` after every send.
     async fn flush(&mut self, sock: &TcpStream) -> io::Result<()> {
         while self.out_sent < self.out.filled().len() {
-            sock.writable().await?;
             let rest = &self.out.filled()[self.out_sent..];
-            let sent = sock.try_io(tokio::io::Interest::WRITABLE, || {
-                if self.final_writes {
+            let final_writes = self.final_writes;
+            let sent = crate::handshake::send_with(sock, || {
+                if final_writes {
                     // Full segments still leave at once; only the tail waits for what follows.
                     tlsplane_sys::send_more(std::os::fd::AsFd::as_fd(sock), rest)
                 } else {
                     socket2::SockRef::from(sock).send(rest)
                 }
-            });
+            })
+            .await;
             match sent {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => self.out_sent += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e),
             }
         }
@@ -236,6 +236,17 @@ impl UserPlane {
             }
         }
         !self.plain.is_empty() || self.incoming.used > 0 || self.peer_closed
+    }
+
+    /// Whether a read would return at once: buffered input (see `has_buffered_input`), else
+    /// one non-blocking read of the socket into the record layer (cheaper than asking the
+    /// kernel how much is queued and then reading it). The end, or an error, counts as input:
+    /// the read reports it.
+    pub(crate) fn input_ready(&mut self, sock: &TcpStream) -> bool {
+        if self.has_buffered_input() {
+            return true;
+        }
+        !matches!(self.incoming.try_read_more(sock), Ok(None))
     }
 
     pub(crate) async fn read(&mut self, sock: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
@@ -358,13 +369,24 @@ impl UserPlane {
     /// close_notify, then FIN. The alert goes out with MSG_MORE so that the FIN of the
     /// shutdown(2) right after joins its segment (and, after `final_writes`, the tail of the
     /// last response too): one segment where there were up to three.
-    pub(crate) async fn shutdown(&mut self, sock: &TcpStream) -> io::Result<()> {
+    /// The peer sent close_notify: nothing more may come from it.
+    pub(crate) fn peer_closed(&self) -> bool {
+        self.peer_closed
+    }
+
+    /// Sends close_notify, held back with `MSG_MORE` for the FIN that follows (by `shutdown`,
+    /// or by the descriptor's close).
+    pub(crate) async fn close_notify(&mut self, sock: &TcpStream) -> io::Result<()> {
         match self.pump(None, true) {
             Ok(_) => {}
             Err(e) => return Err(self.fail(sock, e).await),
         }
         self.final_writes = true;
-        self.flush(sock).await?;
+        self.flush(sock).await
+    }
+
+    pub(crate) async fn shutdown(&mut self, sock: &TcpStream) -> io::Result<()> {
+        self.close_notify(sock).await?;
         match socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write) {
             // A peer that already closed may have reset the connection by now.
             Err(e) if self.peer_closed && e.kind() == io::ErrorKind::NotConnected => Ok(()),
