@@ -194,11 +194,12 @@ counters! {
     lingering_bytes,
 }
 
-/// Connections open now, by plane: gauges (they go down), apart from the counters.
+/// Connections open now, by plane: gauges (they go down), apart from the counters. A
+/// connection usually opens on a handshake thread and closes on a connection thread.
 #[derive(Default)]
 pub struct OpenByPlane {
-    pub kernel: std::sync::atomic::AtomicI64,
-    pub user: std::sync::atomic::AtomicI64,
+    pub kernel: Counter,
+    pub user: Counter,
 }
 
 /// The process-wide open-connection gauges.
@@ -216,7 +217,7 @@ impl OpenGuard {
         OpenGuard(plane)
     }
 
-    fn gauge(plane: crate::PlaneKind) -> &'static std::sync::atomic::AtomicI64 {
+    fn gauge(plane: crate::PlaneKind) -> &'static Counter {
         match plane {
             crate::PlaneKind::Kernel => &open_by_plane().kernel,
             crate::PlaneKind::User => &open_by_plane().user,
