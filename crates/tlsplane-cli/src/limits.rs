@@ -25,9 +25,11 @@ use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use tlsplane::stats::Counter;
 
 /// Limits, as flags (`serve` and later `proxy` flatten these). 0 means unlimited.
 #[derive(clap::Args, Debug, Clone)]
@@ -204,17 +206,17 @@ pub enum Refusal {
 /// One counter per [`Refusal`].
 #[derive(Default)]
 pub struct LimitStats {
-    pub max_connections: AtomicU64,
-    pub handshakes_per_worker: AtomicU64,
-    pub client_connections: AtomicU64,
-    pub client_handshake_rate: AtomicU64,
-    pub client_incomplete: AtomicU64,
-    pub full_handshakes_per_worker: AtomicU64,
-    pub client_resumed_rate: AtomicU64,
-    pub client_hello_size: AtomicU64,
-    pub client_hello_records: AtomicU64,
+    pub max_connections: Counter,
+    pub handshakes_per_worker: Counter,
+    pub client_connections: Counter,
+    pub client_handshake_rate: Counter,
+    pub client_incomplete: Counter,
+    pub full_handshakes_per_worker: Counter,
+    pub client_resumed_rate: Counter,
+    pub client_hello_size: Counter,
+    pub client_hello_records: Counter,
     /// Times a client address was put on the listeners' drop filter (--client-block).
-    pub client_blocks: AtomicU64,
+    pub client_blocks: Counter,
     /// The per-client table's counters, shared with the table.
     pub client_table: Arc<TableStats>,
 }
@@ -223,14 +225,14 @@ pub struct LimitStats {
 #[derive(Default)]
 pub struct TableStats {
     /// Addresses in it now (a gauge).
-    pub size: AtomicU64,
+    pub size: Counter,
     /// Addresses forgotten to make room for a new one.
-    pub evictions: AtomicU64,
+    pub evictions: Counter,
     /// Of those, addresses whose budgets had not refilled (they got them back).
-    pub hot_evictions: AtomicU64,
+    pub hot_evictions: Counter,
     /// Connections admitted without per-client limits: the table was full of addresses with
     /// connections open.
-    pub untracked: AtomicU64,
+    pub untracked: Counter,
 }
 
 impl LimitStats {

@@ -22,12 +22,13 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use futures_util::FutureExt;
+use tlsplane::stats::Counter;
 use tlsplane::{Acceptor, DetachedTlsStream, TlsStream};
 
 use crate::limits::{self, Admission, LimitArgs, LimitStats, Ticket};
@@ -57,37 +58,37 @@ pub struct RuntimeConfig {
 #[derive(Default)]
 pub struct RuntimeStats {
     /// TCP connections accepted.
-    pub connections: AtomicU64,
+    pub connections: Counter,
     /// Handshakes that failed (the TLS layer counts why).
-    pub handshake_errors: AtomicU64,
+    pub handshake_errors: Counter,
     /// Handshakes that did not finish within the handshake timeout.
-    pub handshake_timeouts: AtomicU64,
+    pub handshake_timeouts: Counter,
     /// Connections closed because they sent nothing before the first-byte deadline.
-    pub first_byte_timeouts: AtomicU64,
+    pub first_byte_timeouts: Counter,
     /// Connection or handshake tasks that panicked (a bug: the network must never cause one).
-    pub task_panics: AtomicU64,
+    pub task_panics: Counter,
     /// Connections refused by a limit, by kind.
     pub limits: LimitStats,
     /// Connections accepted and not yet closed, whichever loop holds them.
     pub open: Arc<AtomicUsize>,
     /// Idle keep-alive connections closed to make room under --max-connections.
-    pub idle_evicted: AtomicU64,
+    pub idle_evicted: Counter,
     /// Connections accepted with the spare descriptor and reset at once because the process
     /// (EMFILE) or the system (ENFILE) was out of descriptors.
-    pub accept_emfile: AtomicU64,
+    pub accept_emfile: Counter,
     /// Handshakes in progress closed to make room under --max-handshakes-per-worker.
-    pub handshakes_evicted: AtomicU64,
+    pub handshakes_evicted: Counter,
     /// Configuration reloads that took effect.
-    pub reloads: AtomicU64,
+    pub reloads: Counter,
     /// Configuration reloads that failed (the previous configuration stayed in force).
-    pub reload_failures: AtomicU64,
+    pub reload_failures: Counter,
     /// Key daemons restarted after they died or were found stuck.
-    pub keyd_restarts: AtomicU64,
+    pub keyd_restarts: Counter,
     /// Key daemons found stuck (a signature not answered within --keyd-timeout) and replaced.
-    pub keyd_stuck: AtomicU64,
+    pub keyd_stuck: Counter,
     /// Connections made again to a key daemon started by hand (`--keyd unix:PATH`) after it
     /// could not be reached (restarted, say).
-    pub keyd_reconnects: AtomicU64,
+    pub keyd_reconnects: Counter,
     pub histograms: crate::admin::Histograms,
 }
 

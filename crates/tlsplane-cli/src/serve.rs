@@ -7,12 +7,13 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use clap::Args;
 use tlsplane::sites::SiteNames;
+use tlsplane::stats::Counter;
 use tlsplane::TlsStream;
 use tlsplane_http::{error_response, parse_request, respond, Body, DocRoot, Limits, Parsed};
 
@@ -40,13 +41,13 @@ pub struct ServeArgs {
 /// HTTP-level counters; TLS counters live in `tlsplane::stats`.
 #[derive(Default)]
 pub struct HttpStats {
-    requests: AtomicU64,
-    responses_2xx: AtomicU64,
-    responses_3xx: AtomicU64,
-    responses_4xx: AtomicU64,
-    responses_5xx: AtomicU64,
-    timeouts: AtomicU64,
-    io_errors: AtomicU64,
+    requests: Counter,
+    responses_2xx: Counter,
+    responses_3xx: Counter,
+    responses_4xx: Counter,
+    responses_5xx: Counter,
+    timeouts: Counter,
+    io_errors: Counter,
 }
 
 /// The `serve` product under one configuration: the runtime hands it established
@@ -401,8 +402,8 @@ fn count_status(stats: &HttpStats, status: u16) {
         300..=399 => stats.responses_3xx.fetch_add(1, Relaxed),
         400..=499 => stats.responses_4xx.fetch_add(1, Relaxed),
         500..=599 => stats.responses_5xx.fetch_add(1, Relaxed),
-        _ => 0,
-    };
+        _ => {}
+    }
 }
 
 /// The connection's last response: it, the close_notify and the FIN leave together (see

@@ -388,12 +388,12 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
                     (
                         "connections_open_kernel_plane",
                         "Established connections whose records the kernel encrypts",
-                        by_plane.kernel.load(Relaxed),
+                        by_plane.kernel.load(Relaxed) as i64,
                     ),
                     (
                         "connections_open_user_plane",
                         "Established connections on the user-space record layer",
-                        by_plane.user.load(Relaxed),
+                        by_plane.user.load(Relaxed) as i64,
                     ),
                 ];
                 gauges.extend(runtime.limits.gauges());

@@ -1,13 +1,103 @@
 //! Process-wide counters. Cheap relaxed atomics: they are for operators and tests, not for
 //! synchronisation.
+//!
+//! Every worker bumps them on every read and write, so each [`Counter`] is split into shards on
+//! cache lines of their own, one per thread (round-robin), and summed only when read (a scrape,
+//! the exit line): one shared atomic would bounce its cache line between all cores. Shards per
+//! counter rather than one block of all counters per thread, so that a counter stays a plain
+//! field with the methods of the atomic it replaced and nothing has to be registered.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, Ordering::Relaxed};
+use std::sync::OnceLock;
+
+/// A counter (or a gauge, with [`Counter::fetch_sub`]) bumped from many threads: `fetch_add`
+/// touches only the calling thread's shard, `load` sums all shards (wrapping, so a gauge raised
+/// on one thread and lowered on another sums right; read it `as i64` if it may go below zero).
+/// A sum is not a snapshot of one instant: it is exact once the bumping threads are quiet or
+/// joined, so never use one for an admission decision.
+///
+/// Cost: [`shards`] cache lines of 64 bytes (512 bytes up to 4 cores, 4 KiB from 32 on) and
+/// a 16-byte pointer to them.
+pub struct Counter {
+    shards: Box<[Shard]>,
+}
+
+#[derive(Default)]
+#[repr(align(64))]
+struct Shard(AtomicU64);
+
+/// Shards per [`Counter`]: a power of two, twice the cores (each worker runs two threads, a
+/// handshake loop and a connection loop, and the main and admin threads bump a few too), at
+/// least 8 and at most 64. Threads beyond that share shards, round-robin.
+pub fn shards() -> usize {
+    static SHARDS: OnceLock<usize> = OnceLock::new();
+    *SHARDS.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        cores.saturating_mul(2).next_power_of_two().clamp(8, 64)
+    })
+}
+
+/// The calling thread's shard number, given in turn at its first bump and kept for life.
+fn thread_shard() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static SHARD: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    SHARD.with(|s| {
+        let mut i = s.get();
+        if i == usize::MAX {
+            i = NEXT.fetch_add(1, Relaxed) % shards();
+            s.set(i);
+        }
+        i
+    })
+}
+
+impl Counter {
+    fn shard(&self) -> &AtomicU64 {
+        &self.shards[thread_shard() & (self.shards.len() - 1)].0
+    }
+
+    /// Adds `n`. Unlike the atomic's, returns nothing: no thread sees the total.
+    #[inline]
+    pub fn fetch_add(&self, n: u64, order: Ordering) {
+        self.shard().fetch_add(n, order);
+    }
+
+    /// Subtracts `n` (a gauge going down).
+    #[inline]
+    pub fn fetch_sub(&self, n: u64, order: Ordering) {
+        self.shard().fetch_sub(n, order);
+    }
+
+    /// The sum of all shards.
+    pub fn load(&self, order: Ordering) -> u64 {
+        self.shards
+            .iter()
+            .fold(0u64, |sum, s| sum.wrapping_add(s.0.load(order)))
+    }
+}
+
+impl Default for Counter {
+    fn default() -> Self {
+        Counter {
+            shards: (0..shards()).map(|_| Shard::default()).collect(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Counter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.load(Relaxed).fmt(f)
+    }
+}
 
 macro_rules! counters {
     ($( $(#[$doc:meta])* $name:ident ),* $(,)?) => {
         /// Counters of the TLS layer; read them with [`Stats::snapshot`].
         #[derive(Default)]
-        pub struct Stats { $( $(#[$doc])* pub $name: AtomicU64, )* }
+        pub struct Stats { $( $(#[$doc])* pub $name: Counter, )* }
 
         impl Stats {
             /// All counters as (name, value) pairs, in declaration order.
@@ -104,11 +194,12 @@ counters! {
     lingering_bytes,
 }
 
-/// Connections open now, by plane: gauges (they go down), apart from the counters.
+/// Connections open now, by plane: gauges (they go down), apart from the counters. A
+/// connection usually opens on a handshake thread and closes on a connection thread.
 #[derive(Default)]
 pub struct OpenByPlane {
-    pub kernel: std::sync::atomic::AtomicI64,
-    pub user: std::sync::atomic::AtomicI64,
+    pub kernel: Counter,
+    pub user: Counter,
 }
 
 /// The process-wide open-connection gauges.
@@ -126,7 +217,7 @@ impl OpenGuard {
         OpenGuard(plane)
     }
 
-    fn gauge(plane: crate::PlaneKind) -> &'static std::sync::atomic::AtomicI64 {
+    fn gauge(plane: crate::PlaneKind) -> &'static Counter {
         match plane {
             crate::PlaneKind::Kernel => &open_by_plane().kernel,
             crate::PlaneKind::User => &open_by_plane().user,
@@ -146,11 +237,11 @@ pub fn global() -> &'static Stats {
     STATS.get_or_init(Stats::default)
 }
 
-pub(crate) fn bump(c: &AtomicU64) {
+pub(crate) fn bump(c: &Counter) {
     c.fetch_add(1, Relaxed);
 }
 
-pub(crate) fn add(c: &AtomicU64, n: u64) {
+pub(crate) fn add(c: &Counter, n: u64) {
     c.fetch_add(n, Relaxed);
 }
 
@@ -158,4 +249,38 @@ pub(crate) fn add(c: &AtomicU64, n: u64) {
 pub fn to_json(pairs: &[(&'static str, u64)]) -> String {
     let body: Vec<String> = pairs.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
     format!("{{{}}}", body.join(","))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_counter_sums_the_shards_of_all_threads() {
+        let c = Counter::default();
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    for _ in 0..10_000 {
+                        c.fetch_add(1, Relaxed);
+                    }
+                    c.fetch_add(5, Relaxed);
+                });
+            }
+        });
+        assert_eq!(c.load(Relaxed), 8 * 10_005);
+        let used = c.shards.iter().filter(|s| s.0.load(Relaxed) > 0).count();
+        assert!(used > 1, "8 threads bumped {used} shard(s): not sharded");
+    }
+
+    #[test]
+    fn a_gauge_raised_on_one_thread_and_lowered_on_another_sums_right() {
+        let g = Counter::default();
+        let on_new_thread = |f: &(dyn Fn() + Sync)| std::thread::scope(|s| s.spawn(f).join());
+        on_new_thread(&|| g.fetch_add(3, Relaxed)).unwrap();
+        on_new_thread(&|| g.fetch_sub(5, Relaxed)).unwrap();
+        assert_eq!(g.load(Relaxed) as i64, -2);
+        on_new_thread(&|| g.fetch_add(2, Relaxed)).unwrap();
+        assert_eq!(g.load(Relaxed), 0);
+    }
 }

@@ -477,7 +477,7 @@ impl Pool {
         i: usize,
         max: usize,
         wait: Duration,
-        evicted: &AtomicU64,
+        evicted: &tlsplane::stats::Counter,
     ) -> Option<Slot> {
         if let Some(slot) = self.slot(i, max) {
             return Some(slot);

@@ -13,11 +13,12 @@ mod tcp;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use tlsplane::stats::Counter;
 use tlsplane::TlsStream;
 
 use crate::config::{Origin, SiteNeeds, Sites};
@@ -167,48 +168,48 @@ pub fn site_needs(args: &ProxyArgs) -> SiteNeeds {
 /// Proxy counters, kept across reloads.
 #[derive(Default)]
 pub struct ProxyStats {
-    connections: AtomicU64,
+    connections: Counter,
     /// Connections that reached a backend.
-    forwarded: AtomicU64,
+    forwarded: Counter,
     /// Connects to a backend that failed or timed out (each attempt).
-    backend_connect_failures: AtomicU64,
+    backend_connect_failures: Counter,
     /// Connections closed because no backend would take them.
-    no_backend: AtomicU64,
+    no_backend: Counter,
     /// Backends passed over at their --backend-max-connections.
-    backend_full: AtomicU64,
+    backend_full: Counter,
     /// Idle backend connections closed in one worker to make room under
     /// --backend-max-connections for a request in another.
-    backend_idle_evicted: AtomicU64,
+    backend_idle_evicted: Counter,
     /// Connections ended by an error on the client's side (a reset, a bad record).
-    client_errors: AtomicU64,
+    client_errors: Counter,
     /// Connections ended by an error on the backend's side (a reset).
-    backend_errors: AtomicU64,
+    backend_errors: Counter,
     /// Connections closed after --idle-timeout with no byte moving.
-    idle_timeouts: AtomicU64,
-    bytes_to_backend_copied: AtomicU64,
+    idle_timeouts: Counter,
+    bytes_to_backend_copied: Counter,
     /// Responses a backend began before it had the whole request body (the rest of the
     /// body was not sent, the client's connection closed after the response).
-    early_responses: AtomicU64,
-    bytes_to_client_copied: AtomicU64,
-    bytes_to_backend_spliced: AtomicU64,
-    bytes_to_client_spliced: AtomicU64,
+    early_responses: Counter,
+    bytes_to_client_copied: Counter,
+    bytes_to_backend_spliced: Counter,
+    bytes_to_client_spliced: Counter,
     /// HTTP mode: requests read from clients.
-    http_requests: AtomicU64,
+    http_requests: Counter,
     /// HTTP mode: requests the proxy answered itself with a 4xx (malformed, smuggling
     /// attempts, misdirected, timed out).
-    http_refused: AtomicU64,
+    http_refused: Counter,
     /// HTTP mode: 502 answers (backend failed or sent no valid response).
-    http_502: AtomicU64,
+    http_502: Counter,
     /// HTTP mode: 504 answers (no response within --backend-timeout).
-    http_504: AtomicU64,
+    http_504: Counter,
     /// HTTP mode: requests past --request-timeout (answered 408 or 504, or reset).
-    request_timeouts: AtomicU64,
+    request_timeouts: Counter,
     /// HTTP mode: requests sent on a kept-alive backend connection.
-    backend_reused: AtomicU64,
+    backend_reused: Counter,
     /// HTTP mode: requests sent again on a new connection after a reused one was closed.
-    backend_retries: AtomicU64,
+    backend_retries: Counter,
     /// HTTP mode: connections switched to TCP mode by `101 Switching Protocols`.
-    upgrades: AtomicU64,
+    upgrades: Counter,
 }
 
 /// The `proxy` product under one configuration.
