@@ -228,14 +228,14 @@ pub fn start(addr: &AdminAddr, registry: Registry) -> anyhow::Result<Endpoint> {
                 let l = tokio::net::TcpListener::bind(a)
                     .await
                     .with_context(|| format!("admin endpoint: cannot listen on {a}"))?;
-                eprintln!("admin endpoint on http://{}/metrics", l.local_addr()?);
+                tracing::info!("admin endpoint on http://{}/metrics", l.local_addr()?);
                 Listener::Tcp(l)
             }
             AdminAddr::Unix(p) => {
                 free_unix_path(p)?;
                 let l = tokio::net::UnixListener::bind(p)
                     .with_context(|| format!("admin endpoint: cannot listen on {}", p.display()))?;
-                eprintln!("admin endpoint on unix:{}", p.display());
+                tracing::info!("admin endpoint on unix:{}", p.display());
                 Listener::Unix(l)
             }
         })

@@ -470,7 +470,7 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
         });
         exit(why);
     });
-    eprintln!("keyd: {loaded}; listening on {}", args.socket.display());
+    tracing::info!("keyd: {loaded}; listening on {}", args.socket.display());
 
     let source = Arc::new(source);
     let token = Arc::new(token);
@@ -567,7 +567,7 @@ fn report_signatures() {
         ns as f64 / n as f64 / 1e3
     };
     let total_ms = ns as f64 / 1e6;
-    eprintln!("keyd: {n} signatures in {total_ms:.1} ms, {mean_us:.1} µs each in the signer");
+    tracing::info!("keyd: {n} signatures in {total_ms:.1} ms, {mean_us:.1} µs each in the signer");
 }
 
 fn err(why: impl AsRef<str>) -> Vec<u8> {

@@ -76,7 +76,7 @@ impl RunAs {
     pub fn switch(&self) -> anyhow::Result<()> {
         tlsplane_sys::switch_user(self.name.as_deref(), self.uid, self.gid)
             .map_err(|e| anyhow::anyhow!("cannot switch to {self}: {e}"))?;
-        eprintln!("running as {self}");
+        tracing::info!("running as {self}");
         Ok(())
     }
 }

@@ -311,9 +311,10 @@ pub fn run<H: Handler>(
         user.switch()?;
     }
     // Said once the server is what it will stay (the user it runs as included): scripts and
-    // tests take this line for "ready".
+    // tests take this line for "ready" (a log line at info level: with TLSPLANE_LOG above
+    // info, the pid file says it instead).
     for l in per_worker.first().into_iter().flatten() {
-        eprintln!("listening on https://{}", l.local_addr()?);
+        tracing::info!("listening on https://{}", l.local_addr()?);
     }
     let shared = Arc::new(Shared {
         current: std::sync::RwLock::new(Arc::new(first)),
@@ -386,7 +387,7 @@ pub fn run<H: Handler>(
         }
         anyhow::Ok(())
     })?;
-    eprintln!(
+    tracing::info!(
         "shutting down: no new connections; in-flight responses get {} s",
         config.shutdown_grace.as_secs()
     );

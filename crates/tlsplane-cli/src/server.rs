@@ -312,7 +312,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         server.user.as_ref(),
         Duration::from_secs_f64(server.keyd_timeout),
     )?;
-    eprintln!(
+    tracing::info!(
         "private keys: {}",
         match &server.keyd {
             crate::keys::KeydMode::On =>
@@ -327,13 +327,13 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         tracing::warn!("{w}");
     }
     let acceptor = Acceptor::new(server_options(&server, &sites))?;
-    eprintln!(
+    tracing::info!(
         "data plane: {} ({})",
         server.data_plane,
         acceptor.kernel_support().reason
     );
     if file.is_some() {
-        eprintln!(
+        tracing::info!(
             "sites: {} ({})",
             sites.serve.len(),
             sites
@@ -507,7 +507,7 @@ fn flag_cert_paths(args: &ServerArgs) -> anyhow::Result<(PathBuf, PathBuf)> {
     }
     let dir = tlsplane::cert::default_state_dir();
     let g = tlsplane::cert::ensure_localhost_cert(&dir)?;
-    eprintln!(
+    tracing::info!(
         "certificate: {} ({} for localhost, 127.0.0.1, ::1, issued by a local CA; trust it with e.g. curl --cacert {} https://localhost:PORT/)",
         g.cert.display(),
         if g.created { "generated" } else { "reusing" },

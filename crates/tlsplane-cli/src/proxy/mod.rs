@@ -363,7 +363,7 @@ impl Product for Proxy {
             }
         }
         all.dedup();
-        eprintln!(
+        tracing::info!(
             "proxy: {} to {}{}",
             match args.mode {
                 Mode::Tcp => "TCP",

@@ -8,7 +8,7 @@ use std::io;
 
 use crate::support::client::{assert_file_body, End, Response, Tls, TlsClient, BOTH};
 use crate::support::fixtures::{self, sha256, SIZE_1M7};
-use crate::support::{get_request, kernel_only, mode, Mode, Server};
+use crate::support::{get_request, info_message, kernel_only, mode, Mode, Server};
 
 enum Outcome {
     Responded(Response),
@@ -35,7 +35,8 @@ fn kernel_rekeys(server: &Server) -> bool {
     server
         .stderr_lines()
         .iter()
-        .any(|l| l.starts_with("data plane:") && l.contains("TLS 1.3 rekey yes"))
+        .filter_map(|l| info_message(l))
+        .any(|m| m.starts_with("data plane:") && m.contains("TLS 1.3 rekey yes"))
 }
 
 #[test]
@@ -232,10 +233,7 @@ fn aead_record_limit() {
             "{v:?}: complete={complete}, {} body bytes, server records per key {per_key:?}",
             body.len()
         );
-        let kernel_rekeys = server
-            .stderr_lines()
-            .iter()
-            .any(|l| l.starts_with("data plane:") && l.contains("TLS 1.3 rekey yes"));
+        let kernel_rekeys = kernel_rekeys(&server);
         let stats = server.stop();
         assert_eq!(complete, kernel_rekeys && v == Tls::V13, "{v:?}: re-key exactly when TLS 1.3 on a kernel that can (rekey: {kernel_rekeys}): {stats:?}");
         if complete {

@@ -54,7 +54,8 @@ pub fn admin_port(server: &Server) -> u16 {
         .stderr_lines()
         .iter()
         .find_map(|l| {
-            l.strip_prefix("admin endpoint on http://127.0.0.1:")
+            crate::support::info_message(l)?
+                .strip_prefix("admin endpoint on http://127.0.0.1:")
                 .and_then(|r| r.strip_suffix("/metrics"))
                 .and_then(|p| p.parse().ok())
         })

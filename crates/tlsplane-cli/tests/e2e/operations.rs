@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::client::{fetch, Tls, TlsClient};
 use crate::support::fixtures::{self, CertKind};
-use crate::support::{server_bin, tools, Server};
+use crate::support::{info_message, server_bin, tools, Server};
 
 /// A client that, like many, never sets TCP_NODELAY: after the handshake its request waits
 /// until the server acknowledges its Finished. The server must not leave that to its delayed
@@ -436,4 +436,99 @@ fn access_log_lines_use_wire_names() {
     assert!(line.contains("method=GET"), "{line}");
     assert!(line.contains(&plane), "{line}");
     server.stop();
+}
+
+/// The server's start-up and shutdown lines are log lines like the others: `tracing`'s
+/// format at info level, and subject to `TLSPLANE_LOG` (issue 19 §8: they were printed raw,
+/// so `TLSPLANE_LOG=warn` could not quiet them). The `--stats` line, which scripts parse,
+/// stays a raw line printed whatever the filter.
+#[test]
+fn start_up_lines_go_through_the_log_filter_and_the_stats_line_does_not() {
+    let mut server = Server::builder().arg("--admin").arg("127.0.0.1:0").start();
+    server.terminate();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !server
+        .stderr_lines()
+        .iter()
+        .any(|l| l.starts_with("tlsplane-stats "))
+    {
+        assert!(Instant::now() < deadline, "no stats line after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let lines = server.stderr_lines();
+    for start in [
+        "keyd: ",
+        "private keys: ",
+        "data plane: ",
+        "admin endpoint on http://",
+        "listening on https://",
+        "shutting down: ",
+    ] {
+        assert!(
+            lines
+                .iter()
+                .filter_map(|l| info_message(l))
+                .any(|m| m.starts_with(start)),
+            "no INFO log line {start:?}...:\n{}",
+            lines.join("\n")
+        );
+        assert!(
+            !lines.iter().any(|l| l.starts_with(start)),
+            "{start:?} printed raw, not as a log line:\n{}",
+            lines.join("\n")
+        );
+    }
+    server.stop();
+
+    // Info filtered out: nothing of the above (nor the generated certificate's line, with no
+    // --cert), and the stats line still there. The pid file says when it listens.
+    let dir = crate::sites::scratch("start_up_lines_filtered");
+    let pid_file = dir.join("tlsplane.pid");
+    let mut child = Command::new(server_bin())
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--workers",
+            "1",
+            "--stats",
+        ])
+        .args(["--admin", "127.0.0.1:0", "--pid-file"])
+        .arg(&pid_file)
+        .arg(&fixtures::get().www)
+        .env("TLSPLANE_HOME", &dir)
+        .env("TLSPLANE_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the server");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::fs::read_to_string(&pid_file).map_or(true, |p| p.trim().is_empty()) {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("no pid file within 20 s: {:?}", child.wait_with_output());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}: {stderr}", out.status);
+    assert!(out.stdout.is_empty(), "stdout: {:?}", out.stdout);
+    let stats: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("tlsplane-stats {"))
+        .collect();
+    assert_eq!(stats.len(), 1, "one raw stats line:\n{stderr}");
+    assert_eq!(
+        stderr.lines().count(),
+        1,
+        "TLSPLANE_LOG=warn: nothing but the stats line:\n{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }

@@ -113,6 +113,21 @@ pub fn tls_stat() -> BTreeMap<String, u64> {
         .collect()
 }
 
+/// The message of one of the server's log lines at info level, as `tracing` writes them
+/// (`2025-01-31T12:00:00.000000Z  INFO message`); None for any other line (the raw
+/// `tlsplane-stats` line, a line at another level).
+pub fn info_message(line: &str) -> Option<&str> {
+    let (time, rest) = line.split_once(' ')?;
+    let is_time = time.len() > 20
+        && time.ends_with('Z')
+        && time.as_bytes()[10] == b'T'
+        && time[..4].bytes().all(|b| b.is_ascii_digit());
+    if !is_time {
+        return None;
+    }
+    rest.trim_start().strip_prefix("INFO ")
+}
+
 /// kTLS counters are global to the (guest) machine: in kernel mode servers run one at a time
 /// so that the deltas around a server are its own.
 fn kernel_serial() -> MutexGuard<'static, ()> {
@@ -261,10 +276,11 @@ impl ServerBuilder {
                 for line in BufReader::new(stderr).lines() {
                     let Ok(line) = line else { break };
                     eprintln!("[server] {line}");
-                    if let Some(rest) = line.split("listening on https://127.0.0.1:").nth(1) {
-                        if let Ok(p) = rest.trim().parse::<u16>() {
-                            let _ = port_tx.send(p);
-                        }
+                    if let Some(p) = info_message(&line)
+                        .and_then(|m| m.strip_prefix("listening on https://127.0.0.1:"))
+                        .and_then(|p| p.trim().parse::<u16>().ok())
+                    {
+                        let _ = port_tx.send(p);
                     }
                     lines.lock().unwrap_or_else(|e| e.into_inner()).push(line);
                 }
@@ -289,12 +305,12 @@ impl ServerBuilder {
             .lock()
             .unwrap()
             .iter()
-            .find(|l| l.starts_with("data plane:"))
-            .cloned();
+            .find_map(|l| info_message(l).filter(|m| m.starts_with("data plane:")))
+            .map(str::to_owned);
         assert!(
             data_plane
                 .as_deref()
-                .is_some_and(|l| l.starts_with(&format!("data plane: {}", mode().as_str()))),
+                .is_some_and(|m| m.starts_with(&format!("data plane: {}", mode().as_str()))),
             "server did not report `data plane: {}` before listening: {data_plane:?}",
             mode().as_str()
         );
