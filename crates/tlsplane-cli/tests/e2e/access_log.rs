@@ -2,8 +2,6 @@
 //! each format, the file opened again at a reload (log rotation), and the proxy's lines.
 
 use std::fs;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -11,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::sites::{scratch, write_config, SiteSpec};
 use crate::support::client::{Tls, TlsClient};
 use crate::support::fixtures::{self, CertKind};
-use crate::support::Server;
+use crate::support::{keep_alive_backend, Server};
 
 const UA: &str = "probe/1.0 (\"quoted\")";
 const REFERER: &str = "https://ref.example/page";
@@ -211,44 +209,10 @@ fn access_log_file_is_opened_again_at_a_reload() {
     server.stop();
 }
 
-/// A backend that answers every request with `body`, Content-Length, keep-alive.
-fn backend(body: &'static [u8]) -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = l.local_addr().expect("addr");
-    std::thread::spawn(move || {
-        for c in l.incoming() {
-            let Ok(c) = c else { break };
-            std::thread::spawn(move || {
-                let mut r = BufReader::new(c.try_clone().expect("clone"));
-                let mut w = c;
-                loop {
-                    let mut line = String::new();
-                    loop {
-                        line.clear();
-                        match r.read_line(&mut line) {
-                            Ok(0) | Err(_) => return,
-                            Ok(_) if line == "\r\n" => break,
-                            Ok(_) => {}
-                        }
-                    }
-                    let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
-                    if w.write_all(head.as_bytes())
-                        .and_then(|()| w.write_all(body))
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    addr
-}
-
 #[test]
 fn proxy_http_access_log_names_the_backend_and_the_bytes() {
     const BODY: &[u8] = b"twenty-three bytes long";
-    let to = backend(BODY).to_string();
+    let to = keep_alive_backend(BODY).to_string();
     let dir = scratch("access_log_proxy");
     let log = dir.join("access.log");
     let server = Server::builder()

@@ -11,7 +11,7 @@ pub mod fixtures;
 pub mod tools;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
@@ -619,4 +619,38 @@ impl Drop for Server {
 /// A request for `path` with `Host: localhost` and optional extra header lines.
 pub fn get_request(path: &str, extra: &str) -> Vec<u8> {
     format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n{extra}\r\n").into_bytes()
+}
+
+/// A backend that answers every request with `body`, Content-Length, keep-alive.
+pub fn keep_alive_backend(body: &'static [u8]) -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(c) = c else { break };
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(c.try_clone().expect("clone"));
+                let mut w = c;
+                loop {
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        match r.read_line(&mut line) {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) if line == "\r\n" => break,
+                            Ok(_) => {}
+                        }
+                    }
+                    let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
+                    if w.write_all(head.as_bytes())
+                        .and_then(|()| w.write_all(body))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
 }
