@@ -2,9 +2,12 @@
 //!
 //! The rest of the workspace is `#![forbid(unsafe_code)]` and reaches the kernel only through the
 //! safe functions below: kTLS set-up (`TCP_ULP`, `SOL_TLS`/`TLS_TX`/`TLS_RX`), record-typed
-//! `recvmsg`/`sendmsg` (`TLS_GET_RECORD_TYPE`/`TLS_SET_RECORD_TYPE` control messages) and
-//! `sendfile(2)`. All calls are non-blocking (`MSG_DONTWAIT` or a non-blocking descriptor), so
-//! callers drive them from an event loop and see `WouldBlock` like any other socket operation.
+//! `recvmsg`/`sendmsg` (`TLS_GET_RECORD_TYPE`/`TLS_SET_RECORD_TYPE` control messages),
+//! `sendfile(2)` and descriptor passing (`SCM_RIGHTS`). The server's calls are non-blocking
+//! (`MSG_DONTWAIT` or a non-blocking descriptor), so callers drive them from an event loop and
+//! see `WouldBlock` like any other socket operation; the few meant for the hand-off's client
+//! libraries ([`recv_record_blocking`], [`send_with_fd`], [`recv_with_fd`]) honour the
+//! descriptor's own mode.
 
 use std::io;
 use std::mem::zeroed;
@@ -533,6 +536,14 @@ struct CmsgBuf([u8; 64]);
 ///
 /// Non-blocking (`MSG_DONTWAIT`). `Ok((0, 23))` is TCP EOF.
 pub fn recv_record(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, u8)> {
+    recv_record_flags(sock, buf, libc::MSG_DONTWAIT)
+}
+
+fn recv_record_flags(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+    flags: libc::c_int,
+) -> io::Result<(usize, u8)> {
     let mut cmsg = CmsgBuf([0; 64]);
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr() as *mut libc::c_void,
@@ -546,7 +557,7 @@ pub fn recv_record(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, u
     msg.msg_controllen = cmsg.0.len() as _;
     // SAFETY: `msg` points at `iov` (which covers exactly `buf`) and at `cmsg`, all of which
     // outlive the call; the kernel writes at most their stated lengths.
-    let n = cvt_size(unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) })?;
+    let n = cvt_size(unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, flags) })?;
     let mut record_type = 23u8;
     // SAFETY: CMSG_FIRSTHDR/CMSG_NXTHDR walk the control buffer the kernel filled, bounded by
     // the msg_controllen it set; CMSG_DATA of a SOL_TLS/TLS_GET_RECORD_TYPE header points at
@@ -595,6 +606,114 @@ pub fn send_record(sock: BorrowedFd<'_>, record_type: u8, data: &[u8]) -> io::Re
             libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
         ))
     }
+}
+
+/// Like [`recv_record`], but honours the descriptor's own blocking mode (no `MSG_DONTWAIT`),
+/// for client libraries whose callers chose a blocking socket.
+pub fn recv_record_blocking(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, u8)> {
+    recv_record_flags(sock, buf, 0)
+}
+
+/// Control buffer for exactly one `SCM_RIGHTS` descriptor, aligned as `cmsghdr` wants.
+#[repr(C, align(8))]
+struct OneFdCmsg([u8; 24]);
+
+/// `sendmsg(2)` of `bytes` on a Unix socket with one descriptor attached (`SCM_RIGHTS`),
+/// `MSG_NOSIGNAL` (a vanished peer is `EPIPE`, not a signal). The descriptor is duplicated into
+/// the receiver when it reads; the caller's copy stays open. Returns the bytes sent: on a
+/// stream socket possibly fewer than `bytes.len()` (the descriptor went with the first of
+/// them); the rest is the caller's to send without a descriptor.
+pub fn send_with_fd(sock: BorrowedFd<'_>, bytes: &[u8], fd: BorrowedFd<'_>) -> io::Result<usize> {
+    if bytes.is_empty() {
+        // Linux drops the control data of an empty message on a stream socket.
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "a descriptor must travel with at least one byte",
+        ));
+    }
+    let mut cmsg = OneFdCmsg([0; 24]);
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    assert!(space <= cmsg.0.len());
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: all-zero msghdr is valid.
+    let mut msg: libc::msghdr = unsafe { zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg.0.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = space as _;
+    // SAFETY: the control buffer is `space` bytes, aligned, so CMSG_FIRSTHDR is a valid header
+    // pointer into it and CMSG_DATA points at room for one int after it (written unaligned, as
+    // the C macros allow). The kernel only reads `bytes` and the control buffer, both borrowed
+    // for the call, and takes its own reference on the descriptor, which is live for its borrow.
+    unsafe {
+        let hdr = libc::CMSG_FIRSTHDR(&msg);
+        (*hdr).cmsg_level = libc::SOL_SOCKET;
+        (*hdr).cmsg_type = libc::SCM_RIGHTS;
+        (*hdr).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(hdr) as *mut RawFd, fd.as_raw_fd());
+        cvt_size(libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL))
+    }
+}
+
+/// `recvmsg(2)` on a Unix socket, taking at most one `SCM_RIGHTS` descriptor
+/// (`MSG_CMSG_CLOEXEC`: it arrives close-on-exec). Honours the socket's blocking mode;
+/// `EINTR` is returned to the caller, as from `read`.
+///
+/// Never leaks a descriptor: if the sender attached more than one, or the control data was cut
+/// short (`MSG_CTRUNC`: the kernel then closes what did not fit), every descriptor that did
+/// arrive is closed and the call fails with `InvalidData`. Control messages of other kinds
+/// (credentials) are ignored. `Ok((0, None))` with a non-empty `buf` is end of stream.
+pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+    let mut cmsg = OneFdCmsg([0; 24]);
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    assert!(space <= cmsg.0.len());
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: all-zero msghdr is valid.
+    let mut msg: libc::msghdr = unsafe { zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg.0.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` points at `iov` (exactly `buf`) and at `cmsg` (`space` bytes), all
+    // outliving the call; the kernel writes at most their stated lengths.
+    let n = cvt_size(unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) })?;
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    // SAFETY: the walk is bounded by the msg_controllen the kernel set (at most `space`). An
+    // SCM_RIGHTS header's payload is `cmsg_len - CMSG_LEN(0)` bytes of ints inside the buffer,
+    // read unaligned; each is a new descriptor the kernel installed for us, owned by nobody
+    // else, so wrapping it in an OwnedFd (which closes it on drop) is sound.
+    unsafe {
+        let mut hdr = libc::CMSG_FIRSTHDR(&msg);
+        while !hdr.is_null() {
+            if (*hdr).cmsg_level == libc::SOL_SOCKET && (*hdr).cmsg_type == libc::SCM_RIGHTS {
+                let payload = ((*hdr).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                let data = libc::CMSG_DATA(hdr) as *const RawFd;
+                for i in 0..payload / std::mem::size_of::<RawFd>() {
+                    let fd = std::ptr::read_unaligned(data.add(i));
+                    if fd >= 0 {
+                        fds.push(OwnedFd::from_raw_fd(fd));
+                    }
+                }
+            }
+            hdr = libc::CMSG_NXTHDR(&msg, hdr);
+        }
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 || fds.len() > 1 {
+        drop(fds); // closes each one
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "more than one descriptor (or truncated control data) in one message",
+        ));
+    }
+    Ok((n, fds.pop()))
 }
 
 /// `sendfile(2)` from `file` at `*offset` to `sock`, advancing `*offset` by what was sent.
@@ -869,6 +988,146 @@ mod tests {
             0
         )
         .is_ok());
+    }
+
+    /// How many of this process's descriptors refer to `path` (by /proc/self/fd's links):
+    /// robust against other tests opening descriptors at the same time.
+    fn open_copies_of(path: &std::path::Path) -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|l| l == path)
+            .count()
+    }
+
+    fn scratch_file(tag: &str) -> (std::path::PathBuf, std::fs::File) {
+        let path = std::env::temp_dir().join(format!(
+            "tlsplane-sys-fd-{tag}-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        (path, f)
+    }
+
+    /// Sends `fds` in one SCM_RIGHTS message, as a misbehaving sender could.
+    fn send_many_fds(sock: BorrowedFd<'_>, fds: &[RawFd]) {
+        #[repr(C, align(8))]
+        struct Big([u8; 128]);
+        let mut cmsg = Big([0; 128]);
+        let data_len = std::mem::size_of_val(fds) as u32;
+        // SAFETY: test-only: the control buffer is 128 bytes, enough for CMSG_SPACE of the few
+        // descriptors given; `byte` and `cmsg` outlive the sendmsg.
+        unsafe {
+            let space = libc::CMSG_SPACE(data_len) as usize;
+            assert!(space <= 128);
+            let byte = [7u8];
+            let mut iov = libc::iovec {
+                iov_base: byte.as_ptr() as *mut libc::c_void,
+                iov_len: 1,
+            };
+            let mut msg: libc::msghdr = zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = cmsg.0.as_mut_ptr() as *mut libc::c_void;
+            msg.msg_controllen = space as _;
+            let hdr = libc::CMSG_FIRSTHDR(&msg);
+            (*hdr).cmsg_level = libc::SOL_SOCKET;
+            (*hdr).cmsg_type = libc::SCM_RIGHTS;
+            (*hdr).cmsg_len = libc::CMSG_LEN(data_len) as _;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr() as *const u8,
+                libc::CMSG_DATA(hdr),
+                data_len as usize,
+            );
+            assert_eq!(libc::sendmsg(sock.as_raw_fd(), &msg, 0), 1);
+        }
+    }
+
+    #[test]
+    fn a_descriptor_travels_with_its_bytes() {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsFd;
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (path, mut file) = scratch_file("one");
+        file.write_all(b"through the socket").unwrap();
+        assert_eq!(open_copies_of(&path), 1);
+        assert_eq!(send_with_fd(a.as_fd(), b"header", file.as_fd()).unwrap(), 6);
+        let mut buf = [0u8; 64];
+        let (n, fd) = recv_with_fd(b.as_fd(), &mut buf).unwrap();
+        assert_eq!(&buf[..n], b"header");
+        let fd = fd.expect("a descriptor");
+        assert_eq!(open_copies_of(&path), 2);
+        // It arrived close-on-exec, and is the same open file.
+        // SAFETY: F_GETFD on a live descriptor.
+        let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
+        assert_eq!(flags & libc::FD_CLOEXEC, libc::FD_CLOEXEC);
+        let mut got = std::fs::File::from(fd);
+        got.rewind().unwrap();
+        let mut text = String::new();
+        got.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "through the socket");
+        drop(got);
+        assert_eq!(open_copies_of(&path), 1);
+        // Bytes without a descriptor come back with None; EOF is (0, None).
+        (&a).write_all(b"plain").unwrap();
+        let (n, fd) = recv_with_fd(b.as_fd(), &mut buf).unwrap();
+        assert_eq!((&buf[..n], fd.is_none()), (&b"plain"[..], true));
+        drop(a);
+        let (n, fd) = recv_with_fd(b.as_fd(), &mut buf).unwrap();
+        assert_eq!((n, fd.is_none()), (0, true));
+        // A descriptor needs at least one byte to travel with.
+        let (c, _d) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert!(send_with_fd(c.as_fd(), b"", file.as_fd()).is_err());
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn extra_or_truncated_descriptors_are_all_closed() {
+        use std::os::fd::AsFd;
+        let (path, file) = scratch_file("many");
+        for count in [2usize, 3, 5] {
+            let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+            let fds = vec![file.as_raw_fd(); count];
+            send_many_fds(a.as_fd(), &fds);
+            // In flight, the kernel holds references, not descriptors of ours.
+            assert_eq!(open_copies_of(&path), 1);
+            let mut buf = [0u8; 8];
+            let e = recv_with_fd(b.as_fd(), &mut buf).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{count} descriptors");
+            assert_eq!(open_copies_of(&path), 1, "{count} descriptors: one leaked");
+        }
+        // A peer on a pipe, not a socket: a clean error, nothing opened.
+        let (r, _w) = {
+            let p = Pipe::new().unwrap();
+            (p.read, p.write)
+        };
+        assert!(recv_with_fd(r.as_fd(), &mut [0u8; 4]).is_err());
+        assert!(send_with_fd(r.as_fd(), b"x", file.as_fd()).is_err());
+        assert_eq!(open_copies_of(&path), 1);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn recv_record_blocking_reads_plain_tcp_as_data() {
+        use std::io::Write;
+        use std::os::fd::AsFd;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        c.write_all(b"abc").unwrap();
+        let mut buf = [0u8; 16];
+        // Blocks until the bytes are there (no MSG_DONTWAIT).
+        let (n, ty) = recv_record_blocking(s.as_fd(), &mut buf).unwrap();
+        assert_eq!((&buf[..n], ty), (&b"abc"[..], 23));
+        drop(c);
+        assert_eq!(recv_record_blocking(s.as_fd(), &mut buf).unwrap(), (0, 23));
     }
 
     #[test]
