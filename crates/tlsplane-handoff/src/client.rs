@@ -1,0 +1,362 @@
+//! Blocking I/O over the wire protocol: the receiver ([`HandoffClient`]) and the sender-side
+//! helpers the runtime calls ([`send_connection`], [`send_reply`], [`read_frame`]).
+
+use std::collections::{HashSet, VecDeque};
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+use crate::wire::{
+    self, classify_record, ConnInfo, Message, Plane, Prefix, RecordAction, Reply, Status,
+};
+
+fn invalid(e: impl std::fmt::Display) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e.to_string())
+}
+
+/// `send(2)` with `MSG_NOSIGNAL`: a program linked with the C library keeps the default
+/// `SIGPIPE` disposition, and tlsplane going away must be `EPIPE`, not a killed program.
+fn send_all(sock: &UnixStream, mut bytes: &[u8]) -> io::Result<()> {
+    let s = socket2::SockRef::from(sock);
+    while !bytes.is_empty() {
+        match s.send_with_flags(bytes, libc::MSG_NOSIGNAL) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Sends one connection: its CONNECTION frame with `fd` attached. The caller's `fd` stays
+/// open (the receiver gets its own copy). Blocks until the frame is queued.
+pub fn send_connection(sock: &UnixStream, fd: BorrowedFd<'_>, info: &ConnInfo) -> io::Result<()> {
+    let mut buf = [0u8; 1024];
+    let n = Message::Connection(info.clone())
+        .encode(&mut buf)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+    let sent = loop {
+        match tlsplane_sys::send_with_fd(sock.as_fd(), &buf[..n], fd) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => break r?,
+        }
+    };
+    send_all(sock, &buf[sent..n])
+}
+
+/// Sends one REPLY frame.
+pub fn send_reply(sock: &UnixStream, reply: &Reply) -> io::Result<()> {
+    let mut buf = [0u8; 32];
+    let n = Message::Reply(*reply).encode(&mut buf).map_err(invalid)?;
+    send_all(sock, &buf[..n])
+}
+
+/// Reads exactly `buf.len()` bytes, collecting at most one descriptor on the way (a second
+/// one, anywhere, closes both and fails). `Ok(false)`: end of stream before the first byte.
+fn read_exact_fd(sock: &UnixStream, buf: &mut [u8], fd: &mut Option<OwnedFd>) -> io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        let (n, new_fd) = match tlsplane_sys::recv_with_fd(sock.as_fd(), &mut buf[got..]) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => r?,
+        };
+        if let Some(new_fd) = new_fd {
+            if fd.is_some() {
+                *fd = None;
+                drop(new_fd);
+                return Err(invalid("two descriptors in one hand-off frame"));
+            }
+            *fd = Some(new_fd);
+        }
+        if n == 0 {
+            if got == 0 && fd.is_none() {
+                return Ok(false);
+            }
+            *fd = None;
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "hand-off connection closed inside a frame",
+            ));
+        }
+        got += n;
+    }
+    Ok(true)
+}
+
+/// Reads one whole frame into `frame` (resized to it) with the descriptor that came with it.
+/// `Ok(None)`: the peer closed the connection between frames. An error means the stream can no
+/// longer be framed (bad magic, version or length; end of stream or a second descriptor inside
+/// a frame): close the connection. The frame's body is not checked here: see
+/// [`Message::decode`].
+pub fn read_frame(
+    sock: &UnixStream,
+    frame: &mut Vec<u8>,
+) -> io::Result<Option<(Prefix, Option<OwnedFd>)>> {
+    let mut fd = None;
+    frame.clear();
+    frame.resize(wire::PREFIX_LEN, 0);
+    if !read_exact_fd(sock, frame, &mut fd)? {
+        return Ok(None);
+    }
+    let prefix = Prefix::decode(frame).map_err(invalid)?; // drops `fd` on error
+    frame.resize(prefix.len, 0);
+    read_exact_fd(sock, &mut frame[wire::PREFIX_LEN..], &mut fd)?;
+    Ok(Some((prefix, fd)))
+}
+
+/// One connection received from tlsplane.
+#[derive(Debug)]
+pub struct Connection {
+    pub fd: OwnedFd,
+    pub info: ConnInfo,
+}
+
+#[derive(Default)]
+struct Shared {
+    /// A thread is blocked reading the socket for everyone.
+    reading: bool,
+    conns: VecDeque<Result<Connection, wire::Error>>,
+    /// Requests sent and not yet answered; replies to anything else are dropped.
+    pending: HashSet<u32>,
+    replies: Vec<Reply>,
+    /// Set once the stream is unusable; every later call fails with it.
+    broken: Option<(io::ErrorKind, String)>,
+}
+
+/// A program's connection to tlsplane's hand-off socket: receives connections, and asks
+/// tlsplane to re-key or close them.
+///
+/// Blocking, and safe to share between threads: one thread at a time reads the socket for all
+/// the others, queueing connections for [`accept`](Self::accept) and replies for the request
+/// that waits on them, so a thread blocked in `accept` does not hold up another's KeyUpdate.
+pub struct HandoffClient {
+    sock: UnixStream,
+    shared: Mutex<Shared>,
+    turn: Condvar,
+    send_lock: Mutex<()>,
+    next_request: AtomicU32,
+}
+
+impl HandoffClient {
+    /// Connects to tlsplane's hand-off socket at `path`.
+    pub fn connect(path: impl AsRef<Path>) -> io::Result<Self> {
+        Ok(Self::from_stream(UnixStream::connect(path)?))
+    }
+
+    /// Uses an already connected (blocking) stream.
+    pub fn from_stream(sock: UnixStream) -> Self {
+        Self {
+            sock,
+            shared: Mutex::default(),
+            turn: Condvar::new(),
+            send_lock: Mutex::new(()),
+            next_request: AtomicU32::new(1),
+        }
+    }
+
+    pub fn socket(&self) -> &UnixStream {
+        &self.sock
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until `take` finds what the caller wants, reading frames (for everyone) while no
+    /// other thread does.
+    fn wait_for<T>(&self, mut take: impl FnMut(&mut Shared) -> Option<T>) -> io::Result<T> {
+        let mut g = self.lock();
+        loop {
+            if let Some(t) = take(&mut g) {
+                return Ok(t);
+            }
+            if let Some((kind, msg)) = &g.broken {
+                return Err(io::Error::new(*kind, msg.clone()));
+            }
+            if g.reading {
+                g = self.turn.wait(g).unwrap_or_else(|p| p.into_inner());
+                continue;
+            }
+            g.reading = true;
+            drop(g);
+            let r = self.read_one();
+            g = self.lock();
+            g.reading = false;
+            match r {
+                Ok(Some(Ok(Incoming::Conn(c)))) => g.conns.push_back(Ok(c)),
+                Ok(Some(Ok(Incoming::Reply(r)))) => {
+                    if g.pending.remove(&r.request_id) {
+                        g.replies.push(r);
+                    }
+                }
+                Ok(Some(Err(e))) => g.conns.push_back(Err(e)),
+                Ok(None) => {}
+                Err(e) => g.broken = Some((e.kind(), e.to_string())),
+            }
+            self.turn.notify_all();
+        }
+    }
+
+    /// One frame. `Ok(None)`: skipped (unknown kind). `Ok(Some(Err))`: a malformed CONNECTION
+    /// body (its descriptor closed); the stream is still framed.
+    fn read_one(&self) -> io::Result<Option<Result<Incoming, wire::Error>>> {
+        let mut frame = Vec::new();
+        let Some((prefix, fd)) = read_frame(&self.sock, &mut frame)? else {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "tlsplane closed the hand-off connection",
+            ));
+        };
+        match (Message::decode(&frame), fd) {
+            (Ok(Some(Message::Connection(info))), Some(fd)) => {
+                Ok(Some(Ok(Incoming::Conn(Connection { fd, info }))))
+            }
+            (Ok(Some(Message::Connection(_))), None) => {
+                Ok(Some(Err(wire::Error::WrongKind(prefix.kind))))
+            }
+            (Err(e), _) if prefix.kind == wire::kind::CONNECTION => Ok(Some(Err(e))),
+            (Ok(Some(Message::Reply(r))), None) => Ok(Some(Ok(Incoming::Reply(r)))),
+            (Ok(None), _) => Ok(None),
+            // A reply that does not decode, a descriptor on a reply, or a request kind sent
+            // to the program: tlsplane is not speaking this protocol.
+            (Ok(Some(m)), _) => Err(invalid(wire::Error::WrongKind(m.kind()))),
+            (Err(e), _) => Err(invalid(e)),
+        }
+    }
+
+    /// Waits for the next connection. A connection whose header did not decode is closed
+    /// and reported as `InvalidData`; the client stays usable.
+    pub fn accept(&self) -> io::Result<Connection> {
+        self.wait_for(|s| s.conns.pop_front())?.map_err(invalid)
+    }
+
+    /// Sends one request and waits for its reply.
+    fn call(&self, msg: &Message<'_>, request_id: u32) -> io::Result<Status> {
+        let mut buf = vec![0u8; msg.encoded_len().map_err(invalid)?];
+        msg.encode(&mut buf).map_err(invalid)?;
+        self.lock().pending.insert(request_id);
+        let sent = {
+            let _g = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
+            send_all(&self.sock, &buf)
+        };
+        if let Err(e) = sent {
+            self.lock().pending.remove(&request_id);
+            return Err(e);
+        }
+        let r = self.wait_for(|s| {
+            let i = s.replies.iter().position(|r| r.request_id == request_id)?;
+            Some(s.replies.swap_remove(i))
+        });
+        if r.is_err() {
+            self.lock().pending.remove(&request_id);
+        }
+        Ok(r?.status)
+    }
+
+    fn request_id(&self) -> u32 {
+        self.next_request.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Asks tlsplane to re-key connection `conn_id` after the handshake record
+    /// `record_plaintext` read from it (kernel plane). Returns tlsplane's status.
+    pub fn key_update(&self, conn_id: u64, record_plaintext: &[u8]) -> io::Result<Status> {
+        let request_id = self.request_id();
+        let msg = Message::KeyUpdate {
+            request_id,
+            conn_id,
+            record_plaintext,
+        };
+        self.call(&msg, request_id)
+    }
+
+    /// Asks tlsplane to send close_notify on connection `conn_id`.
+    pub fn close_notify(&self, conn_id: u64) -> io::Result<Status> {
+        let request_id = self.request_id();
+        self.call(
+            &Message::Close {
+                request_id,
+                conn_id,
+            },
+            request_id,
+        )
+    }
+
+    /// Reads plaintext from a received connection. Kernel plane: `recvmsg` with the record
+    /// type: application data is returned, close_notify is end of stream (`Ok(0)`), a
+    /// handshake record (KeyUpdate) goes to tlsplane and reading goes on, another alert is
+    /// `ConnectionAborted`. Other planes: a plain read. Honours the descriptor's blocking
+    /// mode. On the kernel plane `buf` must hold at least 16 bytes, room for a control record.
+    pub fn read(&self, fd: BorrowedFd<'_>, info: &ConnInfo, buf: &mut [u8]) -> io::Result<usize> {
+        if info.plane != Plane::Kernel {
+            loop {
+                // recv_record_blocking on a socket without kTLS is a plain recvmsg.
+                match tlsplane_sys::recv_record_blocking(fd, buf) {
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    r => return r.map(|(n, _)| n),
+                }
+            }
+        }
+        if buf.len() < 16 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a kernel-plane read needs a buffer of at least 16 bytes",
+            ));
+        }
+        loop {
+            let (n, ty) = tlsplane_sys::recv_record_blocking(fd, buf)?;
+            match classify_record(ty, &buf[..n]) {
+                RecordAction::Data => return Ok(n),
+                RecordAction::CloseNotify => return Ok(0),
+                RecordAction::Alert { description, .. } => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        format!("the peer sent TLS alert {description}"),
+                    ))
+                }
+                RecordAction::Handshake(_) if n == buf.len() => {
+                    return Err(io::Error::from_raw_os_error(libc::EMSGSIZE))
+                }
+                RecordAction::Handshake(p) => match self.key_update(info.conn_id, p)? {
+                    Status::Ok => continue,
+                    s => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::ConnectionAborted,
+                            format!("tlsplane could not re-key the connection: {s:?}"),
+                        ))
+                    }
+                },
+                RecordAction::Malformed(t) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("unexpected TLS record type {t}"),
+                    ))
+                }
+            }
+        }
+    }
+
+    /// Ends a received connection: on the kernel plane, asks tlsplane for close_notify first
+    /// (its answer is returned; the descriptor is closed either way); on the user-relay plane
+    /// shuts down writing so that the relay sends close_notify; then closes the descriptor.
+    pub fn close(&self, conn: Connection) -> io::Result<Status> {
+        let status = match conn.info.plane {
+            Plane::Kernel => self.close_notify(conn.info.conn_id),
+            Plane::UserRelay => {
+                let _ = socket2::SockRef::from(&conn.fd).shutdown(std::net::Shutdown::Write);
+                Ok(Status::Ok)
+            }
+            Plane::RawTcp => Ok(Status::Ok),
+        };
+        drop(conn.fd);
+        status
+    }
+}
+
+enum Incoming {
+    Conn(Connection),
+    Reply(Reply),
+}
