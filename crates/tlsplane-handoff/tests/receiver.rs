@@ -1,0 +1,245 @@
+//! The receiver against a fake tlsplane: a Unix listener in a temporary directory that passes
+//! TCP sockets connected over 127.0.0.1, and answers requests.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+
+use tlsplane_handoff::wire::{self, kind, Message};
+use tlsplane_handoff::{
+    read_frame, send_connection, send_reply, ConnInfo, HandoffClient, Plane, Reply, Status,
+};
+
+fn socket_path(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tlsplane-handoff-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("handoff.sock")
+}
+
+/// A TCP connection over loopback: (the "TLS client" end, the end tlsplane would hand off).
+fn tcp_pair() -> (TcpStream, TcpStream) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    (c, s)
+}
+
+/// The kernel's name of the socket behind `fd`, e.g. `socket:[12345]`.
+fn socket_name(fd: &impl AsRawFd) -> PathBuf {
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap()
+}
+
+/// How many descriptors of this process refer to that socket: exact even while other tests
+/// open descriptors of their own.
+fn copies(name: &PathBuf) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l == name)
+        .count()
+}
+
+fn info_for(id: u64, plane: Plane, s: &TcpStream) -> ConnInfo {
+    ConnInfo {
+        conn_id: id,
+        plane,
+        tls_version: 0x0304,
+        cipher_suite: 0x1302,
+        peer: Some(s.peer_addr().unwrap()),
+        local: Some(s.local_addr().unwrap()),
+        server_name: Some("app.example".into()),
+        alpn: Some(b"http/1.1".to_vec()),
+    }
+}
+
+#[test]
+fn a_passed_tcp_socket_carries_bytes_both_ways() {
+    let path = socket_path("bytes");
+    let listener = UnixListener::bind(&path).unwrap();
+    let (mut tls_client, handed) = tcp_pair();
+    let name = socket_name(&handed);
+    let info = info_for(17, Plane::UserRelay, &handed);
+    let sent_info = info.clone();
+    let sender = std::thread::spawn(move || {
+        let (sock, _) = listener.accept().unwrap();
+        send_connection(&sock, handed.as_fd(), &sent_info).unwrap();
+        drop(handed); // the receiver's copy is now the only one
+        sock
+    });
+    let client = HandoffClient::connect(&path).unwrap();
+    let conn = client.accept().unwrap();
+    let _sock = sender.join().unwrap();
+    assert_eq!(conn.info, info);
+    assert_eq!(copies(&name), 1, "exactly the received descriptor");
+
+    tls_client.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let mut buf = [0u8; 64];
+    let mut got = Vec::new();
+    while got.len() < 18 {
+        let n = client.read(conn.fd.as_fd(), &conn.info, &mut buf).unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(got, b"GET / HTTP/1.1\r\n\r\n");
+
+    let mut out = TcpStream::from(conn.fd.try_clone().unwrap());
+    out.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").unwrap();
+    drop(out);
+    let conn = tlsplane_handoff::Connection {
+        fd: conn.fd,
+        info: ConnInfo {
+            plane: Plane::RawTcp,
+            ..conn.info
+        },
+    };
+    assert_eq!(client.close(conn).unwrap(), Status::Ok);
+    assert_eq!(copies(&name), 0, "closed by close()");
+    let mut reply = Vec::new();
+    tls_client.read_to_end(&mut reply).unwrap();
+    assert_eq!(reply, b"HTTP/1.1 204 No Content\r\n\r\n");
+    std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+}
+
+/// The fake tlsplane's side of requests: answers each KEY_UPDATE and CLOSE, first sending a
+/// connection so that the reply arrives behind one.
+#[test]
+fn requests_are_answered_while_connections_queue() {
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let (mut tls_client, handed) = tcp_pair();
+    let name = socket_name(&handed);
+    let info = info_for(5, Plane::Kernel, &handed);
+    let sent_info = info.clone();
+    let fake = std::thread::spawn(move || {
+        let mut frame = Vec::new();
+        let mut seen = Vec::new();
+        while let Some((prefix, fd)) = read_frame(&theirs, &mut frame).unwrap() {
+            assert!(fd.is_none());
+            let (request_id, conn_id, status) = match Message::decode(&frame).unwrap() {
+                Some(Message::KeyUpdate {
+                    request_id,
+                    conn_id,
+                    record_plaintext,
+                }) => {
+                    assert_eq!(record_plaintext, [24, 0, 0, 1, 1]);
+                    // A connection overtakes the reply.
+                    send_connection(&theirs, handed.as_fd(), &sent_info).unwrap();
+                    (request_id, conn_id, Status::Ok)
+                }
+                Some(Message::Close {
+                    request_id,
+                    conn_id,
+                }) => (request_id, conn_id, Status::UnknownConnection),
+                other => panic!("unexpected {other:?}"),
+            };
+            seen.push(prefix.kind);
+            send_reply(
+                &theirs,
+                &Reply {
+                    request_id,
+                    conn_id,
+                    status,
+                },
+            )
+            .unwrap();
+        }
+        seen
+    });
+    let client = std::sync::Arc::new(HandoffClient::from_stream(ours));
+    // One thread waits in accept() while another asks for a re-key: the reply must reach the
+    // second, the connection the first.
+    let acceptor = {
+        let client = client.clone();
+        std::thread::spawn(move || client.accept().unwrap())
+    };
+    assert_eq!(client.key_update(5, &[24, 0, 0, 1, 1]).unwrap(), Status::Ok);
+    let conn = acceptor.join().unwrap();
+    assert_eq!(conn.info, info);
+    assert_eq!(client.close_notify(99).unwrap(), Status::UnknownConnection);
+
+    // Kernel-plane reads want room for a control record.
+    let e = client
+        .read(conn.fd.as_fd(), &conn.info, &mut [0u8; 8])
+        .unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+    // Without kTLS the socket reports plain data, which a kernel-plane read returns as is.
+    tls_client.write_all(b"hello").unwrap();
+    let mut buf = [0u8; 64];
+    let n = client.read(conn.fd.as_fd(), &conn.info, &mut buf).unwrap();
+    assert_eq!(&buf[..n], b"hello");
+
+    drop(conn);
+    drop(client); // the fake sees end of stream and returns
+    let seen = fake.join().unwrap();
+    assert_eq!(seen, [kind::KEY_UPDATE, kind::CLOSE]);
+    assert_eq!(copies(&name), 0);
+}
+
+#[test]
+fn malformed_headers_are_refused_and_their_descriptors_closed() {
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let (_tls_client, handed) = tcp_pair();
+    let name = socket_name(&handed);
+    let client = HandoffClient::from_stream(ours);
+    let good = info_for(1, Plane::RawTcp, &handed);
+    let mut frame = vec![0u8; wire::MAX_FRAME_LEN];
+    let n = Message::Connection(good.clone())
+        .encode(&mut frame)
+        .unwrap();
+    frame.truncate(n);
+
+    // Well framed, bad plane: refused, its descriptor closed, the stream still usable.
+    let mut bad = frame.clone();
+    bad[16] = 9;
+    tlsplane_sys::send_with_fd(theirs.as_fd(), &bad, handed.as_fd()).unwrap();
+    let e = client.accept().unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+    assert!(e.to_string().contains("plane"), "{e}");
+    assert_eq!(copies(&name), 1, "only the sender's copy is left");
+
+    // A CONNECTION without a descriptor is refused too.
+    (&theirs).write_all(&frame).unwrap();
+    assert_eq!(
+        client.accept().unwrap_err().kind(),
+        std::io::ErrorKind::InvalidData
+    );
+
+    // An unknown kind is skipped, the descriptor with it closed; the next one arrives.
+    let mut unknown = frame.clone();
+    unknown[5] = 77;
+    tlsplane_sys::send_with_fd(theirs.as_fd(), &unknown, handed.as_fd()).unwrap();
+    send_connection(&theirs, handed.as_fd(), &good).unwrap();
+    let conn = client.accept().unwrap();
+    assert_eq!(conn.info, good);
+    assert_eq!(copies(&name), 2);
+    drop(conn);
+    assert_eq!(copies(&name), 1);
+
+    // Bad magic: the stream cannot be framed any more; this and every later call fails.
+    let mut magic = frame.clone();
+    magic[0] = b'X';
+    tlsplane_sys::send_with_fd(theirs.as_fd(), &magic, handed.as_fd()).unwrap();
+    assert_eq!(
+        client.accept().unwrap_err().kind(),
+        std::io::ErrorKind::InvalidData
+    );
+    assert_eq!(copies(&name), 1);
+    send_connection(&theirs, handed.as_fd(), &good).unwrap();
+    assert!(client.accept().is_err());
+    assert!(client.close_notify(1).is_err());
+}
+
+#[test]
+fn tlsplane_going_away_is_an_error_not_a_hang() {
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let client = HandoffClient::from_stream(ours);
+    // Half a prefix, then the end.
+    (&theirs).write_all(b"TLP").unwrap();
+    drop(theirs);
+    let e = client.accept().unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    // The client is broken for good: requests fail at once rather than wait.
+    assert!(client.key_update(1, &[24, 0, 0, 1, 0]).is_err());
+}
