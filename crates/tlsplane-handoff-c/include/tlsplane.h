@@ -1,0 +1,128 @@
+/*
+ * tlsplane.h - receive established TLS connections from tlsplane (hand-off, issue 21).
+ *
+ * tlsplane runs the TLS handshake and keeps the keys; a program connects to its hand-off Unix
+ * socket and receives each connection as a ready descriptor (SCM_RIGHTS) with a small header
+ * (struct tlsplane_conn_info). The program reads and writes plaintext on the descriptor:
+ *
+ *   - TLSPLANE_PLANE_KERNEL: the descriptor is the kTLS socket itself. write(2), send(2),
+ *     sendfile(2) and splice(2) work as on any socket, the kernel encrypting. Read with
+ *     tlsplane_read(): a plain read(2) fails with EIO when the next record is not application
+ *     data (close_notify, another alert, a KeyUpdate), and a KeyUpdate must reach tlsplane,
+ *     which alone holds the traffic secrets, for reading to go on.
+ *   - TLSPLANE_PLANE_USER: one end of a socketpair that tlsplane relays through its own
+ *     record layer. Any read/write call works; tlsplane_read() is a plain read.
+ *   - TLSPLANE_PLANE_RAW_TCP: the TCP socket with the ClientHello unread, for programs with
+ *     their own TLS library. tlsplane_read() is a plain read.
+ *
+ * Link: -ltlsplane_handoff_c (shared), or libtlsplane_handoff_c.a with -lpthread -ldl -lm.
+ *
+ * Errors: functions returning int or ssize_t return -1 and set errno; tlsplane_connect
+ * returns NULL and sets errno. Besides the errno values of the underlying system calls
+ * (connect(2), recvmsg(2), sendmsg(2); EINTR and EAGAIN are passed through, as read(2) does):
+ *   EBADF        tlsplane_read/tlsplane_close on a descriptor this handle did not accept (or
+ *                already closed)
+ *   EINVAL       a NULL handle or path; a kernel-plane read with len < 16
+ *   EPROTO       tlsplane sent a header this library cannot decode (its descriptor was
+ *                closed; the handle stays usable unless the stream itself is broken), or the
+ *                peer sent a TLS record that has no business after the handshake
+ *   ECONNRESET   tlsplane closed the hand-off connection (the handle is then unusable)
+ *   ECONNABORTED the TLS peer sent a fatal alert, or tlsplane could not re-key after a
+ *                KeyUpdate (it closes the connection)
+ *   EMSGSIZE     a handshake record larger than the read buffer
+ *   ENOENT/EPERM/EOPNOTSUPP  tlsplane's answer to a close: unknown connection / not this
+ *                program's / not supported
+ *
+ * Thread safety: a handle may be used from any number of threads at once. One thread at a
+ * time reads the hand-off socket for all of them, so a thread blocked in tlsplane_accept()
+ * does not hold up another thread's tlsplane_read() that must send tlsplane a KeyUpdate.
+ * Two threads reading the same descriptor at once get what read(2) would give them.
+ *
+ * All calls block unless the descriptor they read is non-blocking (then EAGAIN as usual);
+ * tlsplane_accept() and the KeyUpdate/close requests always block on the hand-off socket.
+ * Descriptors are received close-on-exec. A program that never calls these functions and
+ * only read(2)s sees EIO at the first control record; nothing else breaks.
+ */
+#ifndef TLSPLANE_H
+#define TLSPLANE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TLSPLANE_PLANE_KERNEL 1
+#define TLSPLANE_PLANE_USER 2
+#define TLSPLANE_PLANE_RAW_TCP 3
+
+#define TLSPLANE_AF_NONE 0
+#define TLSPLANE_AF_INET 4
+#define TLSPLANE_AF_INET6 6
+
+/* A socket address: family TLSPLANE_AF_*, port in host byte order, address in network byte
+ * order (IPv4 in addr[0..4]). Family TLSPLANE_AF_NONE: no address known. */
+struct tlsplane_addr {
+    uint8_t family;
+    uint8_t reserved;
+    uint16_t port;
+    uint8_t addr[16];
+};
+
+/* What tlsplane tells about each connection (sizeof: 576 on Linux ABIs with an 8-byte
+ * aligned uint64_t; check with tlsplane_conn_info_size()). */
+struct tlsplane_conn_info {
+    uint64_t conn_id;       /* tlsplane's id, unique while tlsplane runs */
+    uint8_t plane;          /* TLSPLANE_PLANE_* */
+    uint8_t reserved;
+    uint16_t tls_version;   /* 0x0303 TLS 1.2, 0x0304 TLS 1.3; 0 on the raw TCP plane */
+    uint16_t cipher_suite;  /* IANA value, e.g. 0x1301; 0 on the raw TCP plane */
+    uint16_t reserved2;
+    struct tlsplane_addr peer;
+    struct tlsplane_addr local;
+    uint8_t server_name_len;  /* 0: the client sent no SNI */
+    char server_name[256];    /* NUL-terminated, printable ASCII */
+    uint8_t alpn_len;         /* 0: no ALPN protocol negotiated */
+    uint8_t alpn[255];        /* not NUL-terminated */
+};
+
+typedef struct tlsplane_handle tlsplane_handle;
+
+/* sizeof(struct tlsplane_conn_info) as the library was built: compare with your sizeof. */
+size_t tlsplane_conn_info_size(void);
+
+/* Connects to tlsplane's hand-off Unix socket at `path`. Returns a handle, or NULL with errno
+ * set (from connect(2), e.g. ENOENT, ECONNREFUSED, EACCES). */
+tlsplane_handle *tlsplane_connect(const char *path);
+
+/* Waits for the next connection. Returns its descriptor (owned by the caller; end it with
+ * tlsplane_close()) and fills *out (if out is not NULL), or returns -1 with errno set. */
+int tlsplane_accept(tlsplane_handle *h, struct tlsplane_conn_info *out);
+
+/* Reads plaintext from a descriptor tlsplane_accept() returned. Returns the number of bytes
+ * read (> 0), 0 at end of stream (the peer's close_notify on the kernel plane, or TCP EOF),
+ * or -1 with errno set. On the kernel plane, a KeyUpdate from the peer is sent to tlsplane,
+ * which re-keys the socket (RX, and TX when the peer asked) before this call reads on; the
+ * caller sees only application data. len must be at least 16 there (room for a control
+ * record). */
+ssize_t tlsplane_read(tlsplane_handle *h, int fd, void *buf, size_t len);
+
+/* Ends a connection: on the kernel plane asks tlsplane to send close_notify (after what the
+ * program already wrote), on the user plane shuts down writing so that tlsplane's relay sends
+ * it; then closes fd. fd is closed whatever the return value. Returns 0, or -1 with errno set
+ * (EBADF: not a descriptor this handle accepted; it is then left alone). */
+int tlsplane_close(tlsplane_handle *h, int fd);
+
+/* Closes the hand-off connection and frees the handle. Descriptors already accepted stay open
+ * and usable, but tlsplane_read/tlsplane_close can no longer be used on them: tlsplane sends
+ * close_notify for a program that has gone, and KeyUpdates then end the connection. No other
+ * call may be running on h or made with it afterwards. */
+void tlsplane_disconnect(tlsplane_handle *h);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TLSPLANE_H */

@@ -1,0 +1,159 @@
+//! Builds tests/c/accept_read.c with `cc` against the staticlib and runs it against a fake
+//! tlsplane: the C library receives a passed TCP socket, reads it through `tlsplane_read`,
+//! asks for close_notify through `tlsplane_close`, and refuses a bad header.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::process::Command;
+
+use tlsplane_handoff::wire::Message;
+use tlsplane_handoff::{read_frame, send_connection, send_reply, ConnInfo, Plane, Reply, Status};
+
+/// The staticlib cargo built for this test: beside the test binary in target/<profile>/deps
+/// (built there on every `cargo test`, while the copy in target/<profile>/ is only refreshed
+/// by `cargo build`).
+fn staticlib() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().join("libtlsplane_handoff_c.a")
+}
+
+fn compile(dir: &std::path::Path) -> PathBuf {
+    let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let lib = staticlib();
+    assert!(lib.exists(), "{} not built", lib.display());
+    let exe = dir.join("accept_read");
+    let out = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args([
+            "-std=c99",
+            "-D_DEFAULT_SOURCE",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-o",
+        ])
+        .arg(&exe)
+        .arg(crate_dir.join("tests/c/accept_read.c"))
+        .arg("-I")
+        .arg(crate_dir.join("include"))
+        .arg(&lib)
+        .args(["-lpthread", "-ldl", "-lm"])
+        .output()
+        .expect("a C compiler (cc)");
+    assert!(
+        out.status.success(),
+        "cc failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+#[test]
+fn a_c_program_receives_reads_and_closes_through_the_library() {
+    let dir = std::env::temp_dir().join(format!("tlsplane-handoff-c-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = compile(&dir);
+    let path = dir.join("handoff.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut tls_client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (handed, peer) = l.accept().unwrap();
+    let info = ConnInfo {
+        conn_id: 4242,
+        // Natively there is no kTLS: the socket reports every record as data, so this runs
+        // the kernel-plane read (recvmsg with the record-type cmsg) and close (a CLOSE request).
+        plane: Plane::Kernel,
+        tls_version: 0x0304,
+        cipher_suite: 0x1303,
+        peer: Some(peer),
+        local: Some(handed.local_addr().unwrap()),
+        server_name: Some("c.example".into()),
+        alpn: Some(b"http/1.1".to_vec()),
+    };
+    let payload: Vec<u8> = (0..300u32).map(|i| b'a' + (i % 26) as u8).collect();
+    tls_client.write_all(&payload).unwrap();
+    tls_client.shutdown(std::net::Shutdown::Write).unwrap();
+
+    let fake = std::thread::spawn(move || {
+        let (sock, _) = listener.accept().unwrap();
+        send_connection(&sock, handed.as_fd(), &info).unwrap();
+        drop(handed);
+        let mut frame = Vec::new();
+        let (_, fd) = read_frame(&sock, &mut frame).unwrap().unwrap();
+        assert!(fd.is_none());
+        let (request_id, conn_id) = match Message::decode(&frame).unwrap() {
+            Some(Message::Close {
+                request_id,
+                conn_id,
+            }) => (request_id, conn_id),
+            other => panic!("expected CLOSE, got {other:?}"),
+        };
+        assert_eq!(conn_id, 4242);
+        send_reply(
+            &sock,
+            &Reply {
+                request_id,
+                conn_id,
+                status: Status::Ok,
+            },
+        )
+        .unwrap();
+        // A header with an unknown plane, its descriptor attached: refused with EPROTO.
+        let (_c2, s2) = {
+            let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            (c, l.accept().unwrap().0)
+        };
+        let mut bad = vec![0u8; 1024];
+        let n = Message::Connection(ConnInfo {
+            conn_id: 1,
+            plane: Plane::RawTcp,
+            tls_version: 0,
+            cipher_suite: 0,
+            peer: None,
+            local: None,
+            server_name: None,
+            alpn: None,
+        })
+        .encode(&mut bad)
+        .unwrap();
+        bad[16] = 0;
+        tlsplane_sys::send_with_fd(sock.as_fd(), &bad[..n], s2.as_fd()).unwrap();
+        drop(sock); // then tlsplane goes away
+    });
+
+    let out = Command::new(&exe).arg(&path).output().unwrap();
+    fake.join().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let expect = [
+        "size_ok=1".to_string(),
+        "connect_missing=ENOENT".into(),
+        "conn_id=4242 plane=1 version=0304 suite=1303".into(),
+        "sni=c.example sni_len=9 alpn=http/1.1".into(),
+        format!("peer=127.0.0.1:{} family=4 local_family=4", peer.port()),
+        format!("data={}", String::from_utf8_lossy(&payload)),
+        "short_read=EINVAL".into(),
+        "close=0".into(),
+        "read_after_close=EBADF".into(),
+        "close_unknown=EBADF".into(),
+        "accept_bad=EPROTO".into(),
+        "accept_gone=ECONNRESET".into(),
+        "fds_leaked=0".into(),
+    ];
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines, expect, "{stdout}");
+
+    // What the C program wrote reached the TLS client, then its close.
+    let mut reply = Vec::new();
+    tls_client.read_to_end(&mut reply).unwrap();
+    assert_eq!(reply, b"pong");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
