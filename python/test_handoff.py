@@ -1,0 +1,74 @@
+"""Driven by crates/tlsplane-handoff/tests/python.rs (a fake tlsplane): receives, reads,
+answers and closes through tlsplane_handoff, printing one fact per line."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tlsplane_handoff as th  # noqa: E402
+
+
+def count_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def main():
+    path = sys.argv[1]
+    before = count_fds()
+    client = th.connect(path)
+    sock, info = client.accept()
+    print("info=%d %d %04x %04x %s %s %s" % (info.conn_id, info.plane, info.tls_version,
+                                             info.cipher_suite, info.server_name,
+                                             info.alpn.decode(), info.peer[0]))
+    got = b""
+    while True:
+        chunk = client.recv(sock, info, 7)
+        if not chunk:
+            break
+        got += chunk
+    print("data=%s" % got.decode())
+    sock.sendall(b"pong")
+    print("close=%d" % client.close(sock, info))
+    try:
+        client.accept()
+        print("accept_bad=accepted")
+    except th.ProtocolError as e:
+        print("accept_bad=ProtocolError(%s)" % e)
+    try:
+        client.accept()
+        print("accept_gone=accepted")
+    except ConnectionResetError:
+        print("accept_gone=ConnectionResetError")
+    client.disconnect()
+    print("fds_leaked=%d" % (count_fds() - before))
+    # Local decoding checks: strict, never a crash.
+    for bad in (b"", b"XLPH\x01\x01\x00\x40", b"TLPH\x02\x01\x00\x40", b"TLPH\x01\x01\xff\xff"):
+        try:
+            th.decode_connection(bad + bytes(64))
+            print("decode=accepted")
+        except th.ProtocolError:
+            pass
+    # Random and mutated frames: ProtocolError or a ConnInfo, never another exception.
+    import random
+    rng = random.Random(21)
+    good = bytes.fromhex(sys.argv[2])
+    assert th.decode_connection(good).server_name == "py.example"
+    accepted = 0
+    for i in range(20000):
+        if i % 3 == 0:
+            b = bytes(rng.getrandbits(8) for _ in range(rng.randrange(100)))
+        else:
+            b = bytearray(good)
+            for _ in range(rng.randrange(1, 4)):
+                j = rng.randrange(len(b))
+                b[j] = rng.getrandbits(8)
+            b = bytes(b[:rng.randrange(len(b) + 1)]) if rng.random() < 0.3 else bytes(b)
+        try:
+            th.decode_connection(b)
+            accepted += 1
+        except th.ProtocolError:
+            pass
+    print("fuzz_accepted_some=%s" % (accepted > 100))
+    print("done")
+
+
+main()

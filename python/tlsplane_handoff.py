@@ -1,0 +1,282 @@
+"""Receive established TLS connections from tlsplane (hand-off, issue 21).
+
+Standard library only. tlsplane runs the handshake and keeps the keys; this module connects to
+its hand-off Unix socket and receives each connection as a ready socket with a small header
+(see docs/HANDOFF.md for the byte layout)::
+
+    import tlsplane_handoff
+    client = tlsplane_handoff.connect("/run/tlsplane/app.sock")
+    while True:
+        sock, info = client.accept()
+        print(info.server_name, info.alpn, info.peer)
+        ...  # sock.recv / sock.sendall plaintext; client.close(sock, info) at the end
+
+On the user plane (``PLANE_USER``) the socket is one end of a socketpair that tlsplane relays:
+read and write it as any socket. On the kernel plane (``PLANE_KERNEL``) it is the kTLS socket
+itself: ``sock.recv`` raises ``OSError(EIO)`` at a control record (close_notify, KeyUpdate); a
+program that wants those handled reads with :meth:`Client.recv`, which forwards a KeyUpdate to
+tlsplane and reports close_notify as end of stream.
+
+A ``Client`` is for one thread at a time.
+"""
+
+import errno
+import ipaddress
+import socket
+import struct
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+MAGIC = b"TLPH"
+VERSION = 1
+PREFIX_LEN = 8
+MAX_FRAME_LEN = 16448
+MAX_RECORD_PLAINTEXT = 16384
+
+CONNECTION, REPLY, KEY_UPDATE, CLOSE = 1, 2, 3, 4
+PLANE_KERNEL, PLANE_USER, PLANE_RAW_TCP = 1, 2, 3
+
+STATUS_OK = 0
+STATUS_UNKNOWN_CONNECTION = 1
+STATUS_BAD_REQUEST = 2
+STATUS_UNSUPPORTED = 3
+STATUS_FAILED = 4
+STATUS_REFUSED = 5
+
+_SOL_TLS = 282
+_TLS_GET_RECORD_TYPE = 2
+
+
+class ProtocolError(Exception):
+    """tlsplane sent something this module cannot decode."""
+
+
+@dataclass(frozen=True)
+class ConnInfo:
+    conn_id: int
+    plane: int
+    tls_version: int
+    cipher_suite: int
+    peer: Optional[Tuple[str, int]]
+    local: Optional[Tuple[str, int]]
+    server_name: Optional[str]
+    alpn: Optional[bytes]
+
+
+def _addr(b: bytes) -> Optional[Tuple[str, int]]:
+    family, _reserved, port = struct.unpack("!BBH", b[:4])
+    raw = b[4:20]
+    if family == 0 and port == 0 and raw == bytes(16):
+        return None
+    if family == 4 and raw[4:] == bytes(12):
+        return (str(ipaddress.IPv4Address(raw[:4])), port)
+    if family == 6:
+        return (str(ipaddress.IPv6Address(raw)), port)
+    raise ProtocolError("bad socket address")
+
+
+def decode_prefix(b: bytes) -> Tuple[int, int]:
+    """(kind, frame length) from a frame's first 8 bytes, checked."""
+    if len(b) < PREFIX_LEN:
+        raise ProtocolError("truncated frame")
+    if b[:4] != MAGIC:
+        raise ProtocolError("bad magic")
+    if b[4] != VERSION:
+        raise ProtocolError("unsupported version %d" % b[4])
+    (length,) = struct.unpack("!H", b[6:8])
+    if not PREFIX_LEN <= length <= MAX_FRAME_LEN:
+        raise ProtocolError("bad frame length %d" % length)
+    return b[5], length
+
+
+def decode_connection(frame: bytes) -> ConnInfo:
+    """A whole CONNECTION frame's header; strict, as the Rust decoder."""
+    kind, length = decode_prefix(frame)
+    if kind != CONNECTION:
+        raise ProtocolError("not a CONNECTION frame")
+    if length < 64 or len(frame) < length:
+        raise ProtocolError("bad frame length %d" % length)
+    f = frame[:length]
+    conn_id, plane, _reserved, version, suite = struct.unpack("!QBBHH", f[8:22])
+    if plane not in (PLANE_KERNEL, PLANE_USER, PLANE_RAW_TCP):
+        raise ProtocolError("unknown plane %d" % plane)
+    peer, local = _addr(f[22:42]), _addr(f[42:62])
+    n = f[62]
+    if 63 + n + 1 > length:
+        raise ProtocolError("truncated frame")
+    name = f[63:63 + n]
+    m = f[63 + n]
+    if 64 + n + m > length:
+        raise ProtocolError("truncated frame")
+    alpn = f[64 + n:64 + n + m]
+    if any(not 0x21 <= c <= 0x7E for c in name):
+        raise ProtocolError("bad server name")
+    return ConnInfo(conn_id, plane, version, suite, peer, local,
+                    name.decode("ascii") if n else None, alpn if m else None)
+
+
+def encode_request(kind: int, request_id: int, conn_id: int, plaintext: bytes = b"") -> bytes:
+    """A KEY_UPDATE (with the record plaintext) or CLOSE frame."""
+    if kind == KEY_UPDATE:
+        if not 1 <= len(plaintext) <= MAX_RECORD_PLAINTEXT:
+            raise ValueError("record plaintext must be 1 to 16384 bytes")
+        body = struct.pack("!IQH", request_id, conn_id, len(plaintext)) + plaintext
+    elif kind == CLOSE:
+        body = struct.pack("!IQ", request_id, conn_id)
+    else:
+        raise ValueError("not a request kind")
+    return MAGIC + struct.pack("!BBH", VERSION, kind, PREFIX_LEN + len(body)) + body
+
+
+class Client:
+    """One connection to tlsplane's hand-off socket."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._next_request = 1
+        self._conns = deque()  # connections that arrived while waiting for a reply
+        self._lock = threading.Lock()
+
+    def _read_exact(self, n: int, fds: list) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk, new_fds, flags, _ = socket.recv_fds(
+                self.sock, n - len(data), 1, socket.MSG_CMSG_CLOEXEC)
+            fds.extend(new_fds)
+            if flags & socket.MSG_CTRUNC or len(fds) > 1:
+                raise ProtocolError("more than one descriptor in a frame")
+            if not chunk:
+                if data or fds:
+                    raise ProtocolError("hand-off connection closed inside a frame")
+                raise ConnectionResetError(errno.ECONNRESET, "tlsplane closed the hand-off connection")
+            data += chunk
+        return data
+
+    def _read_frame(self):
+        """(kind, frame bytes, descriptor or None). Closes any descriptor on error."""
+        fds = []
+        try:
+            prefix = self._read_exact(PREFIX_LEN, fds)
+            kind, length = decode_prefix(prefix)
+            frame = prefix + self._read_exact(length - PREFIX_LEN, fds)
+        except BaseException:
+            for fd in fds:
+                socket.close(fd)
+            raise
+        return kind, frame, (fds[0] if fds else None)
+
+    def _next(self):
+        """One frame: ('conn', (sock, info)) / ('reply', tuple) / ('error', exc) / None."""
+        kind, frame, fd = self._read_frame()
+        if kind == CONNECTION:
+            try:
+                if fd is None:
+                    raise ProtocolError("CONNECTION without a descriptor")
+                info = decode_connection(frame)
+            except ProtocolError as e:
+                if fd is not None:
+                    socket.close(fd)
+                return ("error", e)
+            return ("conn", (socket.socket(fileno=fd), info))
+        if fd is not None:
+            socket.close(fd)
+        if kind == REPLY:
+            if fd is not None or len(frame) < 22:
+                raise ProtocolError("bad REPLY frame")
+            return ("reply", struct.unpack("!IQH", frame[8:22]))
+        if kind in (KEY_UPDATE, CLOSE):
+            raise ProtocolError("a request kind sent to the program")
+        return None  # a kind from a later version: skipped
+
+    def accept(self) -> Tuple[socket.socket, ConnInfo]:
+        """Waits for the next connection. A header that does not decode raises ProtocolError
+        (its descriptor closed); the client stays usable."""
+        with self._lock:
+            while True:
+                if self._conns:
+                    item = self._conns.popleft()
+                else:
+                    item = self._next()
+                if item is None or item[0] == "reply":
+                    continue  # a reply nobody waits for
+                if item[0] == "error":
+                    raise item[1]
+                return item[1]
+
+    def _request(self, kind: int, conn_id: int, plaintext: bytes = b"") -> int:
+        with self._lock:
+            request_id = self._next_request
+            self._next_request = (self._next_request + 1) & 0xFFFFFFFF
+            self.sock.sendall(encode_request(kind, request_id, conn_id, plaintext))
+            while True:
+                item = self._next()
+                if item is None:
+                    continue
+                if item[0] == "reply" and item[1][0] == request_id:
+                    return item[1][2]
+                if item[0] != "reply":
+                    self._conns.append(item)
+
+    def key_update(self, conn_id: int, record_plaintext: bytes) -> int:
+        """Asks tlsplane to re-key after a handshake record; returns its STATUS_*."""
+        return self._request(KEY_UPDATE, conn_id, record_plaintext)
+
+    def close_notify(self, conn_id: int) -> int:
+        """Asks tlsplane to send close_notify; returns its STATUS_*."""
+        return self._request(CLOSE, conn_id)
+
+    def recv(self, sock: socket.socket, info: ConnInfo, bufsize: int = 65536) -> bytes:
+        """Reads plaintext; b"" at end of stream (close_notify on the kernel plane). On the
+        kernel plane a KeyUpdate goes to tlsplane and reading goes on; another alert raises
+        ConnectionAbortedError."""
+        if info.plane != PLANE_KERNEL:
+            return sock.recv(bufsize)
+        while True:
+            data, anc, _flags, _ = sock.recvmsg(max(bufsize, 16), socket.CMSG_SPACE(1))
+            rtype = 23
+            for level, ctype, cdata in anc:
+                if level == _SOL_TLS and ctype == _TLS_GET_RECORD_TYPE and cdata:
+                    rtype = cdata[0]
+            if rtype == 23:
+                return data
+            if rtype == 21 and len(data) == 2:
+                if data[1] == 0:
+                    return b""
+                raise ConnectionAbortedError(errno.ECONNABORTED, "TLS alert %d" % data[1])
+            if rtype == 22 and data:
+                status = self.key_update(info.conn_id, data)
+                if status != STATUS_OK:
+                    raise ConnectionAbortedError(errno.ECONNABORTED, "re-key refused: %d" % status)
+                continue
+            raise ProtocolError("unexpected TLS record type %d" % rtype)
+
+    def close(self, sock: socket.socket, info: ConnInfo) -> int:
+        """Ends a connection (close_notify on the kernel plane, a write shutdown on the user
+        plane), then closes the socket. Returns tlsplane's STATUS_* (STATUS_OK if none)."""
+        try:
+            if info.plane == PLANE_KERNEL:
+                return self.close_notify(info.conn_id)
+            if info.plane == PLANE_USER:
+                try:
+                    sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+            return STATUS_OK
+        finally:
+            sock.close()
+
+    def disconnect(self) -> None:
+        self.sock.close()
+
+
+def connect(path: str) -> Client:
+    """Connects to tlsplane's hand-off Unix socket at ``path``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except BaseException:
+        s.close()
+        raise
+    return Client(s)
