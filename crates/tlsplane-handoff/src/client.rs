@@ -289,16 +289,12 @@ impl HandoffClient {
     /// type: application data is returned, close_notify is end of stream (`Ok(0)`), a
     /// handshake record (KeyUpdate) goes to tlsplane and reading goes on, another alert is
     /// `ConnectionAborted`. Other planes: a plain read. Honours the descriptor's blocking
-    /// mode. On the kernel plane `buf` must hold at least 16 bytes, room for a control record.
+    /// mode, and returns `Interrupted` and `WouldBlock` as `read` does. On the kernel plane
+    /// `buf` must hold at least 16 bytes, room for a control record.
     pub fn read(&self, fd: BorrowedFd<'_>, info: &ConnInfo, buf: &mut [u8]) -> io::Result<usize> {
         if info.plane != Plane::Kernel {
-            loop {
-                // recv_record_blocking on a socket without kTLS is a plain recvmsg.
-                match tlsplane_sys::recv_record_blocking(fd, buf) {
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    r => return r.map(|(n, _)| n),
-                }
-            }
+            // On a socket without kTLS this is a plain recvmsg.
+            return tlsplane_sys::recv_record_blocking(fd, buf).map(|(n, _)| n);
         }
         if buf.len() < 16 {
             return Err(io::Error::new(

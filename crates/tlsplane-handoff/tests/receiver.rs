@@ -243,3 +243,65 @@ fn tlsplane_going_away_is_an_error_not_a_hang() {
     // The client is broken for good: requests fail at once rather than wait.
     assert!(client.key_update(1, &[24, 0, 0, 1, 0]).is_err());
 }
+
+/// Eight threads ask at once; the fake answers in reverse order of arrival, each with a
+/// status that names the request: every thread must get its own answer.
+#[test]
+fn concurrent_requests_each_get_their_own_reply() {
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let fake = std::thread::spawn(move || {
+        let mut frame = Vec::new();
+        let mut asked = Vec::new();
+        while asked.len() < 8 {
+            let (_, fd) = read_frame(&theirs, &mut frame).unwrap().unwrap();
+            assert!(fd.is_none());
+            match Message::decode(&frame).unwrap() {
+                Some(Message::Close {
+                    request_id,
+                    conn_id,
+                }) => asked.push((request_id, conn_id)),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        for &(request_id, conn_id) in asked.iter().rev() {
+            let status = Status::Other(1000 + conn_id as u16);
+            send_reply(
+                &theirs,
+                &Reply {
+                    request_id,
+                    conn_id,
+                    status,
+                },
+            )
+            .unwrap();
+        }
+        // An answer to nothing asked is skipped: the client reads on to the end of stream.
+        send_reply(
+            &theirs,
+            &Reply {
+                request_id: 999_999,
+                conn_id: 0,
+                status: Status::Ok,
+            },
+        )
+        .unwrap();
+        theirs
+    });
+    let client = std::sync::Arc::new(HandoffClient::from_stream(ours));
+    let threads: Vec<_> = (0..8u64)
+        .map(|i| {
+            let client = client.clone();
+            std::thread::spawn(move || (i, client.close_notify(i).unwrap()))
+        })
+        .collect();
+    for t in threads {
+        let (i, status) = t.join().unwrap();
+        assert_eq!(status, Status::Other(1000 + i as u16));
+    }
+    let theirs = fake.join().unwrap();
+    drop(theirs);
+    assert_eq!(
+        client.accept().unwrap_err().kind(),
+        std::io::ErrorKind::UnexpectedEof
+    );
+}
