@@ -183,7 +183,7 @@ class Client:
         if fd is not None:
             socket.close(fd)
         if kind == REPLY:
-            if fd is not None or len(frame) < 22:
+            if len(frame) < 22:
                 raise ProtocolError("bad REPLY frame")
             return ("reply", struct.unpack("!IQH", frame[8:22]))
         if kind in (KEY_UPDATE, CLOSE):

@@ -219,10 +219,11 @@ impl HandoffClient {
                 Ok(Some(Err(wire::Error::WrongKind(prefix.kind))))
             }
             (Err(e), _) if prefix.kind == wire::kind::CONNECTION => Ok(Some(Err(e))),
-            (Ok(Some(Message::Reply(r))), None) => Ok(Some(Ok(Incoming::Reply(r)))),
+            // A descriptor that came with a reply is closed (dropped here) and ignored.
+            (Ok(Some(Message::Reply(r))), _) => Ok(Some(Ok(Incoming::Reply(r)))),
             (Ok(None), _) => Ok(None),
-            // A reply that does not decode, a descriptor on a reply, or a request kind sent
-            // to the program: tlsplane is not speaking this protocol.
+            // A reply that does not decode, or a request kind sent to the program: tlsplane
+            // is not speaking this protocol.
             (Ok(Some(m)), _) => Err(invalid(wire::Error::WrongKind(m.kind()))),
             (Err(e), _) => Err(invalid(e)),
         }

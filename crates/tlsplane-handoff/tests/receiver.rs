@@ -305,3 +305,31 @@ fn concurrent_requests_each_get_their_own_reply() {
         std::io::ErrorKind::UnexpectedEof
     );
 }
+
+#[test]
+fn a_descriptor_on_a_reply_is_closed_and_the_reply_used() {
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let (_c, stray) = tcp_pair();
+    let name = socket_name(&stray);
+    let fake = std::thread::spawn(move || {
+        let mut frame = Vec::new();
+        read_frame(&theirs, &mut frame).unwrap().unwrap();
+        let Some(Message::Close { request_id, .. }) = Message::decode(&frame).unwrap() else {
+            panic!("expected CLOSE");
+        };
+        let mut reply = [0u8; 64];
+        let n = Message::Reply(Reply {
+            request_id,
+            conn_id: 3,
+            status: Status::Refused,
+        })
+        .encode(&mut reply)
+        .unwrap();
+        tlsplane_sys::send_with_fd(theirs.as_fd(), &reply[..n], stray.as_fd()).unwrap();
+        (theirs, stray)
+    });
+    let client = HandoffClient::from_stream(ours);
+    assert_eq!(client.close_notify(3).unwrap(), Status::Refused);
+    let (_theirs, _stray) = fake.join().unwrap();
+    assert_eq!(copies(&name), 1, "only the sender's copy");
+}
