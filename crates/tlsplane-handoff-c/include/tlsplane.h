@@ -98,7 +98,9 @@ size_t tlsplane_conn_info_size(void);
 tlsplane_handle *tlsplane_connect(const char *path);
 
 /* Waits for the next connection. Returns its descriptor (owned by the caller; end it with
- * tlsplane_close()) and fills *out (if out is not NULL), or returns -1 with errno set. */
+ * tlsplane_close()) and fills *out (if out is not NULL), or returns -1 with errno set.
+ * The descriptor is close-on-exec and shares O_NONBLOCK with tlsplane's copy: it arrives in
+ * whatever mode tlsplane left it; set the one you want with fcntl(F_SETFL). */
 int tlsplane_accept(tlsplane_handle *h, struct tlsplane_conn_info *out);
 
 /* Reads plaintext from a descriptor tlsplane_accept() returned. Returns the number of bytes

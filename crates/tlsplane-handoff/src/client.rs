@@ -33,7 +33,11 @@ fn send_all(sock: &UnixStream, mut bytes: &[u8]) -> io::Result<()> {
 }
 
 /// Sends one connection: its CONNECTION frame with `fd` attached. The caller's `fd` stays
-/// open (the receiver gets its own copy). Blocks until the frame is queued.
+/// open (the receiver gets its own copy, sharing the open file description: `O_NONBLOCK` is
+/// one flag for both). Blocks until the frame is queued: for a blocking socket. On a
+/// non-blocking one, `WouldBlock` may come after part of the frame went out; an event loop
+/// encodes with [`Message::encode`] and sends with `tlsplane_sys::send_with_fd`, keeping the
+/// unsent tail for later.
 pub fn send_connection(sock: &UnixStream, fd: BorrowedFd<'_>, info: &ConnInfo) -> io::Result<()> {
     let mut buf = [0u8; 1024];
     let n = Message::Connection(info.clone())
