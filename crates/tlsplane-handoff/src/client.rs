@@ -119,6 +119,27 @@ pub struct Connection {
     pub info: ConnInfo,
 }
 
+impl Connection {
+    /// The descriptor as a `TcpStream`, on the planes where it is the TCP socket (kernel and
+    /// raw TCP); on the user-relay plane (a socketpair end) the connection is given back.
+    /// A `TcpStream`'s `Read` is a plain read: on the kernel plane, control records then
+    /// fail it with `EIO`; use [`HandoffClient::read`] to have them handled.
+    pub fn into_tcp_stream(self) -> Result<(std::net::TcpStream, ConnInfo), Box<Self>> {
+        match self.info.plane {
+            Plane::Kernel | Plane::RawTcp => Ok((self.fd.into(), self.info)),
+            Plane::UserRelay => Err(Box::new(self)),
+        }
+    }
+
+    /// The descriptor as a `UnixStream`, on the user-relay plane; otherwise given back.
+    pub fn into_unix_stream(self) -> Result<(UnixStream, ConnInfo), Box<Self>> {
+        match self.info.plane {
+            Plane::UserRelay => Ok((self.fd.into(), self.info)),
+            _ => Err(Box::new(self)),
+        }
+    }
+}
+
 #[derive(Default)]
 struct Shared {
     /// A thread is blocked reading the socket for everyone.

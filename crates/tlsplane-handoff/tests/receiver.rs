@@ -85,15 +85,23 @@ fn a_passed_tcp_socket_carries_bytes_both_ways() {
     }
     assert_eq!(got, b"GET / HTTP/1.1\r\n\r\n");
 
-    let mut out = TcpStream::from(conn.fd.try_clone().unwrap());
-    out.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").unwrap();
-    drop(out);
+    // The user-relay plane's descriptor is a socketpair end, not TCP (here the fake passed
+    // TCP, so see it as raw TCP to write through a TcpStream).
+    let conn = *conn.into_tcp_stream().unwrap_err();
     let conn = tlsplane_handoff::Connection {
         fd: conn.fd,
         info: ConnInfo {
             plane: Plane::RawTcp,
             ..conn.info
         },
+    };
+    let (mut out, info) = conn.into_tcp_stream().unwrap();
+    assert_eq!(out.peer_addr().unwrap(), info.peer.unwrap());
+    assert_eq!(out.local_addr().unwrap(), info.local.unwrap());
+    out.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").unwrap();
+    let conn = tlsplane_handoff::Connection {
+        fd: out.into(),
+        info,
     };
     assert_eq!(client.close(conn).unwrap(), Status::Ok);
     assert_eq!(copies(&name), 0, "closed by close()");
