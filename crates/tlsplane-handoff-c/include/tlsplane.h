@@ -27,6 +27,7 @@
  *                closed; the handle stays usable unless the stream itself is broken), or the
  *                peer sent a TLS record that has no business after the handshake
  *   ECONNRESET   tlsplane closed the hand-off connection (the handle is then unusable)
+ *   EPIPE        a request (KeyUpdate, close) sent after tlsplane closed the connection
  *   ECONNABORTED the TLS peer sent a fatal alert, or tlsplane could not re-key after a
  *                KeyUpdate (it closes the connection)
  *   EMSGSIZE     a handshake record larger than the read buffer
