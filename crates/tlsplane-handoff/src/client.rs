@@ -322,6 +322,19 @@ impl HandoffClient {
             // On a socket without kTLS this is a plain recvmsg.
             return tlsplane_sys::recv_record_blocking(fd, buf).map(|(n, _)| n);
         }
+        self.read_records(info.conn_id, buf, |buf| {
+            tlsplane_sys::recv_record_blocking(fd, buf)
+        })
+    }
+
+    /// The kernel-plane read over `recv`, which reads one record's bytes and reports its
+    /// content type: apart so that tests can play records a socket without kTLS cannot make.
+    fn read_records(
+        &self,
+        conn_id: u64,
+        buf: &mut [u8],
+        mut recv: impl FnMut(&mut [u8]) -> io::Result<(usize, u8)>,
+    ) -> io::Result<usize> {
         if buf.len() < 16 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -329,7 +342,7 @@ impl HandoffClient {
             ));
         }
         loop {
-            let (n, ty) = tlsplane_sys::recv_record_blocking(fd, buf)?;
+            let (n, ty) = recv(buf)?;
             match classify_record(ty, &buf[..n]) {
                 RecordAction::Data => return Ok(n),
                 RecordAction::CloseNotify => return Ok(0),
@@ -342,7 +355,7 @@ impl HandoffClient {
                 RecordAction::Handshake(_) if n == buf.len() => {
                     return Err(io::Error::from_raw_os_error(libc::EMSGSIZE))
                 }
-                RecordAction::Handshake(p) => match self.key_update(info.conn_id, p)? {
+                RecordAction::Handshake(p) => match self.key_update(conn_id, p)? {
                     Status::Ok => continue,
                     s => {
                         return Err(io::Error::new(
@@ -381,4 +394,114 @@ impl HandoffClient {
 enum Incoming {
     Conn(Connection),
     Reply(Reply),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records as a kTLS socket would return them: (content type, plaintext).
+    fn player(records: Vec<(u8, Vec<u8>)>) -> impl FnMut(&mut [u8]) -> io::Result<(usize, u8)> {
+        let mut records = records.into_iter();
+        move |buf: &mut [u8]| {
+            let (ty, bytes) = records.next().expect("no read past the script");
+            let n = bytes.len().min(buf.len());
+            buf[..n].copy_from_slice(&bytes[..n]);
+            Ok((n, ty))
+        }
+    }
+
+    /// What the fake tlsplane was asked: (connection id, record plaintext) per KEY_UPDATE.
+    type Asked = std::thread::JoinHandle<Vec<(u64, Vec<u8>)>>;
+
+    /// A fake tlsplane that answers each KEY_UPDATE with `status` and records what it got.
+    fn fake(status: Status) -> (HandoffClient, Asked) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let t = std::thread::spawn(move || {
+            let mut frame = Vec::new();
+            let mut got = Vec::new();
+            while let Ok(Some(_)) = read_frame(&theirs, &mut frame) {
+                let Ok(Some(Message::KeyUpdate {
+                    request_id,
+                    conn_id,
+                    record_plaintext,
+                })) = Message::decode(&frame)
+                else {
+                    panic!("expected KEY_UPDATE");
+                };
+                got.push((conn_id, record_plaintext.to_vec()));
+                let reply = Reply {
+                    request_id,
+                    conn_id,
+                    status,
+                };
+                send_reply(&theirs, &reply).unwrap();
+            }
+            got
+        });
+        (HandoffClient::from_stream(ours), t)
+    }
+
+    const KEY_UPDATE_REQUESTED: [u8; 5] = [24, 0, 0, 1, 1];
+
+    #[test]
+    fn a_key_update_goes_to_tlsplane_and_reading_goes_on() {
+        let (client, t) = fake(Status::Ok);
+        let mut recv = player(vec![
+            (23, b"before".to_vec()),
+            (22, KEY_UPDATE_REQUESTED.to_vec()),
+            (23, b"after the re-key".to_vec()),
+            (21, vec![1, 0]), // close_notify
+        ]);
+        let mut buf = [0u8; 64];
+        let mut reads = Vec::new();
+        loop {
+            let n = client.read_records(9, &mut buf, &mut recv).unwrap();
+            if n == 0 {
+                break;
+            }
+            reads.push(buf[..n].to_vec());
+        }
+        // The application sees only its data: the KeyUpdate was answered between two reads.
+        assert_eq!(reads, [b"before".to_vec(), b"after the re-key".to_vec()]);
+        drop(client);
+        assert_eq!(t.join().unwrap(), [(9, KEY_UPDATE_REQUESTED.to_vec())]);
+    }
+
+    #[test]
+    fn a_refused_re_key_or_an_alert_ends_the_read() {
+        let (client, t) = fake(Status::Unsupported);
+        let mut buf = [0u8; 64];
+        let e = client
+            .read_records(
+                1,
+                &mut buf,
+                player(vec![(22, KEY_UPDATE_REQUESTED.to_vec())]),
+            )
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionAborted);
+        let e = client
+            .read_records(1, &mut buf, player(vec![(21, vec![2, 40])]))
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionAborted);
+        assert!(e.to_string().contains("40"), "{e}");
+        for bad in [(21, vec![2]), (22, vec![]), (20, vec![1])] {
+            let e = client
+                .read_records(1, &mut buf, player(vec![bad]))
+                .unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        }
+        // A handshake record that fills the buffer may be cut short: not sent on.
+        let e = client
+            .read_records(1, &mut buf[..16], player(vec![(22, vec![24; 40])]))
+            .unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EMSGSIZE));
+        // Too small a buffer for a control record: refused before reading.
+        let e = client
+            .read_records(1, &mut buf[..15], player(vec![]))
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        drop(client);
+        assert_eq!(t.join().unwrap(), [(1, KEY_UPDATE_REQUESTED.to_vec())]);
+    }
 }
