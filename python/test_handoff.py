@@ -68,7 +68,63 @@ def main():
         except th.ProtocolError:
             pass
     print("fuzz_accepted_some=%s" % (accepted > 100))
+    print("control_records=%s" % control_records())
     print("done")
+
+
+class ScriptedSocket:
+    """Plays records as a kTLS socket's recvmsg returns them: (content type, plaintext)."""
+
+    def __init__(self, records):
+        self.records = list(records)
+
+    def recvmsg(self, bufsize, ancbufsize):
+        rtype, data = self.records.pop(0)
+        anc = [] if rtype == 23 else [(282, 2, bytes([rtype]))]
+        return data[:bufsize], anc, 0, None
+
+
+def control_records():
+    """Client.recv on the kernel plane: a KeyUpdate reaches a fake tlsplane (a thread on a
+    socketpair) and reading goes on; close_notify is b""; an alert raises."""
+    import socket
+    import struct
+    import threading
+    ours, theirs = socket.socketpair()
+    asked = []
+
+    def fake():
+        while True:
+            head = theirs.recv(8, socket.MSG_WAITALL)
+            if len(head) < 8:
+                return
+            kind, length = th.decode_prefix(head)
+            body = theirs.recv(length - 8, socket.MSG_WAITALL)
+            request_id, conn_id, plen = struct.unpack("!IQH", body[:14])
+            asked.append((kind, conn_id, body[14:14 + plen]))
+            theirs.sendall(th.MAGIC + struct.pack("!BBHIQH", 1, th.REPLY, 22, request_id, conn_id, 0))
+
+    t = threading.Thread(target=fake)
+    t.start()
+    client = th.Client(ours)
+    info = th.ConnInfo(8, th.PLANE_KERNEL, 0x0304, 0x1301, None, None, None, None)
+    ku = bytes([24, 0, 0, 1, 0])
+    sock = ScriptedSocket([(23, b"one"), (22, ku), (23, b"two"), (21, bytes([1, 0]))])
+    reads = []
+    while True:
+        data = client.recv(sock, info)
+        if not data:
+            break
+        reads.append(data)
+    try:
+        client.recv(ScriptedSocket([(21, bytes([2, 40]))]), info)
+        alert = "none"
+    except ConnectionAbortedError:
+        alert = "aborted"
+    client.disconnect()
+    t.join()
+    theirs.close()
+    return "%s %s %s" % (reads == [b"one", b"two"], asked == [(th.KEY_UPDATE, 8, ku)], alert)
 
 
 main()

@@ -83,6 +83,7 @@ fn the_python_module_receives_reads_and_closes() {
     let n = Message::Connection(info.clone()).encode(&mut good).unwrap();
     let good_hex: String = good[..n].iter().map(|b| format!("{b:02x}")).collect();
     let out = Command::new("python3")
+        .arg("-B") // no __pycache__ in the source tree
         .arg(&script)
         .arg(&path)
         .arg(&good_hex)
@@ -106,6 +107,7 @@ fn the_python_module_receives_reads_and_closes() {
             "accept_gone=ConnectionResetError",
             "fds_leaked=0",
             "fuzz_accepted_some=True",
+            "control_records=True True aborted",
             "done",
         ],
         "{stdout}"
