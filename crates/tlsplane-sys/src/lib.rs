@@ -665,8 +665,9 @@ pub fn send_with_fd(sock: BorrowedFd<'_>, bytes: &[u8], fd: BorrowedFd<'_>) -> i
 ///
 /// Never leaks a descriptor: if the sender attached more than one, or the control data was cut
 /// short (`MSG_CTRUNC`: the kernel then closes what did not fit), every descriptor that did
-/// arrive is closed and the call fails with `InvalidData`. Control messages of other kinds
-/// (credentials) are ignored. `Ok((0, None))` with a non-empty `buf` is end of stream.
+/// arrive is closed and the call fails with `InvalidData`. The control buffer has room for one
+/// descriptor only, so on a socket with `SO_PASSCRED` set the credentials do not fit and every
+/// read fails that way. `Ok((0, None))` with a non-empty `buf` is end of stream.
 pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
     let mut cmsg = OneFdCmsg([0; 24]);
     // SAFETY: CMSG_SPACE is a pure size computation.
