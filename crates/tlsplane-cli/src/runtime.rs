@@ -78,6 +78,10 @@ pub struct RuntimeStats {
     pub accept_emfile: Counter,
     /// Handshakes in progress closed to make room under --max-handshakes-per-worker.
     pub handshakes_evicted: Counter,
+    /// New connections whose first request (or end) came while they waited on the handshake
+    /// loop for it, and those that moved from there when a full handshake started.
+    pub first_request_here: Counter,
+    pub first_request_moved: Counter,
     /// Configuration reloads that took effect.
     pub reloads: Counter,
     /// Configuration reloads that failed (the previous configuration stayed in force).
@@ -119,6 +123,76 @@ pub struct ConnContext {
     /// Turns true when the server starts shutting down: finish what is in flight, then close.
     pub stop: watch::Receiver<bool>,
     pub idle: Idle,
+    /// On the handshake loop only: see [`ConnContext::first_request_here`].
+    first_request: Option<FirstRequestWait>,
+}
+
+/// What a connection that has just finished its handshake needs in order to wait on the
+/// handshake loop for its first request.
+struct FirstRequestWait {
+    /// Full handshakes in progress on this loop, and a signal each time one starts.
+    full: Arc<AtomicUsize>,
+    full_started: Arc<tokio::sync::Notify>,
+    /// Connections waiting so on this loop (at most [`FIRST_REQUEST_WAITERS`]).
+    waiting: Arc<AtomicUsize>,
+    stats: Arc<RuntimeStats>,
+}
+
+/// At most this many connections per handshake loop wait there for their first request
+/// (each still holds a place among the loop's handshakes, under
+/// --max-handshakes-per-worker).
+const FIRST_REQUEST_WAITERS: usize = 64;
+
+/// What [`ConnContext::first_request_here`] found.
+pub enum FirstRequest {
+    /// Bytes (or the client's end) came, or the idle deadline passed: read here.
+    Here,
+    /// Park the connection ([`Served::Park`]).
+    Move,
+    /// Evicted to make room under --max-connections, or the server is stopping: close.
+    Close,
+}
+
+impl ConnContext {
+    /// For a handler in [`Phase::Handshake`] about to park a new connection that has sent
+    /// nothing since its handshake: while this loop has no full handshake in progress, waits
+    /// here for the client's first bytes (or its end) until `idle_until`, and says
+    /// [`FirstRequest::Move`] as soon as a full handshake starts on this loop. A connection
+    /// that then sends one request and closes never moves (the move costs two `epoll_ctl`, an
+    /// eventfd write, a wait and a thread switch); a TLS 1.2 client, which waits for the
+    /// server's Finished, sends its request a round trip after the handshake ends. Under a
+    /// handshake flood connections move at once, as they did before. Once per connection.
+    pub async fn first_request_here(
+        &mut self,
+        tls: &mut TlsStream,
+        idle_until: tokio::time::Instant,
+    ) -> FirstRequest {
+        let Some(w) = self.first_request.take() else {
+            return FirstRequest::Move;
+        };
+        if w.full.load(Relaxed) > 0 || w.waiting.load(Relaxed) >= FIRST_REQUEST_WAITERS {
+            return FirstRequest::Move;
+        }
+        let _waiting = Counted::new(w.waiting.clone());
+        // One thread runs this loop: no full handshake can start between the check above and
+        // the first poll of `started` below, which registers it.
+        let started = w.full_started.notified();
+        let (stop, idle) = (&mut self.stop, &self.idle);
+        let wait = idle.wait(async {
+            tokio::select! {
+                _ = tls.input_by(idle_until) => FirstRequest::Here,
+                _ = started => FirstRequest::Move,
+                _ = stop.changed() => FirstRequest::Close,
+            }
+        });
+        let found = wait.await.unwrap_or(FirstRequest::Close);
+        match found {
+            FirstRequest::Here => w.stats.first_request_here.fetch_add(1, Relaxed),
+            FirstRequest::Move => w.stats.first_request_moved.fetch_add(1, Relaxed),
+            FirstRequest::Close => {}
+        };
+        found
+    }
 }
 
 /// The server's list of idle connections (see [`Idle::wait`]).
@@ -599,6 +673,10 @@ struct HandshakeStart<H: Handler> {
     to_conn: mpsc::UnboundedSender<Established<H, H::Parked>>,
     stop: watch::Receiver<bool>,
     full: Arc<AtomicUsize>,
+    /// Signalled when a full handshake starts, and the connections waiting for their first
+    /// request on this loop (see [`ConnContext::first_request_here`]).
+    full_started: Arc<tokio::sync::Notify>,
+    first_request_waiting: Arc<AtomicUsize>,
     pre_hello: Arc<EvictionList>,
     post_hello: Arc<EvictionList>,
 }
@@ -610,6 +688,10 @@ impl<H: Handler> HandshakeStart<H> {
         let (s, to_conn, stop) = (self.shared.clone(), self.to_conn.clone(), self.stop.clone());
         let entry = self.pre_hello.enter();
         let (post_hello, full) = (self.post_hello.clone(), self.full.clone());
+        let (full_started, first_request_waiting) = (
+            self.full_started.clone(),
+            self.first_request_waiting.clone(),
+        );
         tokio::spawn(async move {
             let Arriving {
                 peer,
@@ -628,13 +710,31 @@ impl<H: Handler> HandshakeStart<H> {
             // The handshake's state is boxed and freed before the handler's is allocated.
             contain_panics(&stats, async move {
                 let Some((tls, handler)) = Box::pin(handshake(
-                    tcp, peer, received, &s, &mut guard, full, entry, post_hello,
+                    tcp,
+                    peer,
+                    received,
+                    &s,
+                    &mut guard,
+                    full.clone(),
+                    &full_started,
+                    entry,
+                    post_hello,
                 ))
                 .await
                 else {
                     return;
                 };
-                serve_first(tls, peer, &s, handler, guard, to_conn, stop).await;
+                let ctx = ConnContext {
+                    stop,
+                    idle: Idle(s.idle.clone()),
+                    first_request: Some(FirstRequestWait {
+                        full,
+                        full_started,
+                        waiting: first_request_waiting,
+                        stats: s.stats.clone(),
+                    }),
+                };
+                serve_first(tls, peer, handler, guard, to_conn, ctx).await;
             })
             .await;
         });
@@ -674,6 +774,8 @@ fn handshake_loop<H: Handler>(
         stop: stop.clone(),
         // Of those, the ones known to be full handshakes.
         full: Arc::new(AtomicUsize::new(0)),
+        full_started: Arc::new(tokio::sync::Notify::new()),
+        first_request_waiting: Arc::new(AtomicUsize::new(0)),
         // By stage: past the first byte but before a whole ClientHello (no crypto spent yet),
         // and after it. Before the first byte they wait in the lobby.
         pre_hello: Arc::new(EvictionList::default()),
@@ -1000,6 +1102,7 @@ async fn handshake<H: Handler>(
     shared: &Shared<H>,
     guard: &mut Admitted,
     full: Arc<AtomicUsize>,
+    full_started: &tokio::sync::Notify,
     mut in_progress: EvictionEntry,
     post_hello: Arc<EvictionList>,
 ) -> Option<(TlsStream, Arc<H>)> {
@@ -1021,6 +1124,8 @@ async fn handshake<H: Handler>(
         Ok(()) => {
             if !hello.resumption {
                 full_place = Some(Counted::new(full.clone()));
+                // Connections waiting here for their first request move on.
+                full_started.notify_waiters();
             }
             in_progress.move_to(&post_hello);
             true
@@ -1092,21 +1197,12 @@ async fn handshake<H: Handler>(
 async fn serve_first<H: Handler>(
     tls: TlsStream,
     peer: SocketAddr,
-    shared: &Shared<H>,
     handler: Arc<H>,
     guard: Admitted,
     to_conn: mpsc::UnboundedSender<Established<H, H::Parked>>,
-    stop: watch::Receiver<bool>,
+    ctx: ConnContext,
 ) {
-    let serve = handler.clone().serve(
-        tls,
-        peer,
-        Phase::Handshake,
-        ConnContext {
-            stop,
-            idle: Idle(shared.idle.clone()),
-        },
-    );
+    let serve = handler.clone().serve(tls, peer, Phase::Handshake, ctx);
     let (tls, parked) = match Box::pin(serve).await {
         Served::Done => return,
         Served::Park(tls, parked) => (tls, parked),
@@ -1148,6 +1244,7 @@ fn connection_loop<H: Handler>(
                     ConnContext {
                         stop,
                         idle: Idle(s.idle.clone()),
+                        first_request: None,
                     },
                 );
                 // Boxed: inline, the serve future sat in this task twice over (~28 KB per

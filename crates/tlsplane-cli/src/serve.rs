@@ -19,7 +19,7 @@ use tlsplane_http::{error_response, parse_request, respond, Body, DocRoot, Limit
 
 use crate::access_log::{self, AccessLog, Entry, RequestLine};
 use crate::config::{Origin, SiteNeeds, Sites};
-use crate::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
+use crate::runtime::{ConnContext, FirstRequest, Handler, Phase, RuntimeStats, Served};
 use crate::server::{Product, ServerArgs};
 
 #[derive(Args, Debug, Clone)]
@@ -287,11 +287,6 @@ async fn http_loop(
                         .await
                         .map(|()| Served::Done);
                 }
-                if park_when_idle && used == 0 && !tls.input_pending() {
-                    // Between requests with nothing to read: wait on a connection loop, not
-                    // on the handshake loop.
-                    return Ok(Served::Park(tls, Parked { buf, responded }));
-                }
                 let in_head = used > 0;
                 let until = match deadline {
                     Some((phase, at)) if phase == in_head => at,
@@ -306,6 +301,26 @@ async fn http_loop(
                         at
                     }
                 };
+                if park_when_idle && !in_head && !tls.input_pending() {
+                    // Between requests with nothing to read: wait on a connection loop, not
+                    // on the handshake loop; for the first request, there too while that
+                    // loop has no full handshake to run.
+                    let wait = if responded {
+                        FirstRequest::Move
+                    } else {
+                        ctx.first_request_here(&mut tls, until).await
+                    };
+                    match wait {
+                        FirstRequest::Here => {}
+                        FirstRequest::Move => {
+                            return Ok(Served::Park(tls, Parked { buf, responded }));
+                        }
+                        FirstRequest::Close => {
+                            let _ = tls.shutdown().await;
+                            return Ok(Served::Done);
+                        }
+                    }
+                }
                 let (stop, idle) = (&mut ctx.stop, &ctx.idle);
                 let read = async {
                     // Boxed: the read's state (~4 KB with the planes' alert paths) would

@@ -489,6 +489,8 @@ fn counters<P: Product>(stats: &P::Stats, r: &RuntimeStats) -> Vec<(&'static str
         ("accept_emfile", r.accept_emfile.load(Relaxed)),
         ("first_byte_timeouts", r.first_byte_timeouts.load(Relaxed)),
         ("handshakes_evicted", r.handshakes_evicted.load(Relaxed)),
+        ("first_request_here", r.first_request_here.load(Relaxed)),
+        ("first_request_moved", r.first_request_moved.load(Relaxed)),
         ("reloads", r.reloads.load(Relaxed)),
         ("reload_failures", r.reload_failures.load(Relaxed)),
         ("keyd_restarts", r.keyd_restarts.load(Relaxed)),

@@ -403,6 +403,50 @@ impl TlsStream {
         }
     }
 
+    /// Waits until `deadline` at most for the client's next bytes (or its end), holding no
+    /// buffer: true when a read would now not wait for the client. Unlike
+    /// [`TlsStream::readable`], stale readiness on the kernel plane does not end the wait
+    /// early (a non-blocking peek there finds out, and clears it). Cancel-safe: it only
+    /// reads into the record layer, and waits for readiness.
+    pub async fn input_by(&mut self, deadline: tokio::time::Instant) -> bool {
+        loop {
+            // Callers usually have just asked `input_pending`: the socket is read again only
+            // once it is readable.
+            let buffered = match &mut self.plane {
+                Plane::User(u) => u.has_buffered_input(),
+                Plane::Kernel(k) => k.has_buffered_input() || !self.small.is_empty(),
+            };
+            if buffered {
+                return true;
+            }
+            self.ack_before_first_wait();
+            let ready = match self.plane {
+                Plane::User(_) => tokio::time::timeout_at(deadline, self.sock.readable()).await,
+                // A peek is 0 at the client's end and an error at a control record (the read
+                // that follows reports it): either way there is something to read.
+                Plane::Kernel(_) => {
+                    let mut one = [0u8; 1];
+                    match tokio::time::timeout_at(deadline, self.sock.peek(&mut one)).await {
+                        Ok(_) => return true,
+                        Err(e) => Err(e),
+                    }
+                }
+            };
+            match ready {
+                Err(_) => return false,
+                // The next read reports the error.
+                Ok(Err(_)) => return true,
+                // User plane: the readiness may be stale; `input_pending` reads to find out
+                // (and clears it when nothing came).
+                Ok(Ok(())) => {
+                    if self.input_pending() {
+                        return true;
+                    }
+                }
+            }
+        }
+    }
+
     /// The client closed (close_notify) with or right after its Finished: nothing more will
     /// come from it.
     pub fn peer_closed(&self) -> bool {
@@ -438,6 +482,14 @@ impl TlsStream {
             n as u64,
         );
         Ok(n)
+    }
+
+    /// As in `read_acked`, for a wait that does not read: the client's Finished must not
+    /// wait for a delayed ACK. Once, before the connection's first wait for the client.
+    fn ack_before_first_wait(&mut self) {
+        if std::mem::take(&mut self.ack_before_wait) {
+            let _ = socket2::SockRef::from(&self.sock).set_quickack(true);
+        }
     }
 
     async fn read_acked(&mut self, buf: &mut [u8]) -> io::Result<usize> {
@@ -553,11 +605,8 @@ impl TlsStream {
         max: usize,
         spill: &mut [u8],
     ) -> io::Result<Spliced> {
-        if std::mem::take(&mut self.ack_before_wait)
-            && tlsplane_sys::queued_bytes(std::os::fd::AsFd::as_fd(&self.sock)).unwrap_or(0) == 0
-        {
-            // As in `read_acked`: the client's Finished must not wait for a delayed ACK.
-            let _ = socket2::SockRef::from(&self.sock).set_quickack(true);
+        if tlsplane_sys::queued_bytes(std::os::fd::AsFd::as_fd(&self.sock)).unwrap_or(0) == 0 {
+            self.ack_before_first_wait();
         }
         let kernel_ready = self.small.is_empty();
         let moved = match &mut self.plane {

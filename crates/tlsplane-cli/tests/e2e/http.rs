@@ -350,3 +350,31 @@ fn later_http1_minor_version_is_served_as_11() {
     c.close();
     server.stop();
 }
+
+/// A new connection that has sent nothing since its handshake waits for its first request
+/// where its handshake ran while that loop has nothing else to do, and is served there; a
+/// full handshake starting there moves the waiting connection to the connection loop, where
+/// it is served all the same. On both planes (the kernel plane's wait peeks).
+#[test]
+fn first_request_waits_on_a_quiet_handshake_loop_and_moves_for_a_full_handshake() {
+    use std::time::Duration;
+    let server = Server::builder().workers(1).start();
+    let f = fixtures::get().file(16383);
+    // Waits (nothing else on the loop), then asks: served where its handshake ran.
+    let mut a = TlsClient::connect_version(server.port(), Tls::V13);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_file_body(&a.get(&f.url), f, "a, first");
+    // Waits too; then another client's full handshake (a fresh configuration: nothing to
+    // resume) moves it.
+    let mut b = TlsClient::connect_version(server.port(), Tls::V13);
+    std::thread::sleep(Duration::from_millis(50));
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    std::thread::sleep(Duration::from_millis(50));
+    for (name, client) in [("b", &mut b), ("c", &mut c), ("a, second", &mut a)] {
+        assert_file_body(&client.get(&f.url), f, name);
+    }
+    let stats = server.stop();
+    // a and c were served where their handshakes ran; b moved when c's handshake started.
+    assert_eq!(stats["first_request_here"], 2, "{stats:?}");
+    assert_eq!(stats["first_request_moved"], 1, "{stats:?}");
+}
