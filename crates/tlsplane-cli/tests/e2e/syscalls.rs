@@ -190,10 +190,14 @@ fn counting() -> bool {
 /// whether input is pending (found: served where the handshake ran; not yet: the connection
 /// moves to the connection loop, four calls more), and the count would depend on the
 /// machine's load.
+///
+/// `pause`: how long to wait between the end of the handshake and sending them (zero: with
+/// the last flight).
 fn connect_sending(
     port: u16,
     config: &std::sync::Arc<rustls::ClientConfig>,
     first: Option<&[u8]>,
+    pause: Duration,
 ) -> TlsClient {
     use std::io::Write as _;
     let mut c = TlsClient::new(port, config.clone());
@@ -202,6 +206,10 @@ fn connect_sending(
         if c.conn.is_handshaking() {
             assert!(c.read_tls_once().expect("handshake") > 0, "server closed");
         }
+    }
+    if !pause.is_zero() {
+        c.flush_tls().expect("sending the handshake");
+        std::thread::sleep(pause);
     }
     match first {
         Some(data) => c.conn.writer().write_all(data).expect("queueing"),
@@ -213,7 +221,7 @@ fn connect_sending(
 
 /// Handshake, close_notify with the Finished, then read until the server has closed.
 fn handshake_only(port: u16, config: &std::sync::Arc<rustls::ClientConfig>) -> bool {
-    let mut c = connect_sending(port, config, None);
+    let mut c = connect_sending(port, config, None, Duration::ZERO);
     let resumed = c.conn.handshake_kind() == Some(rustls::HandshakeKind::Resumed);
     let (rest, end) = c.read_to_end();
     assert!(
@@ -275,6 +283,25 @@ fn resumed_tls13_handshake() {
     resumed(Tls::V13, "tls13_resumed");
 }
 
+/// A new connection, one GET of `f` with `Connection: close` sent `pause` after the handshake
+/// (see [`connect_sending`]), the whole file and close_notify back; returns the kind of
+/// handshake it was.
+fn one_get(
+    port: u16,
+    config: &std::sync::Arc<rustls::ClientConfig>,
+    f: &fixtures::DocFile,
+    pause: Duration,
+) -> Option<rustls::HandshakeKind> {
+    let request = get_request(&f.url, "Connection: close\r\n");
+    let mut c = connect_sending(port, config, Some(&request), pause);
+    let (raw, end) = c.read_to_end();
+    assert!(matches!(end, End::CloseNotify), "{end:?}");
+    let (status, _, body) = split_http(&raw);
+    assert_eq!(status, 200);
+    assert_eq!(fixtures::sha256(&body), f.sha256, "the whole file");
+    c.conn.handshake_kind()
+}
+
 /// One GET with `Connection: close` on a new connection (session resumed: the full
 /// handshake is counted above).
 #[test]
@@ -285,15 +312,7 @@ fn new_connection_with_one_get() {
     let mut s = server();
     let f = fixtures::get().file(16383);
     let config = ClientOpts::version(Tls::V13).config();
-    let one = |port| {
-        let request = get_request(&f.url, "Connection: close\r\n");
-        let mut c = connect_sending(port, &config, Some(&request));
-        let (raw, end) = c.read_to_end();
-        assert!(matches!(end, End::CloseNotify), "{end:?}");
-        let (status, _, body) = split_http(&raw);
-        assert_eq!(status, 200);
-        assert_eq!(fixtures::sha256(&body), f.sha256, "the whole file");
-    };
+    let one = |port| one_get(port, &config, f, Duration::ZERO);
     one(s.port());
     measure(&s, "conn_get", || {
         for _ in 0..N {
@@ -316,28 +335,12 @@ fn tls12_full_handshake_then_get() {
     let mut s = server();
     let f = fixtures::get().file(16383);
     let one = |port| {
-        use std::io::Write as _;
-        // A fresh configuration each time: no session to resume.
+        // A fresh configuration each time: no session to resume. The pause stands for a real
+        // network's round trip (and leaves the server, slowed by strace, time to finish its
+        // side): the server has found nothing to read and waits.
         let fresh = ClientOpts::version(Tls::V12).config();
-        let mut c = TlsClient::new(port, fresh);
-        while c.conn.is_handshaking() {
-            c.flush_tls().expect("sending the handshake");
-            if c.conn.is_handshaking() {
-                assert!(c.read_tls_once().expect("handshake") > 0, "server closed");
-            }
-        }
-        assert_eq!(c.conn.handshake_kind(), Some(rustls::HandshakeKind::Full));
-        // The round trip of a real network (and room for the server, slowed by strace, to
-        // finish its side): the server has found nothing to read and waits.
-        std::thread::sleep(Duration::from_millis(10));
-        let request = get_request(&f.url, "Connection: close\r\n");
-        c.conn.writer().write_all(&request).expect("queueing");
-        c.flush_tls().expect("sending the request");
-        let (raw, end) = c.read_to_end();
-        assert!(matches!(end, End::CloseNotify), "{end:?}");
-        let (status, _, body) = split_http(&raw);
-        assert_eq!(status, 200);
-        assert_eq!(fixtures::sha256(&body), f.sha256, "the whole file");
+        let kind = one_get(port, &fresh, f, Duration::from_millis(10));
+        assert_eq!(kind, Some(rustls::HandshakeKind::Full));
     };
     one(s.port());
     let (_, calls) = measure(&s, "tls12_full_get", || {
