@@ -1,0 +1,318 @@
+//! `tlsplane handoff`: established connections handed to receivers on a Unix socket (issue
+//! 21), natively on the user relay plane: Python receivers (`python/tlsplane_handoff.py`)
+//! and rustls clients.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::client::{ClientOpts, Tls};
+use crate::support::Server;
+
+fn python_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python")
+}
+
+fn have_python() -> bool {
+    Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Runs a Python receiver: `script` with `client` connected to `socket` (the module's
+/// `connect`). Its stdout is piped.
+fn receiver(socket: &Path, script: &str) -> Child {
+    let program = format!(
+        "import sys, os, json, socket\nimport tlsplane_handoff\nclient = tlsplane_handoff.connect({:?})\n{script}",
+        socket.display().to_string()
+    );
+    Command::new("python3")
+        .arg("-c")
+        .arg(program)
+        .env("PYTHONPATH", python_dir())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("python3")
+}
+
+/// Waits until the server's log says `n` receivers connected (a hand-off before that finds
+/// no receiver).
+fn wait_receivers(server: &Server, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let seen = server
+            .stderr_lines()
+            .iter()
+            .filter(|l| l.contains("hand-off receiver connected"))
+            .count();
+        if seen >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{n} receivers did not connect; stderr:\n{}",
+            server.stderr_lines().join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn scratch(what: &str) -> PathBuf {
+    crate::sites::scratch(what)
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+type Client = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+async fn connect(port: u16, alpn: &[&[u8]]) -> Client {
+    let mut config = (*ClientOpts::version(Tls::V13).config()).clone();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let sock = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect("localhost".try_into().expect("name"), sock)
+        .await
+        .expect("handshake")
+}
+
+/// Reads to the end: the bytes, and whether the end was a close_notify.
+async fn read_to_end(c: &mut Client, limit: Duration) -> (Vec<u8>, bool) {
+    let mut got = Vec::new();
+    match tokio::time::timeout(limit, c.read_to_end(&mut got)).await {
+        Ok(Ok(_)) => (got, true),
+        Ok(Err(_)) => (got, false),
+        Err(_) => panic!("no end within {limit:?} (got {} bytes)", got.len()),
+    }
+}
+
+fn stdout_of(mut child: Child) -> String {
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .expect("piped")
+        .read_to_string(&mut out)
+        .expect("stdout");
+    let _ = child.wait();
+    out
+}
+
+#[test]
+fn a_python_receiver_echoes_and_sees_the_header() {
+    if !have_python() {
+        eprintln!("skipped: no python3");
+        return;
+    }
+    let dir = scratch("handoff-echo");
+    let socket = dir.join("app.sock");
+    let server = Server::builder()
+        .handoff(&socket)
+        .arg("--alpn")
+        .arg("echo/1")
+        .start();
+    let rx = receiver(
+        &socket,
+        r#"
+sock, info = client.accept()
+data = b""
+while True:
+    b = sock.recv(65536)
+    if not b:
+        break
+    sock.sendall(b)
+    data += b
+print(json.dumps({"conn_id": info.conn_id, "plane": info.plane, "version": info.tls_version,
+                  "suite": info.cipher_suite, "name": info.server_name,
+                  "alpn": info.alpn.decode() if info.alpn else None,
+                  "peer": list(info.peer), "local": list(info.local), "bytes": len(data)}))
+client.close(sock, info)
+"#,
+    );
+    wait_receivers(&server, 1);
+    let data: Vec<u8> = (0..200_000).map(|i| (i % 251) as u8).collect();
+    let (got, clean, client_port) = runtime().block_on(async {
+        let c = connect(server.port(), &[b"echo/1"]).await;
+        let client_port = c.get_ref().0.local_addr().unwrap().port();
+        // Both ways at once: the receiver echoes as it reads.
+        let (mut r, mut w) = tokio::io::split(c);
+        let writer = async {
+            w.write_all(&data).await.expect("write");
+            w.shutdown().await.expect("close_notify");
+            w
+        };
+        let reader = async {
+            let mut got = Vec::new();
+            let r2 = tokio::time::timeout(Duration::from_secs(20), r.read_to_end(&mut got)).await;
+            (got, matches!(r2, Ok(Ok(_))))
+        };
+        let (_w, (got, clean)) = tokio::join!(writer, reader);
+        (got, clean, client_port)
+    });
+    assert!(got == data, "echoed {} of {} bytes", got.len(), data.len());
+    assert!(clean, "the end was not a close_notify");
+    let out = stdout_of(rx);
+    let header: serde_json::Value = serde_json::from_str(out.trim()).expect("receiver output");
+    assert_eq!(header["plane"], 2, "{header}");
+    assert_eq!(header["version"], 0x0304, "{header}");
+    assert_ne!(header["suite"], 0, "{header}");
+    assert_eq!(header["name"], "localhost", "{header}");
+    assert_eq!(header["alpn"], "echo/1", "{header}");
+    assert_eq!(header["peer"][1], client_port, "{header}");
+    assert_eq!(header["local"][1], server.port(), "{header}");
+    assert_eq!(header["bytes"], data.len(), "{header}");
+    assert!(header["conn_id"].as_u64().unwrap() > 0, "{header}");
+    let stats = server.stop();
+    assert_eq!(stats.get("handoff_user_plane"), 1);
+    assert_eq!(
+        stats.get("handoff_relayed_bytes"),
+        2 * data.len() as u64,
+        "{stats:?}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_receiver_whose_uid_is_not_allowed_is_closed_and_gets_nothing() {
+    let dir = scratch("handoff-uid");
+    let socket = dir.join("app.sock");
+    // Not this process's uid (tests run as root or as a user; neither is 12345 here).
+    assert_ne!(uid_of_self(), 12345);
+    let server = Server::builder()
+        .handoff(&socket)
+        .arg("--handoff-allow-uid")
+        .arg("12345")
+        .start();
+    let mut rx = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
+    rx.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = [0u8; 64];
+    assert_eq!(
+        rx.read(&mut buf).expect("closed, not timed out"),
+        0,
+        "a refused receiver got bytes"
+    );
+    // A client meanwhile: nobody may receive it, so it is closed.
+    let (got, _) = runtime().block_on(async {
+        let mut c = connect(server.port(), &[]).await;
+        read_to_end(&mut c, Duration::from_secs(10)).await
+    });
+    assert!(got.is_empty());
+    let stats = server.stop();
+    assert_eq!(stats.get("handoff_receivers_refused"), 1, "{stats:?}");
+    assert_eq!(stats.get("handoff_receivers_accepted"), 0, "{stats:?}");
+    assert_eq!(stats.get("handoff_refused_no_receiver"), 1, "{stats:?}");
+    assert_eq!(stats.get("handoff_user_plane"), 0, "{stats:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn uid_of_self() -> u32 {
+    let out = Command::new("id").arg("-u").output().expect("id -u");
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+#[test]
+fn a_receiver_that_dies_mid_connection_ends_its_connections_with_close_notify() {
+    if !have_python() {
+        eprintln!("skipped: no python3");
+        return;
+    }
+    let dir = scratch("handoff-dies");
+    let socket = dir.join("app.sock");
+    let server = Server::builder().handoff(&socket).start();
+    // The receiver answers, then dies; a child it forked keeps the connection's descriptor
+    // open (so only tlsplane noticing the receiver's end can end the relay).
+    let rx = receiver(
+        &socket,
+        r#"
+sock, info = client.accept()
+assert sock.recv(4) == b"ping"
+sock.sendall(b"pong")
+if os.fork() == 0:
+    client.sock.close()
+    print(os.getpid(), flush=True)
+    os.close(1)
+    import time
+    time.sleep(60)
+    os._exit(0)
+os._exit(0)
+"#,
+    );
+    wait_receivers(&server, 1);
+    let started = Instant::now();
+    let (got, clean) = runtime().block_on(async {
+        let mut c = connect(server.port(), &[]).await;
+        c.write_all(b"ping").await.unwrap();
+        c.flush().await.unwrap();
+        read_to_end(&mut c, Duration::from_secs(15)).await
+    });
+    let took = started.elapsed();
+    let child = stdout_of(rx);
+    if let Ok(pid) = child.trim().parse::<u32>() {
+        let _ = Command::new("kill").arg(pid.to_string()).status();
+    }
+    assert_eq!(got, b"pong");
+    assert!(clean, "the client's end was not a close_notify");
+    assert!(took < Duration::from_secs(10), "the end took {took:?}");
+    let stats = server.stop();
+    assert_eq!(stats.get("handoff_receivers_lost"), 1, "{stats:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn two_receivers_share_the_connections() {
+    if !have_python() {
+        eprintln!("skipped: no python3");
+        return;
+    }
+    let dir = scratch("handoff-two");
+    let socket = dir.join("app.sock");
+    let server = Server::builder().handoff(&socket).start();
+    let script = |tag: &str| {
+        format!(
+            r#"
+while True:
+    try:
+        sock, info = client.accept()
+    except Exception:
+        break
+    sock.sendall(b"{tag}")
+    client.close(sock, info)
+"#
+        )
+    };
+    let mut a = receiver(&socket, &script("A"));
+    let mut b = receiver(&socket, &script("B"));
+    wait_receivers(&server, 2);
+    let tags = runtime().block_on(async {
+        let mut tags = Vec::new();
+        for _ in 0..6 {
+            let mut c = connect(server.port(), &[]).await;
+            let (got, clean) = read_to_end(&mut c, Duration::from_secs(10)).await;
+            assert!(clean);
+            tags.push(String::from_utf8(got).unwrap());
+        }
+        tags
+    });
+    let stats = server.stop();
+    let _ = (a.kill(), b.kill(), a.wait(), b.wait());
+    assert!(
+        tags.iter().any(|t| t == "A") && tags.iter().any(|t| t == "B"),
+        "both receivers must get connections: {tags:?}"
+    );
+    assert!(tags.iter().all(|t| t == "A" || t == "B"), "{tags:?}");
+    assert_eq!(stats.get("handoff_user_plane"), 6, "{stats:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
