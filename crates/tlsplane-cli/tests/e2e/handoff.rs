@@ -78,13 +78,17 @@ fn runtime() -> tokio::runtime::Runtime {
 type Client = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
 
 async fn connect(port: u16, alpn: &[&[u8]]) -> Client {
+    connect_to(port, "localhost", alpn).await
+}
+
+async fn connect_to(port: u16, name: &str, alpn: &[&[u8]]) -> Client {
     let mut config = (*ClientOpts::version(Tls::V13).config()).clone();
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let sock = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .expect("connect");
     tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect("localhost".try_into().expect("name"), sock)
+        .connect(name.to_string().try_into().expect("name"), sock)
         .await
         .expect("handshake")
 }
@@ -314,5 +318,73 @@ while True:
     );
     assert!(tags.iter().all(|t| t == "A" || t == "B"), "{tags:?}");
     assert_eq!(stats.get("handoff_user_plane"), 6, "{stats:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn sites_hand_off_on_their_own_sockets() {
+    use crate::support::fixtures::{pki, CertKind};
+    if !have_python() {
+        eprintln!("skipped: no python3");
+        return;
+    }
+    let dir = scratch("handoff-sites");
+    let a = pki().issue_in(&dir, "a", &["a.test"], CertKind::P256);
+    let leaf = pki().leaf(CertKind::P256);
+    let (sock_a, sock_d) = (dir.join("a.sock"), dir.join("d.sock"));
+    let toml = format!(
+        "[server]\nhandoff-socket = {:?}\n\n\
+         [[site]]\nserver-names = [\"a.test\"]\nhandoff-socket = \"a.sock\"\nalpn = [\"x-a\"]\n\
+         [[site.cert]]\nchain = {:?}\nkey = {:?}\n\n\
+         [[site]]\ndefault = true\n\
+         [[site.cert]]\nchain = {:?}\nkey = {:?}\n",
+        sock_d.display().to_string(),
+        a.cert_pem,
+        a.key_pem,
+        leaf.cert_pem,
+        leaf.key_pem,
+    );
+    let config = dir.join("handoff.toml");
+    std::fs::write(&config, toml).unwrap();
+    // check-config knows a hand-off file by its handoff-socket.
+    let out = Command::new(crate::support::server_bin())
+        .arg("check-config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "check-config: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // (The builder's --handoff-socket is the [server] one: the file's sites override it.)
+    let server = Server::builder()
+        .handoff(&sock_d)
+        .config_file(&config)
+        .start();
+    let script = |tag: &str| {
+        format!(
+            r#"
+sock, info = client.accept()
+sock.sendall(b"{tag} " + (info.server_name or "-").encode() + b" " + (info.alpn or b"-"))
+client.close(sock, info)
+"#
+        )
+    };
+    let ra = receiver(&sock_a, &script("A"));
+    let rd = receiver(&sock_d, &script("D"));
+    wait_receivers(&server, 2);
+    let (got_a, got_d) = runtime().block_on(async {
+        let mut c = connect_to(server.port(), "a.test", &[b"x-a"]).await;
+        let a = read_to_end(&mut c, Duration::from_secs(10)).await;
+        let mut c = connect_to(server.port(), "localhost", &[]).await;
+        let d = read_to_end(&mut c, Duration::from_secs(10)).await;
+        (a, d)
+    });
+    let _ = (stdout_of(ra), stdout_of(rd));
+    assert_eq!(String::from_utf8_lossy(&got_a.0), "A a.test x-a");
+    assert_eq!(String::from_utf8_lossy(&got_d.0), "D localhost -");
+    let stats = server.stop();
+    assert_eq!(stats.get("handoff_user_plane"), 2, "{stats:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
