@@ -712,3 +712,65 @@ impl Handoff {
         info
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn socket_with(pending: &[usize]) -> (HandoffSocket, Vec<JobQueue<Job>>) {
+        let mut queues = Vec::new();
+        let mut list = Vec::new();
+        for (id, &p) in pending.iter().enumerate() {
+            let (jobs, queued) = sync_channel(4);
+            let (_gone_tx, gone) = tokio::sync::watch::channel(false);
+            queues.push(queued);
+            list.push(Arc::new(ReceiverHandle {
+                id: id as u64,
+                pending: Arc::new(AtomicUsize::new(p)),
+                jobs,
+                gone,
+            }));
+        }
+        let socket = HandoffSocket {
+            path: PathBuf::from("/nonexistent"),
+            allowed: Mutex::new(Allowed::default()),
+            queue: AtomicUsize::new(4),
+            receivers: Mutex::new(list),
+            turn: AtomicUsize::new(0),
+        };
+        (socket, queues)
+    }
+
+    #[test]
+    fn the_least_pending_receiver_is_picked() {
+        let (socket, _q) = socket_with(&[3, 1, 2]);
+        for _ in 0..5 {
+            assert_eq!(socket.pick().unwrap().id, 1);
+        }
+    }
+
+    #[test]
+    fn ties_are_taken_in_turn() {
+        let (socket, _q) = socket_with(&[0, 0, 0]);
+        let ids: Vec<u64> = (0..6).map(|_| socket.pick().unwrap().id).collect();
+        assert_eq!(ids, [0, 1, 2, 0, 1, 2]);
+    }
+
+    #[test]
+    fn no_receiver_no_pick() {
+        let (socket, _q) = socket_with(&[]);
+        assert!(socket.pick().is_none());
+    }
+
+    #[test]
+    fn allowed_by_uid_or_gid() {
+        let a = Allowed {
+            uids: vec![1000],
+            gids: vec![50],
+        };
+        assert!(a.allows(1000, 1));
+        assert!(a.allows(7, 50));
+        assert!(!a.allows(0, 0));
+        assert!(!Allowed::default().allows(0, 0));
+    }
+}
