@@ -388,3 +388,48 @@ client.close(sock, info)
     assert_eq!(stats.get("handoff_user_plane"), 2, "{stats:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_receiver_that_stops_receiving_gets_a_bounded_queue_then_refusals() {
+    let dir = scratch("handoff-queue");
+    let socket = dir.join("app.sock");
+    let server = Server::builder()
+        .handoff(&socket)
+        .arg("--handoff-queue")
+        .arg("2")
+        .start();
+    // A receiver that never reads: frames fill the socket's buffer, then the queue.
+    let rx = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
+    wait_receivers(&server, 1);
+    let refused = runtime().block_on(async {
+        let mut open = Vec::new();
+        for _ in 0..2000 {
+            let mut c = connect(server.port(), &[]).await;
+            // A refused client reads close_notify at once; a queued one reads nothing.
+            let mut b = [0u8; 1];
+            match tokio::time::timeout(Duration::from_millis(50), c.read(&mut b)).await {
+                Ok(Ok(0)) => return Some(open.len()),
+                Ok(r) => panic!("a client queued for hand-off read {r:?}"),
+                Err(_) => open.push(c),
+            }
+        }
+        None
+    });
+    let before = refused.expect("no refusal after 2000 connections");
+    // The receiver goes: its queued connections end.
+    drop(rx);
+    let stats = server.stop();
+    // (A refusal whose close_notify took over 50 ms counts among `before`.)
+    let full = stats.get("handoff_refused_queue_full");
+    assert!(full >= 1, "{stats:?}");
+    assert!(
+        stats.get("handoff_user_plane") <= before as u64,
+        "{stats:?}"
+    );
+    assert_eq!(
+        stats.get("handoff_user_plane") + full,
+        stats.get("handoff_established"),
+        "{stats:?}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
