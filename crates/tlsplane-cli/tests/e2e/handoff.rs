@@ -433,3 +433,96 @@ fn a_receiver_that_stops_receiving_gets_a_bounded_queue_then_refusals() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_reload_keeps_the_socket_and_its_receivers_and_applies_new_ids() {
+    use crate::support::fixtures::{pki, CertKind};
+    let dir = scratch("handoff-reload");
+    let leaf = pki().leaf(CertKind::P256);
+    let socket = dir.join("app.sock");
+    let pid_file = dir.join("pid");
+    let config = dir.join("handoff.toml");
+    let write = |uid: u32| {
+        let toml = format!(
+            "[[site]]\ndefault = true\nhandoff-socket = \"app.sock\"\nhandoff-allow-uids = [{uid}]\n\
+             [[site.cert]]\nchain = {:?}\nkey = {:?}\n",
+            leaf.cert_pem, leaf.key_pem,
+        );
+        std::fs::write(&config, toml).unwrap();
+    };
+    let reload = || {
+        let out = Command::new(crate::support::server_bin())
+            .args(["reload", "--pid-file"])
+            .arg(&pid_file)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "reload: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    write(12345);
+    let server = Server::builder()
+        .handoff(&socket)
+        .config_file(&config)
+        .arg("--pid-file")
+        .arg(pid_file.to_str().unwrap())
+        .start();
+    let refused = |server: &Server| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let n = server
+                .stderr_lines()
+                .iter()
+                .filter(|l| l.contains("hand-off receiver refused"))
+                .count();
+            if n > 0 || Instant::now() > deadline {
+                return n;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut first = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    first
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    assert_eq!(first.read(&mut [0u8; 8]).unwrap(), 0, "uid 12345 only");
+    assert_eq!(refused(&server), 1);
+    // Now this process's uid: a receiver that connects after the reload is served.
+    write(uid_of_self());
+    reload();
+    let mut rx = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    rx.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    wait_receivers(&server, 1);
+    let frame_start = |rx: &mut std::os::unix::net::UnixStream| {
+        // A plain read drops the descriptor (the kernel closes it); the frame's first bytes
+        // are enough here.
+        let mut magic = [0u8; 4];
+        rx.read_exact(&mut magic).expect("a CONNECTION frame");
+        assert_eq!(&magic, b"TLPH");
+    };
+    let rt = runtime();
+    let _c1 = rt.block_on(connect(server.port(), &[]));
+    frame_start(&mut rx);
+    // Another reload: the socket and the receiver connected to it are kept.
+    reload();
+    let _c2 = rt.block_on(connect(server.port(), &[]));
+    // The rest of the first frame, then the second one's start (a read stops at each
+    // descriptor).
+    let mut got = Vec::new();
+    while !got.windows(4).any(|w| w == b"TLPH") {
+        let mut buf = [0u8; 4096];
+        let n = rx
+            .read(&mut buf)
+            .expect("no second CONNECTION frame after the reload");
+        assert!(n > 0, "the receiver was closed by the reload");
+        got.extend_from_slice(&buf[..n]);
+    }
+    drop((rx, _c1, _c2));
+    let stats = server.stop();
+    assert_eq!(stats.get("handoff_user_plane"), 2, "{stats:?}");
+    assert_eq!(stats.get("handoff_receivers_refused"), 1, "{stats:?}");
+    assert_eq!(stats.get("reloads"), 2, "{stats:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
