@@ -526,3 +526,54 @@ fn a_reload_keeps_the_socket_and_its_receivers_and_applies_new_ids() {
     assert_eq!(stats.get("reloads"), 2, "{stats:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn curl_gets_an_answer_from_a_python_receiver_over_tls_1_2_and_1_3() {
+    if !have_python() {
+        eprintln!("skipped: no python3");
+        return;
+    }
+    let dir = scratch("handoff-curl");
+    let socket = dir.join("app.sock");
+    let server = Server::builder()
+        .handoff(&socket)
+        .arg("--alpn")
+        .arg("http/1.1")
+        .start();
+    // As README's example: read the request, answer, close.
+    let rx = receiver(
+        &socket,
+        r#"
+for _ in range(2):
+    sock, info = client.accept()
+    request = sock.recv(65536)
+    body = b"%s %s %x %s\n" % (request.split(b"\r\n")[0], info.alpn, info.tls_version,
+                               info.server_name.encode())
+    sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                 % (len(body), body))
+    client.close(sock, info)
+"#,
+    );
+    wait_receivers(&server, 1);
+    for (v, hex) in [(Tls::V13, "304"), (Tls::V12, "303")] {
+        let out = v
+            .curl(server.port(), 20)
+            .arg(format!("https://localhost:{}/hello", server.port()))
+            .output()
+            .expect("curl");
+        assert!(
+            out.status.success(),
+            "curl {}: {}",
+            v.name(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("GET /hello HTTP/1.1 http/1.1 {hex} localhost\n")
+        );
+    }
+    let _ = stdout_of(rx);
+    let stats = server.stop();
+    assert_eq!(stats.get("handoff_user_plane"), 2, "{stats:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
