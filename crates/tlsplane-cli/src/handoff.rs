@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::mpsc::{sync_channel, Receiver as JobQueue, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -134,6 +134,17 @@ pub struct HandoffStats {
     sockets: Mutex<HashMap<PathBuf, Arc<HandoffSocket>>>,
 }
 
+impl Drop for HandoffStats {
+    /// The server's orderly exit: the socket files go, so that the next start finds the
+    /// paths free (a killed server's are replaced at the next start).
+    fn drop(&mut self) {
+        let sockets = self.sockets.get_mut().unwrap_or_else(|e| e.into_inner());
+        for path in sockets.keys() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 /// Who may connect to a hand-off socket.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Allowed {
@@ -199,7 +210,9 @@ impl HandoffSocket {
             receivers: Mutex::new(Vec::new()),
             turn: AtomicUsize::new(0),
         });
-        let (s, st) = (socket.clone(), stats.clone());
+        // Threads hold the stats weakly: the server's orderly exit drops them, and with them
+        // the socket files (see `Drop for HandoffStats`).
+        let (s, st) = (socket.clone(), Arc::downgrade(stats));
         std::thread::Builder::new()
             .name("handoff-accept".into())
             .spawn(move || s.accept_loop(listener, &st))
@@ -207,7 +220,7 @@ impl HandoffSocket {
         Ok(socket)
     }
 
-    fn accept_loop(self: Arc<Self>, listener: UnixListener, stats: &Arc<HandoffStats>) {
+    fn accept_loop(self: Arc<Self>, listener: UnixListener, stats: &Weak<HandoffStats>) {
         loop {
             let sock = match listener.accept() {
                 Ok((s, _)) => s,
@@ -219,6 +232,10 @@ impl HandoffSocket {
                     continue;
                 }
             };
+            let Some(stats) = stats.upgrade() else {
+                return;
+            };
+            let stats = &stats;
             let ids = tlsplane_sys::peer_ids(sock.as_fd());
             let allowed = self
                 .allowed
@@ -274,7 +291,7 @@ impl HandoffSocket {
         {
             let (socket, stats, sock, writer, gone_tx) = (
                 self.clone(),
-                stats.clone(),
+                Arc::downgrade(stats),
                 sock.clone(),
                 writer.clone(),
                 gone_tx.clone(),
@@ -286,7 +303,7 @@ impl HandoffSocket {
                     socket.lose(id, &stats, &sock, &gone_tx);
                 })?;
         }
-        let (socket, stats) = (self.clone(), stats.clone());
+        let (socket, stats) = (self.clone(), Arc::downgrade(stats));
         std::thread::Builder::new()
             .name("handoff-recv".into())
             .spawn(move || {
@@ -302,7 +319,7 @@ impl HandoffSocket {
     fn lose(
         &self,
         id: u64,
-        stats: &HandoffStats,
+        stats: &Weak<HandoffStats>,
         sock: &UnixStream,
         gone: &tokio::sync::watch::Sender<bool>,
     ) {
@@ -316,7 +333,7 @@ impl HandoffSocket {
         // it, and this shutdown is what wakes it (EPIPE).
         let _ = sock.shutdown(std::net::Shutdown::Both);
         let _ = gone.send(true);
-        if removed {
+        if let (true, Some(stats)) = (removed, stats.upgrade()) {
             stats.receivers_lost.fetch_add(1, Relaxed);
             tracing::info!(socket = %self.path.display(), "hand-off receiver gone");
         }
@@ -354,7 +371,7 @@ fn write_loop(sock: &UnixStream, writer: &Mutex<()>, queued: JobQueue<Job>, pend
 }
 
 /// Reads the receiver's requests until it closes its connection (or breaks the framing).
-fn read_loop(reader: &UnixStream, writer: &Mutex<()>, stats: &HandoffStats) {
+fn read_loop(reader: &UnixStream, writer: &Mutex<()>, stats: &Weak<HandoffStats>) {
     let mut frame = Vec::new();
     loop {
         let (_prefix, fd) = match tlsplane_handoff::read_frame(reader, &mut frame) {
@@ -384,7 +401,9 @@ fn read_loop(reader: &UnixStream, writer: &Mutex<()>, stats: &HandoffStats) {
                 continue;
             }
         };
-        stats.requests.fetch_add(1, Relaxed);
+        if let Some(stats) = stats.upgrade() {
+            stats.requests.fetch_add(1, Relaxed);
+        }
         // Every connection of this build is on the user relay: it is re-keyed by tlsplane's
         // record layer, and ended by shutting down the program's end, not by a request.
         let reply = Reply {

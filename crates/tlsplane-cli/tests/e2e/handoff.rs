@@ -180,6 +180,7 @@ client.close(sock, info)
     assert_eq!(header["bytes"], data.len(), "{header}");
     assert!(header["conn_id"].as_u64().unwrap() > 0, "{header}");
     let stats = server.stop();
+    assert!(!socket.exists(), "the socket file outlived the server");
     assert_eq!(stats.get("handoff_user_plane"), 1);
     assert_eq!(
         stats.get("handoff_relayed_bytes"),
