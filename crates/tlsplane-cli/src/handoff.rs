@@ -60,10 +60,11 @@ pub struct HandoffArgs {
     pub handoff_allow_gid: Vec<u32>,
     /// Hand-offs queued per receiver and not yet written to it. When the least pending
     /// receiver has this many, the connection is refused (closed with close_notify, counted).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(long, default_value_t = 64, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub handoff_queue: u32,
-    /// Bytes buffered per direction per relayed connection.
-    #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u32).range(1024..=1048576))]
+    /// Bytes buffered per direction per relayed connection. (A relayed connection with no
+    /// byte moving either way for --idle-timeout is closed, as in proxy.)
+    #[arg(long, default_value_t = 16384, value_name = "BYTES", value_parser = clap::value_parser!(u32).range(1024..=1048576))]
     pub buffer: u32,
     #[command(flatten)]
     pub server: ServerArgs,
