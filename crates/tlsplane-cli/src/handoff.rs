@@ -333,7 +333,7 @@ impl HandoffSocket {
         // Not under the write lock: a write blocked on a receiver that stopped reading holds
         // it, and this shutdown is what wakes it (EPIPE).
         let _ = sock.shutdown(std::net::Shutdown::Both);
-        let _ = gone.send(true);
+        gone.send_replace(true);
         if let (true, Some(stats)) = (removed, stats.upgrade()) {
             stats.receivers_lost.fetch_add(1, Relaxed);
             tracing::info!(socket = %self.path.display(), "hand-off receiver gone");
