@@ -133,14 +133,21 @@ pub struct HandoffStats {
     /// Open hand-off sockets by path: bound at the first configuration that names them,
     /// kept (with their receivers) across reloads.
     sockets: Mutex<HashMap<PathBuf, Arc<HandoffSocket>>>,
+    files: Mutex<Weak<SocketFiles>>,
 }
 
-impl Drop for HandoffStats {
-    /// The server's orderly exit: the socket files go, so that the next start finds the
-    /// paths free (a killed server's are replaced at the next start).
+/// The hand-off sockets' files, removed when the last configuration generation that uses
+/// them is dropped: the server's orderly exit, so that the next start finds the paths free
+/// (a killed server's are replaced at the next start). Every generation holds it (a reload
+/// builds the next one while the previous one still does); the stats only point at it,
+/// since the admin endpoint may hold the stats to the very end.
+#[derive(Default)]
+struct SocketFiles(Mutex<Vec<PathBuf>>);
+
+impl Drop for SocketFiles {
     fn drop(&mut self) {
-        let sockets = self.sockets.get_mut().unwrap_or_else(|e| e.into_inner());
-        for path in sockets.keys() {
+        let paths = self.0.get_mut().unwrap_or_else(|e| e.into_inner());
+        for path in paths.iter() {
             let _ = std::fs::remove_file(path);
         }
     }
@@ -211,8 +218,7 @@ impl HandoffSocket {
             receivers: Mutex::new(Vec::new()),
             turn: AtomicUsize::new(0),
         });
-        // Threads hold the stats weakly: the server's orderly exit drops them, and with them
-        // the socket files (see `Drop for HandoffStats`).
+        // Threads hold the stats weakly: nothing here keeps them alive past the server.
         let (s, st) = (socket.clone(), Arc::downgrade(stats));
         std::thread::Builder::new()
             .name("handoff-accept".into())
@@ -447,6 +453,7 @@ pub struct Handoff {
     sockets: Vec<Arc<HandoffSocket>>,
     args: HandoffArgs,
     stats: Arc<HandoffStats>,
+    _files: Arc<SocketFiles>,
 }
 
 impl Product for Handoff {
@@ -507,6 +514,14 @@ impl Product for Handoff {
             targets.push((t.socket, allowed));
         }
         let queue = args.handoff_queue as usize;
+        let files = {
+            let mut weak = stats.files.lock().unwrap_or_else(|e| e.into_inner());
+            weak.upgrade().unwrap_or_else(|| {
+                let f = Arc::new(SocketFiles::default());
+                *weak = Arc::downgrade(&f);
+                f
+            })
+        };
         let mut open = stats.sockets.lock().unwrap_or_else(|e| e.into_inner());
         let mut sockets = Vec::new();
         for (path, allowed) in targets {
@@ -518,16 +533,23 @@ impl Product for Handoff {
                 }
                 None => {
                     let s = HandoffSocket::open(&path, allowed, queue, stats)?;
+                    files
+                        .0
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(path.clone());
                     open.insert(path, s.clone());
                     s
                 }
             };
             sockets.push(socket);
         }
+        drop(open);
         Ok(Self {
             sockets,
             args: args.clone(),
             stats: stats.clone(),
+            _files: files,
         })
     }
 

@@ -469,6 +469,9 @@ fn a_reload_keeps_the_socket_and_its_receivers_and_applies_new_ids() {
         .config_file(&config)
         .arg("--pid-file")
         .arg(pid_file.to_str().unwrap())
+        // (The admin endpoint holds the counters to the end: the socket file must go anyway.)
+        .arg("--admin")
+        .arg(format!("unix:{}", dir.join("admin.sock").display()))
         .start();
     let refused = |server: &Server| {
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -522,6 +525,7 @@ fn a_reload_keeps_the_socket_and_its_receivers_and_applies_new_ids() {
     }
     drop((rx, _c1, _c2));
     let stats = server.stop();
+    assert!(!socket.exists(), "the socket file outlived the server");
     assert_eq!(stats.get("handoff_user_plane"), 2, "{stats:?}");
     assert_eq!(stats.get("handoff_receivers_refused"), 1, "{stats:?}");
     assert_eq!(stats.get("reloads"), 2, "{stats:?}");
