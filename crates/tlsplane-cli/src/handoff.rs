@@ -252,9 +252,14 @@ impl HandoffSocket {
             match ids {
                 Ok((uid, gid)) if allowed.allows(uid, gid) => {
                     stats.receivers_accepted.fetch_add(1, Relaxed);
-                    tracing::info!(socket = %self.path.display(), uid, gid, "hand-off receiver connected");
-                    if let Err(e) = self.add_receiver(sock, stats) {
-                        tracing::warn!(error = %e, "hand-off receiver: could not start it");
+                    // Logged once it can be given connections (tests wait for this line).
+                    match self.add_receiver(sock, stats) {
+                        Ok(()) => {
+                            tracing::info!(socket = %self.path.display(), uid, gid, "hand-off receiver connected")
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "hand-off receiver: could not start it")
+                        }
                     }
                 }
                 Ok((uid, gid)) => {
