@@ -29,7 +29,27 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
     let file = ConfigFile::read(&args.file).map_err(anyhow::Error::msg)?;
     let mut errors = Vec::new();
     // A file that names backends is a proxy's; checked against the proxy's options.
-    let (needs, alpn) = if file.is_proxy() {
+    let (needs, alpn) = if file.is_handoff() {
+        match server_options_of::<crate::handoff::HandoffArgs>(&file, &|_| false, Vec::new()) {
+            Ok(o) => (
+                crate::handoff::site_needs(&o),
+                crate::handoff::Handoff::alpn(&o),
+            ),
+            Err(e) => {
+                errors.push(format!("{e:#}"));
+                (
+                    SiteNeeds::Handoff {
+                        default: crate::config::HandoffTarget {
+                            socket: Default::default(),
+                            uids: vec![],
+                            gids: vec![],
+                        },
+                    },
+                    Alpn::new(None, &[], false),
+                )
+            }
+        }
+    } else if file.is_proxy() {
         match server_options_of::<crate::proxy::ProxyArgs>(&file, &|_| false, Vec::new()) {
             Ok(o) => (crate::proxy::site_needs(&o), crate::proxy::Proxy::alpn(&o)),
             Err(e) => {

@@ -41,6 +41,12 @@ struct SiteToml {
     root: Option<PathBuf>,
     /// `proxy`: the backends (`HOST:PORT` or `unix:PATH`); default: the `--to` flags.
     to: Option<Vec<String>>,
+    /// `handoff`: the Unix socket its connections are handed off on; default: --handoff-socket.
+    handoff_socket: Option<PathBuf>,
+    /// `handoff`: the user ids allowed to receive them; default: --handoff-allow-uid.
+    handoff_allow_uids: Option<Vec<u32>>,
+    /// `handoff`: the group ids allowed to receive them; default: --handoff-allow-gid.
+    handoff_allow_gids: Option<Vec<u32>>,
     #[serde(default)]
     default: bool,
     #[serde(default, rename = "cert")]
@@ -186,6 +192,18 @@ pub enum Origin {
     Root(DocRoot),
     /// `proxy`: these backends, in round-robin order.
     Backends(Vec<crate::proxy::Backend>),
+    /// `handoff`: the receivers connected to this socket.
+    Handoff(HandoffTarget),
+}
+
+/// Where `tlsplane handoff` hands a site's connections, and who may receive them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HandoffTarget {
+    pub socket: PathBuf,
+    /// A receiver whose user id is here, or whose group id is in `gids`, is served; with both
+    /// empty, only the user tlsplane runs as.
+    pub uids: Vec<u32>,
+    pub gids: Vec<u32>,
 }
 
 /// What the product needs of each site: `serve` a document root, `proxy` backends.
@@ -198,6 +216,10 @@ pub enum SiteNeeds {
     Backends {
         default: Vec<crate::proxy::Backend>,
     },
+    /// `default`: the socket and ids of a site that names none (the flags).
+    Handoff {
+        default: HandoffTarget,
+    },
 }
 
 impl ConfigFile {
@@ -205,6 +227,13 @@ impl ConfigFile {
     /// a file server.
     pub fn is_proxy(&self) -> bool {
         self.server.contains_key("to") || self.sites.iter().any(|s| s.to.is_some())
+    }
+
+    /// Whether the file describes a hand-off server (a site or `[server]` names a hand-off
+    /// socket).
+    pub fn is_handoff(&self) -> bool {
+        self.server.contains_key("handoff-socket")
+            || self.sites.iter().any(|s| s.handoff_socket.is_some())
     }
 }
 
@@ -339,7 +368,40 @@ pub fn load_sites(
                 )),
             }
         }
+        let handoff_keys = site.handoff_socket.is_some()
+            || site.handoff_allow_uids.is_some()
+            || site.handoff_allow_gids.is_some();
         let origin = match (needs, &site.root, &site.to) {
+            (SiteNeeds::Handoff { .. }, root, to) if root.is_some() || to.is_some() => {
+                fail("`root` and `to` are for serve and proxy; `handoff` sites have a `handoff-socket`".into());
+                None
+            }
+            (SiteNeeds::Handoff { default }, _, _) => {
+                let target = HandoffTarget {
+                    socket: match &site.handoff_socket {
+                        Some(p) => file.resolve(p),
+                        None => default.socket.clone(),
+                    },
+                    uids: site
+                        .handoff_allow_uids
+                        .clone()
+                        .unwrap_or_else(|| default.uids.clone()),
+                    gids: site
+                        .handoff_allow_gids
+                        .clone()
+                        .unwrap_or_else(|| default.gids.clone()),
+                };
+                if target.socket.as_os_str().is_empty() {
+                    fail("no hand-off socket (`handoff-socket = \"PATH\"` in the site, or --handoff-socket)".into());
+                    None
+                } else {
+                    Some(Origin::Handoff(target))
+                }
+            }
+            (_, _, _) if handoff_keys => {
+                fail("`handoff-socket` and `handoff-allow-*` are for `tlsplane handoff`".into());
+                None
+            }
             (SiteNeeds::Root { .. }, _, Some(_)) => {
                 fail("`to` (backends) is for `tlsplane proxy`; `serve` sites have a root".into());
                 None

@@ -6,6 +6,7 @@ mod access_log;
 mod admin;
 mod check;
 mod config;
+mod handoff;
 mod keyd;
 mod keys;
 mod limits;
@@ -34,6 +35,10 @@ enum Command {
     /// Terminate TLS in front of a plain TCP or Unix-socket backend: after the handshake,
     /// bytes flow both ways unchanged (half-closes kept), optionally behind a PROXY header.
     Proxy(proxy::ProxyArgs),
+    /// Hand established TLS connections to other programs: each site's receivers connect to
+    /// its Unix socket (uid/gid checked with SO_PEERCRED) and get each connection as a
+    /// descriptor they read and write plaintext on (docs/HANDOFF.md), least pending first.
+    Handoff(handoff::HandoffArgs),
     /// Check a configuration file as a start would load it (certificates, keys, chains, names,
     /// roots): every error with its file, site and reason; warnings for certificates near
     /// expiry or not covering a configured name. Exits 1 on any error.
@@ -110,6 +115,12 @@ fn main() {
             matches
                 .subcommand_matches("proxy")
                 .expect("the proxy subcommand was parsed"),
+        ),
+        Command::Handoff(args) => server::run::<handoff::Handoff>(
+            args,
+            matches
+                .subcommand_matches("handoff")
+                .expect("the handoff subcommand was parsed"),
         ),
         Command::CheckConfig(args) => check::check_config(args),
         Command::Reload(args) => check::reload(args),

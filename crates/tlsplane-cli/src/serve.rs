@@ -124,7 +124,7 @@ impl Product for Serve {
             .into_iter()
             .map(|s| match s.origin {
                 Origin::Root(r) => Ok(r),
-                Origin::Backends(_) => Err(anyhow::anyhow!("site {}: no root", s.label)),
+                _ => Err(anyhow::anyhow!("site {}: no root", s.label)),
             })
             .collect::<anyhow::Result<_>>()?;
         Ok(Self {

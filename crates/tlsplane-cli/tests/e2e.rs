@@ -32,6 +32,8 @@ mod content;
 mod control;
 #[path = "e2e/descriptors.rs"]
 mod descriptors;
+#[path = "e2e/handoff.rs"]
+mod handoff;
 #[path = "e2e/hello_records.rs"]
 mod hello_records;
 #[path = "e2e/http.rs"]

@@ -124,9 +124,10 @@ impl Pool {
 }
 
 /// A connected backend, holding its place under --backend-max-connections.
-pub(super) struct BackendConn {
+pub(crate) struct BackendConn {
     io: Io,
-    _slot: Slot,
+    /// None: a connection no pool counts (the hand-off's socketpair end).
+    _slot: Option<Slot>,
 }
 
 /// One of a backend's connections under --backend-max-connections; given back when dropped.
@@ -140,7 +141,7 @@ impl Drop for Slot {
 }
 
 /// A backend connection's socket, whichever kind.
-pub(super) enum Io {
+pub(crate) enum Io {
     Tcp(tokio::net::TcpStream),
     Unix(tokio::net::UnixStream),
 }
@@ -148,7 +149,7 @@ pub(super) enum Io {
 impl BackendConn {
     /// Makes the close that follows a reset (the client reset: the backend must not take
     /// the truncated stream for a complete one).
-    pub(super) fn reset_on_close(&self) {
+    pub(crate) fn reset_on_close(&self) {
         let r = match &self.io {
             Io::Tcp(s) => socket2::SockRef::from(s).set_linger(Some(Duration::ZERO)),
             // A Unix stream has no reset; its close is an EOF.
@@ -306,6 +307,15 @@ impl BackendConn {
         when_ready!(self, Interest::WRITABLE, |fd| tlsplane_sys::splice(
             pipe, fd, len
         ))
+    }
+
+    /// Ends both directions at once (the hand-off's receiver died: the relay reads EOF and
+    /// sends the client close_notify).
+    pub(crate) fn shutdown_both(&self) -> std::io::Result<()> {
+        match &self.io {
+            Io::Tcp(s) => socket2::SockRef::from(s).shutdown(std::net::Shutdown::Both),
+            Io::Unix(s) => socket2::SockRef::from(s).shutdown(std::net::Shutdown::Both),
+        }
     }
 
     pub(super) fn shutdown_write(&self) -> std::io::Result<()> {
@@ -512,7 +522,16 @@ impl Pool {
 
 impl BackendConn {
     pub(super) fn new(io: Io, slot: Slot) -> Self {
-        Self { io, _slot: slot }
+        Self {
+            io,
+            _slot: Some(slot),
+        }
+    }
+
+    /// A connection outside any backend pool: `tlsplane handoff` relays a TLS connection to
+    /// its end of a socketpair with the TCP mode's relay.
+    pub(crate) fn unpooled(io: Io) -> Self {
+        Self { io, _slot: None }
     }
 }
 

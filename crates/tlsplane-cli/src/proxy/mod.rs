@@ -6,10 +6,10 @@
 //! close_notify becomes `shutdown(SHUT_WR)` towards the backend, the backend's EOF becomes a
 //! close_notify to the client, and a reset on either side resets the other.
 
-mod backend;
+pub(crate) mod backend;
 mod http;
 pub mod proxy_protocol;
-mod tcp;
+pub(crate) mod tcp;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -186,11 +186,11 @@ pub struct ProxyStats {
     backend_errors: Counter,
     /// Connections closed after --idle-timeout with no byte moving.
     idle_timeouts: Counter,
-    bytes_to_backend_copied: Counter,
+    pub(crate) bytes_to_backend_copied: Counter,
     /// Responses a backend began before it had the whole request body (the rest of the
     /// body was not sent, the client's connection closed after the response).
     early_responses: Counter,
-    bytes_to_client_copied: Counter,
+    pub(crate) bytes_to_client_copied: Counter,
     bytes_to_backend_spliced: Counter,
     bytes_to_client_spliced: Counter,
     /// HTTP mode: requests read from clients.
@@ -276,7 +276,7 @@ impl Product for Proxy {
             .into_iter()
             .map(|s| match s.origin {
                 Origin::Backends(b) => Pool::new(b),
-                Origin::Root(_) => Err(anyhow::anyhow!("site {}: no backends", s.label)),
+                _ => Err(anyhow::anyhow!("site {}: no backends", s.label)),
             })
             .collect::<anyhow::Result<_>>()?;
         use tlsplane_http::forward::ForwardedPolicy;
@@ -440,7 +440,7 @@ pub(super) enum Unavailable {
 
 /// How a proxied connection ended.
 #[derive(Debug)]
-pub(super) enum Ended {
+pub(crate) enum Ended {
     /// Both directions reached their end.
     Closed,
     NoBackend,

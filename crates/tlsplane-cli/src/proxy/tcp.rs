@@ -24,7 +24,7 @@ enum Held {
 }
 
 /// The two pipes of a spliced connection (kernel plane), one per direction.
-pub(super) struct Pipes {
+pub(crate) struct Pipes {
     up: tlsplane_sys::Pipe,
     down: tlsplane_sys::Pipe,
     /// Bytes one splice into a pipe may move (the pipe's capacity: it is always empty then).
@@ -88,7 +88,7 @@ fn wrote_to_backend(held: &mut Held, n: usize, spliced: bool, stats: &ProxyStats
 /// (it is cancel-safe) when the backend has something for the client; a write to the client is
 /// never cancelled, and while it waits (a client not reading) the proxy stops reading from
 /// that client too (backpressure) but goes on writing what it holds to the backend.
-pub(super) async fn relay(
+pub(crate) async fn relay(
     tls: &mut TlsStream,
     backend: &BackendConn,
     pipes: Option<&Pipes>,

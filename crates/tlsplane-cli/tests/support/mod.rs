@@ -147,9 +147,17 @@ pub struct ServerBuilder {
     config: Option<PathBuf>,
     /// `tlsplane proxy` to these backends instead of `serve`.
     proxy_to: Option<Vec<String>>,
+    /// `tlsplane handoff --handoff-socket PATH` instead of `serve`.
+    handoff: Option<PathBuf>,
 }
 
 impl ServerBuilder {
+    /// Runs `tlsplane handoff --handoff-socket PATH ...` instead of `serve`.
+    pub fn handoff(mut self, socket: impl Into<PathBuf>) -> Self {
+        self.handoff = Some(socket.into());
+        self
+    }
+
     /// Runs `tlsplane proxy --to B ...` instead of `serve` (empty: the backends come from the
     /// configuration file).
     pub fn proxy(mut self, to: &[String]) -> Self {
@@ -226,20 +234,23 @@ impl ServerBuilder {
             }
             None => Command::new(&bin),
         };
-        match &self.proxy_to {
-            Some(to) => {
+        match (&self.proxy_to, &self.handoff) {
+            (_, Some(socket)) => {
+                cmd.arg("handoff").arg("--handoff-socket").arg(socket);
+            }
+            (Some(to), None) => {
                 cmd.arg("proxy");
                 for b in to {
                     cmd.arg("--to").arg(b);
                 }
             }
-            None => {
+            (None, None) => {
                 cmd.arg("serve");
             }
         }
         match &self.config {
             Some(file) => cmd.arg("--config").arg(file),
-            None if self.proxy_to.is_some() => cmd
+            None if self.proxy_to.is_some() || self.handoff.is_some() => cmd
                 .arg("--cert")
                 .arg(&leaf.cert_pem)
                 .arg("--key")
@@ -325,6 +336,7 @@ impl ServerBuilder {
             expect_decrypt_errors: self.expect_decrypt_errors,
             shutdown_grace: self.shutdown_grace,
             is_proxy: self.proxy_to.is_some(),
+            is_handoff: self.handoff.is_some(),
             tls_before,
             _kernel_guard: kernel_guard,
         }
@@ -342,6 +354,7 @@ pub struct Server {
     expect_decrypt_errors: u64,
     shutdown_grace: u64,
     is_proxy: bool,
+    is_handoff: bool,
     tls_before: Option<BTreeMap<String, u64>>,
     _kernel_guard: Option<MutexGuard<'static, ()>>,
 }
@@ -359,6 +372,7 @@ impl Server {
             workers: 1,
             config: None,
             proxy_to: None,
+            handoff: None,
         }
     }
 
@@ -500,7 +514,13 @@ impl Server {
         ] {
             let _ = stats.get(name);
         }
-        let product_counters: &[&str] = if self.is_proxy {
+        let product_counters: &[&str] = if self.is_handoff {
+            &[
+                "handoff_established",
+                "handoff_user_plane",
+                "handoff_relayed_bytes",
+            ]
+        } else if self.is_proxy {
             &[
                 "proxy_connections",
                 "proxy_forwarded",
@@ -532,7 +552,7 @@ impl Server {
             panics.is_empty(),
             "the server's stderr reports a panic: {panics:?}"
         );
-        if !self.is_proxy {
+        if !self.is_proxy && !self.is_handoff {
             assert_eq!(
                 stats["http_responses_5xx"], 0,
                 "the server answered 5xx: {stats:?}"
