@@ -66,10 +66,15 @@ pub struct Serve {
     access_log: Option<AccessLog>,
 }
 
-/// A keep-alive connection between requests, as it moves to the connection loop.
+/// A connection waiting for its client, as it moves to the connection loop: between
+/// requests, or part-way through a request head.
 pub struct Parked {
-    /// The request buffer (empty: a connection parks only between requests).
+    /// The request buffer, and the bytes of a request head read so far.
     buf: Vec<u8>,
+    used: usize,
+    /// What the connection was waiting for, and until when (a trickled head keeps its
+    /// header deadline across the move).
+    deadline: Option<(bool, tokio::time::Instant)>,
     /// It has had a response already (its time to first byte is recorded).
     responded: bool,
 }
@@ -189,15 +194,13 @@ async fn http_loop(
     // too; this buffer lives as long as the connection) and grows up to the head limit only
     // for a request that needs it.
     let max_buf = shared.limits.max_head_bytes + 1024;
-    let (mut buf, park_when_idle, mut responded) = match phase {
-        Phase::Handshake => (vec![0u8; max_buf.min(1024)], true, false),
-        Phase::Moved(p) => (p.buf, false, p.responded),
-    };
-    let mut used = 0usize;
     // The deadline of what we are waiting for: the first byte of a request (idle timeout) or,
     // once it came, the end of the head (header timeout). Set once per phase, never per read,
     // so a client trickling a byte at a time cannot hold the connection past it.
-    let mut deadline: Option<(bool, tokio::time::Instant)> = None;
+    let (mut buf, mut used, mut deadline, park_when_waiting, mut responded) = match phase {
+        Phase::Handshake => (vec![0u8; max_buf.min(1024)], 0, None, true, false),
+        Phase::Moved(p) => (p.buf, p.used, p.deadline, false, p.responded),
+    };
     loop {
         match parse_request(&buf[..used], &shared.limits) {
             Ok(Parsed::Complete {
@@ -301,11 +304,11 @@ async fn http_loop(
                         at
                     }
                 };
-                if park_when_idle && !in_head && !tls.input_pending() {
-                    // Between requests with nothing to read: wait on a connection loop, not
-                    // on the handshake loop; for the first request, there too while that
-                    // loop has no full handshake to run.
-                    let wait = if responded {
+                if park_when_waiting && !tls.input_pending() {
+                    // Waiting for the client (between requests, or for the rest of a head):
+                    // wait on a connection loop, not on the handshake loop; for the first
+                    // request, there too while that loop has no full handshake to run.
+                    let wait = if responded || in_head {
                         FirstRequest::Move
                     } else {
                         ctx.first_request_here(&mut tls, until).await
@@ -313,7 +316,13 @@ async fn http_loop(
                     match wait {
                         FirstRequest::Here => {}
                         FirstRequest::Move => {
-                            return Ok(Served::Park(tls, Parked { buf, responded }));
+                            let parked = Parked {
+                                buf,
+                                used,
+                                deadline,
+                                responded,
+                            };
+                            return Ok(Served::Park(tls, parked));
                         }
                         FirstRequest::Close => {
                             let _ = tls.shutdown().await;

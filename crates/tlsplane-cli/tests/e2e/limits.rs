@@ -155,6 +155,41 @@ fn handshakes_in_progress_are_capped_per_worker() {
     assert_eq!(stats["limit_max_handshakes_per_worker"], 1, "{stats:?}");
 }
 
+/// Established connections that trickle their first request head leave the handshake loop
+/// (with the bytes they sent and their header deadline): they hold no place among its
+/// handshakes, so they do not make it refuse new connections, and their requests are served.
+#[test]
+fn trickled_request_heads_hold_no_handshake_places() {
+    let server = Server::builder()
+        .workers(1)
+        .arg("--max-handshakes-per-worker")
+        .arg("2")
+        .start();
+    let port = server.port();
+    let hello = &fixtures::get().hello;
+    let head = format!("GET {} HTTP/1.1\r\nHost: localhost\r\n\r\n", hello.url);
+    let (start, rest) = head.split_at(10);
+    let mut trickling: Vec<TlsClient> = (0..3)
+        .map(|_| {
+            let mut c = TlsClient::connect_version(port, Tls::V13);
+            c.write_all(start.as_bytes()).expect("the head's start");
+            std::thread::sleep(Duration::from_millis(50));
+            c
+        })
+        .collect();
+    // A fourth client, from another address: admitted and served.
+    assert!(served_from(SECOND, port), "refused behind trickled heads");
+    for c in &mut trickling {
+        c.write_all(rest.as_bytes()).expect("the head's rest");
+        let r = c.read_response(false).expect("a response");
+        assert_eq!(r.status, 200);
+        assert_eq!(fixtures::sha256(&r.body), hello.sha256, "the whole file");
+    }
+    let stats = server.stop();
+    assert_eq!(stats["limit_max_handshakes_per_worker"], 0, "{stats:?}");
+    assert_eq!(stats["http_responses_2xx"], 4, "{stats:?}");
+}
+
 #[test]
 fn total_connection_limit_evicts_the_oldest_idle_connection_then_refuses() {
     let server = Server::builder().arg("--max-connections").arg("2").start();
