@@ -337,25 +337,16 @@ pub fn peer_uid(sock: BorrowedFd<'_>) -> io::Result<u32> {
 /// The process id and user id of the process at the other end of a connected Unix socket,
 /// as they were when it connected (`SO_PEERCRED`).
 pub fn peer_cred(sock: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
-    // SAFETY: a zeroed ucred is a valid value of this plain C struct.
-    let mut cred: libc::ucred = unsafe { zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED writes at most `len` bytes into `cred`, which outlives the call.
-    cvt(unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    })?;
-    Ok((cred.pid as u32, cred.uid))
+    ucred(sock).map(|c| (c.pid as u32, c.uid))
 }
 
 /// The user id and group id of the process at the other end of a connected Unix socket, as
 /// they were when it connected (`SO_PEERCRED`): what `tlsplane handoff` checks a receiver by.
 pub fn peer_ids(sock: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
+    ucred(sock).map(|c| (c.uid, c.gid))
+}
+
+fn ucred(sock: BorrowedFd<'_>) -> io::Result<libc::ucred> {
     // SAFETY: a zeroed ucred is a valid value of this plain C struct.
     let mut cred: libc::ucred = unsafe { zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -369,7 +360,7 @@ pub fn peer_ids(sock: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
             &mut len,
         )
     })?;
-    Ok((cred.uid, cred.gid))
+    Ok(cred)
 }
 
 /// The real user id of this process.
