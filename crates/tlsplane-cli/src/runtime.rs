@@ -174,8 +174,8 @@ impl ConnContext {
             return FirstRequest::Move;
         }
         let _waiting = Counted::new(w.waiting.clone());
-        // One thread runs this loop: no full handshake can start between the check above and
-        // the first poll of `started` below, which registers it.
+        // A `Notified` sees every `notify_waiters` from its creation on, polled or not: a full
+        // handshake that starts from here on moves this connection.
         let started = w.full_started.notified();
         let (stop, idle) = (&mut self.stop, &self.idle);
         let wait = idle.wait(async {
