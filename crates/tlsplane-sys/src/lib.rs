@@ -628,6 +628,20 @@ pub fn recv_record_blocking(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<
 #[repr(C, align(8))]
 struct OneFdCmsg([u8; 24]);
 
+/// A `msghdr` over `iov` and a control buffer of exactly the room one descriptor takes.
+fn one_fd_msghdr(iov: &mut libc::iovec, cmsg: &mut OneFdCmsg) -> libc::msghdr {
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    assert!(space <= cmsg.0.len());
+    // SAFETY: all-zero msghdr is valid.
+    let mut msg: libc::msghdr = unsafe { zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg.0.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = space as _;
+    msg
+}
+
 /// `sendmsg(2)` of `bytes` on a Unix socket with one descriptor attached (`SCM_RIGHTS`),
 /// `MSG_NOSIGNAL` (a vanished peer is `EPIPE`, not a signal). The descriptor is duplicated into
 /// the receiver when it reads; the caller's copy stays open. Returns the bytes sent: on a
@@ -642,20 +656,12 @@ pub fn send_with_fd(sock: BorrowedFd<'_>, bytes: &[u8], fd: BorrowedFd<'_>) -> i
         ));
     }
     let mut cmsg = OneFdCmsg([0; 24]);
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    assert!(space <= cmsg.0.len());
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
     };
-    // SAFETY: all-zero msghdr is valid.
-    let mut msg: libc::msghdr = unsafe { zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cmsg.0.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
-    // SAFETY: the control buffer is `space` bytes, aligned, so CMSG_FIRSTHDR is a valid header
+    let msg = one_fd_msghdr(&mut iov, &mut cmsg);
+    // SAFETY: the control buffer is CMSG_SPACE(int) bytes, aligned, so CMSG_FIRSTHDR is a valid header
     // pointer into it and CMSG_DATA points at room for one int after it (written unaligned, as
     // the C macros allow). The kernel only reads `bytes` and the control buffer, both borrowed
     // for the call, and takes its own reference on the descriptor, which is live for its borrow.
@@ -680,24 +686,16 @@ pub fn send_with_fd(sock: BorrowedFd<'_>, bytes: &[u8], fd: BorrowedFd<'_>) -> i
 /// read fails that way. `Ok((0, None))` with a non-empty `buf` is end of stream.
 pub fn recv_with_fd(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
     let mut cmsg = OneFdCmsg([0; 24]);
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    assert!(space <= cmsg.0.len());
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr() as *mut libc::c_void,
         iov_len: buf.len(),
     };
-    // SAFETY: all-zero msghdr is valid.
-    let mut msg: libc::msghdr = unsafe { zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cmsg.0.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
-    // SAFETY: `msg` points at `iov` (exactly `buf`) and at `cmsg` (`space` bytes), all
+    let mut msg = one_fd_msghdr(&mut iov, &mut cmsg);
+    // SAFETY: `msg` points at `iov` (exactly `buf`) and at `cmsg` (`msg_controllen` bytes), all
     // outliving the call; the kernel writes at most their stated lengths.
     let n = cvt_size(unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) })?;
     let mut fds: Vec<OwnedFd> = Vec::new();
-    // SAFETY: the walk is bounded by the msg_controllen the kernel set (at most `space`). An
+    // SAFETY: the walk is bounded by the msg_controllen the kernel set (at most the buffer's). An
     // SCM_RIGHTS header's payload is `cmsg_len - CMSG_LEN(0)` bytes of ints inside the buffer,
     // read unaligned; each is a new descriptor the kernel installed for us, owned by nobody
     // else, so wrapping it in an OwnedFd (which closes it on drop) is sound.
