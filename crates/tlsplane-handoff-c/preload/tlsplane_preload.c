@@ -31,7 +31,8 @@
  * (tlsplane_read) for that.
  *
  * Limits: one hand-off connection per taken-over socket, read by one thread at a time (a
- * mutex); processes that fork after listen() and accept on the shared descriptor would
+ * mutex; a non-blocking accept while another thread reads returns EAGAIN); the socket must
+ * be added to an epoll set after listen() (the descriptor is a new file then); processes that fork after listen() and accept on the shared descriptor would
  * interleave frames and are not supported. When tlsplane closes the hand-off connection (or
  * sends a prefix that cannot be framed) accept fails once with ECONNABORTED and the
  * descriptor is replaced by a socket that never becomes readable (accept then blocks until a
@@ -86,14 +87,14 @@ struct taken {
     int lost;
     struct sockaddr_storage bound;
     socklen_t bound_len;
+    /* One frame reader at a time per socket (frames and descriptors stay aligned). */
+    pthread_mutex_t lock;
+    unsigned char frame[FRAME_MAX];
 };
 
 static struct taken taken[MAX_TAKEN];
 static int n_taken; /* read without the lock as a fast path; changed under it */
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
-/* One frame reader at a time (frames and descriptors stay aligned). */
-static pthread_mutex_t read_lock = PTHREAD_MUTEX_INITIALIZER;
-static unsigned char frame[FRAME_MAX];
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void note(const char *what, int e) {
@@ -110,8 +111,10 @@ static void init(void) {
     real_accept = dlsym(RTLD_NEXT, "accept");
     real_getsockname = dlsym(RTLD_NEXT, "getsockname");
     real_close = dlsym(RTLD_NEXT, "close");
-    for (int i = 0; i < MAX_TAKEN; i++)
+    for (int i = 0; i < MAX_TAKEN; i++) {
         taken[i].fd = -1;
+        pthread_mutex_init(&taken[i].lock, NULL);
+    }
 
     const char *path = getenv("TLSPLANE_HANDOFF");
     const char *listen_on = getenv("TLSPLANE_LISTEN");
@@ -257,8 +260,9 @@ int listen(int fd, int backlog) {
 }
 
 /* Reads exactly n bytes of the current frame, collecting at most one descriptor into *cfd.
- * Returns 1 when done, 0 at end of stream before any byte, -1 with errno (EAGAIN/EINTR only
- * before the first byte, when `first`), -2 when the stream can no longer be framed. */
+ * `first`: the read starts a frame, the only place a descriptor may come. Returns 1 when done,
+ * and when `first` 0 at end of stream before any byte or -1 with errno EAGAIN/EINTR before
+ * any byte; -2 when the stream can no longer be framed. */
 static int read_exact(int fd, unsigned char *buf, size_t n, int *cfd, int cloexec, int first) {
     size_t got = 0;
     while (got < n) {
@@ -294,7 +298,7 @@ static int read_exact(int fd, unsigned char *buf, size_t n, int *cfd, int cloexe
             for (size_t i = 0; i < k; i++) {
                 int d;
                 memcpy(&d, CMSG_DATA(c) + i * sizeof(int), sizeof d);
-                if (*cfd < 0 && got == 0 && buf == frame) {
+                if (*cfd < 0 && got == 0 && first) {
                     *cfd = d;
                 } else {
                     real_close(d);
@@ -305,7 +309,7 @@ static int read_exact(int fd, unsigned char *buf, size_t n, int *cfd, int cloexe
         if (broken)
             return -2;
         if (r == 0)
-            return got == 0 && buf == frame ? 0 : -2;
+            return got == 0 && first ? 0 : -2;
         got += (size_t)r;
     }
     return 1;
@@ -379,13 +383,22 @@ static int handoff_accept(struct taken *t, int fd, struct sockaddr *addr, sockle
         return -1;
     }
     int cloexec = (flags & SOCK_CLOEXEC) != 0;
-    pthread_mutex_lock(&read_lock);
+    if (fcntl(fd, F_GETFL) & O_NONBLOCK) {
+        /* Another thread is reading a frame: nothing for this non-blocking call. */
+        if (pthread_mutex_trylock(&t->lock) != 0) {
+            errno = EAGAIN;
+            return -1;
+        }
+    } else {
+        pthread_mutex_lock(&t->lock);
+    }
+    unsigned char *frame = t->frame;
     for (;;) {
         int cfd = -1;
         int r = read_exact(fd, frame, 8, &cfd, cloexec, 1);
         if (r == -1) {
             int e = errno;
-            pthread_mutex_unlock(&read_lock);
+            pthread_mutex_unlock(&t->lock);
             errno = e;
             return -1;
         }
@@ -393,7 +406,7 @@ static int handoff_accept(struct taken *t, int fd, struct sockaddr *addr, sockle
             if (cfd >= 0)
                 real_close(cfd);
             int ret = lose(t, fd);
-            pthread_mutex_unlock(&read_lock);
+            pthread_mutex_unlock(&t->lock);
             return ret;
         }
         size_t len = (size_t)(frame[6] << 8 | frame[7]);
@@ -402,7 +415,7 @@ static int handoff_accept(struct taken *t, int fd, struct sockaddr *addr, sockle
             if (cfd >= 0)
                 real_close(cfd);
             int ret = lose(t, fd);
-            pthread_mutex_unlock(&read_lock);
+            pthread_mutex_unlock(&t->lock);
             return ret;
         }
         if (frame[5] != KIND_CONNECTION || cfd < 0) {
@@ -423,7 +436,7 @@ static int handoff_accept(struct taken *t, int fd, struct sockaddr *addr, sockle
             real_close(cfd);
             continue;
         }
-        pthread_mutex_unlock(&read_lock);
+        pthread_mutex_unlock(&t->lock);
         return cfd;
     }
 }
