@@ -3,7 +3,7 @@
 //! one does not yet: a REPLY, a frame of an unknown kind with a descriptor, a CONNECTION with
 //! a bad body, an IPv6 peer, then goes away. The shim must stay in step with the frames, close
 //! the descriptors it drops, and report the end (tlsplane-cli's e2e `handoff_preload` tests
-//! run it behind the real `tlsplane handoff`).
+//! run it behind the real `tlsplane handoff`). And with no tlsplane there, `listen` fails.
 
 use std::io::Write;
 use std::os::fd::AsFd;
@@ -54,10 +54,11 @@ fn conn(byte: u8) -> (UnixStream, UnixStream) {
     (ours, theirs)
 }
 
-#[test]
-fn the_preload_shim_stays_in_step_with_frames_and_drops_what_it_cannot_use() {
+/// A scratch directory named for the test, with the shim and the program built in it: (dir,
+/// shim, program).
+fn build(test: &str) -> (PathBuf, PathBuf, PathBuf) {
     let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let dir = std::env::temp_dir().join(format!("tlsplane-preload-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("tlsplane-{test}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let shim = dir.join("libtlsplane_preload.so");
@@ -72,13 +73,47 @@ fn the_preload_shim_stays_in_step_with_frames_and_drops_what_it_cannot_use() {
         &crate_dir.join("tests/c/preload_frames.c"),
         &exe,
     );
-    let path = dir.join("handoff.sock");
-    let listener = UnixListener::bind(&path).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
+    (dir, shim, exe)
+}
+
+/// A port nothing listens on: the program binds it, the shim takes the socket over.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
-        .port();
+        .port()
+}
+
+#[test]
+fn listen_fails_loudly_when_tlsplane_is_not_there() {
+    let (dir, shim, exe) = build("preload-missing");
+    let port = free_port();
+    let out = Command::new(&exe)
+        .arg(port.to_string())
+        .env("LD_PRELOAD", &shim)
+        .env("TLSPLANE_HANDOFF", dir.join("nobody.sock"))
+        .env("TLSPLANE_LISTEN", format!("127.0.0.1:{port}"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    // listen fails with connect's errno: the port is not served in plain text instead.
+    assert_eq!(stdout, "listen: No such file or directory\n", "{stderr}");
+    assert!(
+        stderr.contains("tlsplane-preload: cannot connect to TLSPLANE_HANDOFF"),
+        "{stderr}"
+    );
+    assert_eq!(out.status.code(), Some(1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_preload_shim_stays_in_step_with_frames_and_drops_what_it_cannot_use() {
+    let (dir, shim, exe) = build("preload-frames");
+    let path = dir.join("handoff.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let port = free_port();
 
     let fake = std::thread::spawn(move || {
         // Bounded: without the shim nobody connects (the test then fails, it does not hang).
