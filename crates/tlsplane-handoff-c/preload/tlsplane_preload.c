@@ -31,13 +31,16 @@
  * (tlsplane_read) for that.
  *
  * Limits: one hand-off connection per taken-over socket, read by one thread at a time (a
- * mutex; a non-blocking accept while another thread reads returns EAGAIN); the socket must
- * be added to an epoll set after listen() (the descriptor is a new file then); processes that fork after listen() and accept on the shared descriptor would
- * interleave frames and are not supported. When tlsplane closes the hand-off connection (or
- * sends a prefix that cannot be framed) accept fails once with ECONNABORTED and the
- * descriptor is replaced by a socket that never becomes readable (accept then blocks until a
- * signal, EINTR, or returns EAGAIN): no further connections arrive, and there is no
- * reconnection. Programs that make system calls without
+ * mutex; a non-blocking accept while another thread reads returns EAGAIN); processes that
+ * fork after listen() and accept on the shared descriptor would interleave frames and are
+ * not supported. When tlsplane closes the hand-off connection (it stops or restarts) or sends
+ * a prefix that cannot be framed, accept fails once with ECONNABORTED, the descriptor is
+ * replaced by a socket that never becomes readable (accept meanwhile blocks, or returns
+ * EAGAIN when non-blocking), and a thread of the shim's (signals blocked) connects again every
+ * 200 ms, then puts the new connection on the descriptor. Each replacement makes the
+ * descriptor a new file: poll and select see it at their next call, but an epoll set that
+ * held the descriptor has lost it (add the socket to epoll after listen(); after a tlsplane
+ * restart an epoll program gets no more connections). Programs that make system calls without
  * the C library (Go, static binaries) are not affected by LD_PRELOAD at all.
  *
  * This is a second reader of the frame format beside the Rust one (crates/tlsplane-handoff):
@@ -58,6 +61,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -84,7 +89,8 @@ static struct {
 /* A taken-over listening descriptor and the address the program bound it to. */
 struct taken {
     int fd; /* -1: free */
-    int lost;
+    unsigned gen; /* claims of this slot, so that a reconnecting thread knows its own */
+    int lost;     /* the hand-off connection is gone; a thread reconnects (atomic) */
     struct sockaddr_storage bound;
     socklen_t bound_len;
     /* One frame reader at a time per socket (frames and descriptors stay aligned). */
@@ -251,7 +257,8 @@ int listen(int fd, int backlog) {
         return -1;
     }
     taken[slot].fd = fd;
-    taken[slot].lost = 0;
+    taken[slot].gen++;
+    __atomic_store_n(&taken[slot].lost, 0, __ATOMIC_RELEASE);
     taken[slot].bound = ss;
     taken[slot].bound_len = len;
     __atomic_add_fetch(&n_taken, 1, __ATOMIC_RELEASE);
@@ -354,9 +361,45 @@ static int fill_addr(const unsigned char *w, int listen_family, struct sockaddr 
     return 0;
 }
 
-/* The hand-off connection is gone: accept fails once, then nothing more arrives. */
+struct again {
+    int slot, fd;
+    unsigned gen;
+};
+
+/* Connects to the hand-off socket again every 200 ms (tlsplane restarting removes and
+ * re-creates it) and puts the connection on the program's descriptor, unless the program
+ * closed it meanwhile. */
+static void *reconnect(void *arg) {
+    struct again a = *(struct again *)arg;
+    free(arg);
+    for (;;) {
+        struct timespec ts = {0, 200 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (s < 0)
+            continue;
+        int ok = connect(s, (struct sockaddr *)&cfg.path, cfg.path_len) == 0;
+        pthread_mutex_lock(&table_lock);
+        struct taken *t = &taken[a.slot];
+        int mine = t->fd == a.fd && t->gen == a.gen;
+        if (mine && ok && replace(a.fd, s) == 0) {
+            __atomic_store_n(&t->lost, 0, __ATOMIC_RELEASE);
+            pthread_mutex_unlock(&table_lock);
+            note("reconnected to TLSPLANE_HANDOFF", 0);
+            return NULL;
+        }
+        pthread_mutex_unlock(&table_lock);
+        if (!(mine && ok))
+            real_close(s); /* (replace closed it if it failed) */
+        if (!mine)
+            return NULL;
+    }
+}
+
+/* The hand-off connection is gone: accept fails once, and until a thread has reconnected
+ * nothing arrives. */
 static int lose(struct taken *t, int fd) {
-    note("the hand-off connection is closed or broken; no more connections arrive here", 0);
+    note("the hand-off connection is closed or broken; reconnecting", 0);
     /* A listening Unix socket on an unnamed abstract address: never readable (an unconnected
      * stream socket would report POLLHUP and spin the program's poll loop). */
     int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -366,21 +409,42 @@ static int lose(struct taken *t, int fd) {
         replace(fd, s);
     else if (s >= 0)
         real_close(s);
-    t->lost = 1;
+    __atomic_store_n(&t->lost, 1, __ATOMIC_RELEASE);
+    struct again *a = malloc(sizeof *a);
+    if (a) {
+        pthread_mutex_lock(&table_lock);
+        a->slot = (int)(t - taken);
+        a->fd = fd;
+        a->gen = t->gen;
+        pthread_mutex_unlock(&table_lock);
+        /* The thread takes no signals: they stay the program's threads' business. */
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        pthread_attr_t attr;
+        pthread_t th;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&th, &attr, reconnect, a) != 0)
+            free(a);
+        pthread_attr_destroy(&attr);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
     errno = ECONNABORTED;
     return -1;
 }
 
 static int handoff_accept(struct taken *t, int fd, struct sockaddr *addr, socklen_t *addrlen,
                           int flags) {
-    if (t->lost) {
+    while (__atomic_load_n(&t->lost, __ATOMIC_ACQUIRE)) {
         int fl = fcntl(fd, F_GETFL);
         if (fl >= 0 && fl & O_NONBLOCK) {
             errno = EAGAIN;
             return -1;
         }
-        pause(); /* -1 EINTR once a signal handler has run */
-        return -1;
+        struct timespec ts = {0, 100 * 1000 * 1000};
+        if (nanosleep(&ts, NULL) < 0 && errno == EINTR)
+            return -1;
     }
     int cloexec = (flags & SOCK_CLOEXEC) != 0;
     if (fcntl(fd, F_GETFL) & O_NONBLOCK) {

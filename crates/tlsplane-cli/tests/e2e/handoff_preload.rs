@@ -103,7 +103,7 @@ fn wait_for_file_line(path: &Path, needle: &str, n: usize) -> String {
 }
 
 #[test]
-fn an_unmodified_python_http_server_serves_files_over_tls_through_the_shim() {
+fn an_unmodified_python_http_server_serves_files_over_tls_through_the_shim_across_a_restart() {
     if !have_python() || !have_cc() || !tools::require("curl") {
         eprintln!("skipped: needs python3, cc and curl");
         return;
@@ -143,12 +143,10 @@ fn an_unmodified_python_http_server_serves_files_over_tls_through_the_shim() {
             .expect("python3"),
     );
     wait_receivers(&server, 1);
-    // Two connections (http.server answers HTTP/1.0: one request per connection), each file
-    // byte-exact.
-    for i in 0..2 {
+    let fetch = |tls_port: u16, i: usize| {
         let out = Tls::V13
-            .curl(server.port(), 20)
-            .arg(format!("https://localhost:{}/blob.bin", server.port()))
+            .curl(tls_port, 20)
+            .arg(format!("https://localhost:{tls_port}/blob.bin"))
             .output()
             .expect("curl");
         assert!(
@@ -163,20 +161,39 @@ fn an_unmodified_python_http_server_serves_files_over_tls_through_the_shim() {
             out.stdout.len(),
             blob.len()
         );
-    }
+    };
+    // Two connections (http.server answers HTTP/1.0: one request per connection), each file
+    // byte-exact.
+    fetch(server.port(), 0);
+    fetch(server.port(), 1);
+    let stats = server.stop();
+    assert_eq!(stats.get("handoff_user_plane"), 2, "{stats:?}");
+    // tlsplane restarts: the shim connects again (every 200 ms) and the program, which saw
+    // nothing of it, serves on.
+    let server = Server::builder()
+        .handoff(&socket)
+        .arg("--alpn")
+        .arg("http/1.1")
+        .start();
+    wait_receivers(&server, 1);
+    fetch(server.port(), 2);
     // http.server logs each request with the client's address: the real peer's, from the
     // hand-off header (an AF_UNIX peer would not print as 127.0.0.1).
-    let err = wait_for_file_line(&err_path, "\"GET /blob.bin HTTP/1.1\" 200", 2);
+    let err = wait_for_file_line(&err_path, "\"GET /blob.bin HTTP/1.1\" 200", 3);
     drop(py);
     let logged: Vec<&str> = err
         .lines()
         .filter(|l| l.contains("GET /blob.bin"))
         .collect();
-    assert_eq!(logged.len(), 2, "http.server stderr:\n{err}");
+    assert_eq!(logged.len(), 3, "http.server stderr:\n{err}");
     for l in &logged {
         assert!(l.starts_with("127.0.0.1 - - ["), "{l}\n{err}");
     }
     assert!(!err.contains("Traceback"), "http.server stderr:\n{err}");
+    assert!(
+        err.contains("tlsplane-preload: reconnected to TLSPLANE_HANDOFF"),
+        "{err}"
+    );
     // getsockname on the taken-over socket still names what the program bound.
     let banner = std::fs::read_to_string(&out_path).unwrap();
     assert!(
@@ -184,7 +201,7 @@ fn an_unmodified_python_http_server_serves_files_over_tls_through_the_shim() {
         "{banner}"
     );
     let stats = server.stop();
-    assert_eq!(stats.get("handoff_user_plane"), 2, "{stats:?}");
+    assert_eq!(stats.get("handoff_user_plane"), 1, "{stats:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
