@@ -17,7 +17,7 @@ fn python_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python")
 }
 
-fn have_python() -> bool {
+pub(crate) fn have_python() -> bool {
     Command::new("python3")
         .arg("--version")
         .output()
@@ -44,7 +44,7 @@ fn receiver(socket: &Path, script: &str) -> Child {
 
 /// Waits until the server's log says `n` receivers connected (a hand-off before that finds
 /// no receiver).
-fn wait_receivers(server: &Server, n: usize) {
+pub(crate) fn wait_receivers(server: &Server, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let seen = server
@@ -64,20 +64,20 @@ fn wait_receivers(server: &Server, n: usize) {
     }
 }
 
-fn scratch(what: &str) -> PathBuf {
+pub(crate) fn scratch(what: &str) -> PathBuf {
     crate::sites::scratch(what)
 }
 
-fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime")
 }
 
-type Client = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+pub(crate) type Client = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
 
-async fn connect(port: u16, alpn: &[&[u8]]) -> Client {
+pub(crate) async fn connect(port: u16, alpn: &[&[u8]]) -> Client {
     connect_to(port, "localhost", alpn).await
 }
 

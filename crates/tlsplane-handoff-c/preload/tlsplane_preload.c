@@ -1,0 +1,550 @@
+/*
+ * tlsplane_preload.c - LD_PRELOAD shim: an unmodified, dynamically linked server receives the
+ * connections `tlsplane handoff` hands off, on a listening socket it names (issue 21).
+ *
+ *   cc -shared -fPIC -O2 -o libtlsplane_preload.so tlsplane_preload.c -ldl
+ *   TLSPLANE_HANDOFF=/tmp/app.sock TLSPLANE_LISTEN=127.0.0.1:8000 \
+ *     LD_PRELOAD=./libtlsplane_preload.so python3 -m http.server 8000 --bind 127.0.0.1
+ *
+ * TLSPLANE_HANDOFF  the hand-off Unix socket of `tlsplane handoff` (--handoff-socket).
+ * TLSPLANE_LISTEN   which listening socket to take over: PORT, IPV4:PORT or [IPV6]:PORT, as
+ *                   the program binds it. Either unset: the shim does nothing.
+ *
+ * listen(2) on a TCP socket bound to that address connects to the hand-off socket instead and
+ * dup2s the connection onto the program's descriptor (keeping its O_NONBLOCK and
+ * close-on-exec), so the program's own poll/select/epoll on it wakes when tlsplane hands a
+ * connection over. accept(2)/accept4(2) on it read one whole frame at a time (docs/HANDOFF.md):
+ * a CONNECTION frame gives the descriptor, made blocking or not and close-on-exec or not as
+ * accept4's flags say, with the TLS client's address in *addr (IPv4 as ::ffff:a.b.c.d when the
+ * program's socket is IPv6); any other frame (a REPLY) is skipped whole, closing a descriptor
+ * that came with it; a CONNECTION with a bad body is dropped (its descriptor closed) and the
+ * next frame read. In non-blocking mode accept returns EAGAIN when no frame is queued.
+ * getsockname(2) on the taken-over descriptor returns the address the program bound.
+ *
+ * What the program then sees on an accepted descriptor: on the user relay plane (the only one
+ * `tlsplane handoff` uses today) one end of a socketpair carrying plaintext; end of stream is
+ * the client's close_notify or TCP close. getpeername/getsockname on it report an AF_UNIX
+ * socket, and TCP socket options fail (EOPNOTSUPP): the client's address is the one accept
+ * returned. On the kernel plane (not built yet) it would be the kTLS socket: plain read(2)
+ * fails with EIO at a control record (close_notify, an alert, a KeyUpdate) and this shim does
+ * not intercept reads, so a KeyUpdate from the client stalls the connection; use the C library
+ * (tlsplane_read) for that.
+ *
+ * Limits: one hand-off connection per taken-over socket, read by one thread at a time (a
+ * mutex; a non-blocking accept while another thread reads returns EAGAIN); processes that
+ * fork after listen() and accept on the shared descriptor would interleave frames and are
+ * not supported. When tlsplane closes the hand-off connection (it stops or restarts) or sends
+ * a prefix that cannot be framed, accept fails once with ECONNABORTED, the descriptor is
+ * replaced by a socket that never becomes readable (accept meanwhile blocks, or returns
+ * EAGAIN when non-blocking), and a thread of the shim's (signals blocked) connects again every
+ * 200 ms, then puts the new connection on the descriptor. Each replacement makes the
+ * descriptor a new file: poll and select see it at their next call, but an epoll set that
+ * held the descriptor has lost it (add the socket to epoll after listen(); after a tlsplane
+ * restart an epoll program gets no more connections). Programs that make system calls without
+ * the C library (Go, static binaries) are not affected by LD_PRELOAD at all.
+ *
+ * This is a second reader of the frame format beside the Rust one (crates/tlsplane-handoff):
+ * it decodes only the CONNECTION frame's prefix and peer address, and it must run before the
+ * program's own code with no allocation and no runtime, which the Rust C library (a blocking
+ * client that owns its socket, 2.4 MB with Rust's std) does not offer.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define FRAME_MAX 16448
+#define KIND_CONNECTION 1
+#define MAX_TAKEN 16
+
+static int (*real_listen)(int, int);
+static int (*real_accept4)(int, struct sockaddr *, socklen_t *, int);
+static int (*real_accept)(int, struct sockaddr *, socklen_t *);
+static int (*real_getsockname)(int, struct sockaddr *, socklen_t *);
+static int (*real_close)(int);
+
+static struct {
+    int enabled;
+    struct sockaddr_un path;
+    socklen_t path_len;
+    uint16_t port;
+    int family; /* 0: any address; AF_INET/AF_INET6: addr must match */
+    unsigned char addr[16];
+} cfg;
+
+/* A taken-over listening descriptor and the address the program bound it to. */
+struct taken {
+    int fd; /* -1: free */
+    unsigned gen; /* claims of this slot, so that a reconnecting thread knows its own */
+    int lost;     /* the hand-off connection is gone; a thread reconnects (atomic) */
+    struct sockaddr_storage bound;
+    socklen_t bound_len;
+    /* One frame reader at a time per socket (frames and descriptors stay aligned). */
+    pthread_mutex_t lock;
+    unsigned char frame[FRAME_MAX];
+};
+
+static struct taken taken[MAX_TAKEN];
+static int n_taken; /* read without the lock as a fast path; changed under it */
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+static void note(const char *what, int e) {
+    char buf[256];
+    int n = snprintf(buf, sizeof buf, "tlsplane-preload: %s%s%s\n", what, e ? ": " : "",
+                     e ? strerror(e) : "");
+    if (n > 0)
+        (void)!write(2, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
+}
+
+static void init(void) {
+    real_listen = dlsym(RTLD_NEXT, "listen");
+    real_accept4 = dlsym(RTLD_NEXT, "accept4");
+    real_accept = dlsym(RTLD_NEXT, "accept");
+    real_getsockname = dlsym(RTLD_NEXT, "getsockname");
+    real_close = dlsym(RTLD_NEXT, "close");
+    for (int i = 0; i < MAX_TAKEN; i++) {
+        taken[i].fd = -1;
+        pthread_mutex_init(&taken[i].lock, NULL);
+    }
+
+    const char *path = getenv("TLSPLANE_HANDOFF");
+    const char *listen_on = getenv("TLSPLANE_LISTEN");
+    if (!path || !*path || !listen_on || !*listen_on)
+        return;
+    if (strlen(path) >= sizeof cfg.path.sun_path) {
+        note("TLSPLANE_HANDOFF is too long; shim disabled", 0);
+        return;
+    }
+    cfg.path.sun_family = AF_UNIX;
+    strcpy(cfg.path.sun_path, path);
+    cfg.path_len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(path) + 1);
+
+    char host[64] = "";
+    const char *port = listen_on;
+    const char *colon = strrchr(listen_on, ':');
+    if (colon) {
+        size_t n = (size_t)(colon - listen_on);
+        const char *h = listen_on;
+        if (n >= 2 && h[0] == '[' && h[n - 1] == ']') {
+            h++;
+            n -= 2;
+        }
+        if (n >= sizeof host) {
+            note("TLSPLANE_LISTEN: bad address; shim disabled", 0);
+            return;
+        }
+        memcpy(host, h, n);
+        host[n] = 0;
+        port = colon + 1;
+    }
+    char *end;
+    long p = strtol(port, &end, 10);
+    if (*port == 0 || *end || p < 1 || p > 65535) {
+        note("TLSPLANE_LISTEN: bad port; shim disabled", 0);
+        return;
+    }
+    cfg.port = (uint16_t)p;
+    if (*host && strcmp(host, "*") != 0) {
+        if (inet_pton(AF_INET, host, cfg.addr) == 1)
+            cfg.family = AF_INET;
+        else if (inet_pton(AF_INET6, host, cfg.addr) == 1)
+            cfg.family = AF_INET6;
+        else {
+            note("TLSPLANE_LISTEN: bad address; shim disabled", 0);
+            return;
+        }
+    }
+    cfg.enabled = 1;
+}
+
+static int matches(const struct sockaddr_storage *ss) {
+    if (ss->ss_family == AF_INET) {
+        const struct sockaddr_in *a = (const void *)ss;
+        if (ntohs(a->sin_port) != cfg.port)
+            return 0;
+        return cfg.family == 0 || (cfg.family == AF_INET && !memcmp(&a->sin_addr, cfg.addr, 4));
+    }
+    if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const void *)ss;
+        if (ntohs(a->sin6_port) != cfg.port)
+            return 0;
+        return cfg.family == 0 ||
+               (cfg.family == AF_INET6 && !memcmp(&a->sin6_addr, cfg.addr, 16));
+    }
+    return 0;
+}
+
+static struct taken *find(int fd) {
+    if (fd < 0 || __atomic_load_n(&n_taken, __ATOMIC_ACQUIRE) == 0)
+        return NULL;
+    struct taken *t = NULL;
+    pthread_mutex_lock(&table_lock);
+    for (int i = 0; i < MAX_TAKEN; i++)
+        if (taken[i].fd == fd)
+            t = &taken[i];
+    pthread_mutex_unlock(&table_lock);
+    return t;
+}
+
+/* Puts `with` on descriptor `fd` in place of what is there, keeping fd's O_NONBLOCK and
+ * FD_CLOEXEC. Closes `with`. */
+static int replace(int fd, int with) {
+    int fl = fcntl(fd, F_GETFL);
+    int fdfl = fcntl(fd, F_GETFD);
+    if (fl < 0 || fdfl < 0 || (fl & O_NONBLOCK && fcntl(with, F_SETFL, O_NONBLOCK) < 0) ||
+        dup3(with, fd, fdfl & FD_CLOEXEC ? O_CLOEXEC : 0) < 0) {
+        int e = errno;
+        real_close(with);
+        errno = e;
+        return -1;
+    }
+    real_close(with);
+    return 0;
+}
+
+int listen(int fd, int backlog) {
+    pthread_once(&once, init);
+    if (!cfg.enabled)
+        return real_listen(fd, backlog);
+    if (find(fd))
+        return 0; /* listen again on a taken-over socket */
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    int type = 0;
+    socklen_t tlen = sizeof type;
+    if (real_getsockname(fd, (struct sockaddr *)&ss, &len) < 0 || !matches(&ss) ||
+        getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &tlen) < 0 || type != SOCK_STREAM)
+        return real_listen(fd, backlog);
+
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        return -1;
+    if (connect(s, (struct sockaddr *)&cfg.path, cfg.path_len) < 0) {
+        int e = errno;
+        real_close(s);
+        note("cannot connect to TLSPLANE_HANDOFF", e);
+        errno = e;
+        return -1;
+    }
+    pthread_mutex_lock(&table_lock);
+    int slot = -1;
+    for (int i = 0; i < MAX_TAKEN && slot < 0; i++)
+        if (taken[i].fd < 0)
+            slot = i;
+    if (slot < 0) {
+        pthread_mutex_unlock(&table_lock);
+        real_close(s);
+        errno = EMFILE;
+        return -1;
+    }
+    if (replace(fd, s) < 0) {
+        pthread_mutex_unlock(&table_lock);
+        return -1;
+    }
+    taken[slot].fd = fd;
+    taken[slot].gen++;
+    __atomic_store_n(&taken[slot].lost, 0, __ATOMIC_RELEASE);
+    taken[slot].bound = ss;
+    taken[slot].bound_len = len;
+    __atomic_add_fetch(&n_taken, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&table_lock);
+    return 0;
+}
+
+/* Reads exactly n bytes of the current frame, collecting at most one descriptor into *cfd.
+ * `first`: the read starts a frame, the only place a descriptor may come. Returns 1 when done,
+ * and when `first` 0 at end of stream before any byte or -1 with errno EAGAIN/EINTR before
+ * any byte; -2 when the stream can no longer be framed. */
+static int read_exact(int fd, unsigned char *buf, size_t n, int *cfd, int cloexec, int first) {
+    size_t got = 0;
+    while (got < n) {
+        union {
+            struct cmsghdr h;
+            char b[CMSG_SPACE(sizeof(int) * 4)];
+        } ctl;
+        struct iovec iov = {buf + got, n - got};
+        struct msghdr m = {0};
+        m.msg_iov = &iov;
+        m.msg_iovlen = 1;
+        m.msg_control = ctl.b;
+        m.msg_controllen = sizeof ctl.b;
+        ssize_t r = recvmsg(fd, &m, cloexec ? MSG_CMSG_CLOEXEC : 0);
+        if (r < 0) {
+            if (first && got == 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+                return -1;
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                /* The rest of a frame tlsplane sent in one sendmsg: wait for it. */
+                struct pollfd p = {fd, POLLIN, 0};
+                poll(&p, 1, 1000);
+                continue;
+            }
+            return -2;
+        }
+        int broken = (m.msg_flags & MSG_CTRUNC) != 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+                continue;
+            size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t i = 0; i < k; i++) {
+                int d;
+                memcpy(&d, CMSG_DATA(c) + i * sizeof(int), sizeof d);
+                if (*cfd < 0 && got == 0 && first) {
+                    *cfd = d;
+                } else {
+                    real_close(d);
+                    broken = 1;
+                }
+            }
+        }
+        if (broken)
+            return -2;
+        if (r == 0)
+            return got == 0 && first ? 0 : -2;
+        got += (size_t)r;
+    }
+    return 1;
+}
+
+/* Fills the caller's sockaddr with the 20-byte wire address `w` (family 4/6/0), in the family
+ * of the program's listening socket. Returns -1 on a malformed address. */
+static int fill_addr(const unsigned char *w, int listen_family, struct sockaddr *addr,
+                     socklen_t *addrlen) {
+    struct sockaddr_storage ss;
+    socklen_t len;
+    memset(&ss, 0, sizeof ss);
+    uint16_t port = (uint16_t)(w[2] << 8 | w[3]);
+    static const unsigned char zero[12];
+    if (w[0] == 4 && memcmp(w + 8, zero, 12) != 0)
+        return -1;
+    if (w[0] != 0 && w[0] != 4 && w[0] != 6)
+        return -1;
+    if (listen_family == AF_INET6 || w[0] == 6) {
+        struct sockaddr_in6 *a = (void *)&ss;
+        a->sin6_family = AF_INET6;
+        a->sin6_port = htons(port);
+        if (w[0] == 6) {
+            memcpy(&a->sin6_addr, w + 4, 16);
+        } else if (w[0] == 4) {
+            a->sin6_addr.s6_addr[10] = 0xff;
+            a->sin6_addr.s6_addr[11] = 0xff;
+            memcpy(&a->sin6_addr.s6_addr[12], w + 4, 4);
+        }
+        len = sizeof *a;
+    } else {
+        struct sockaddr_in *a = (void *)&ss;
+        a->sin_family = AF_INET;
+        a->sin_port = htons(port);
+        memcpy(&a->sin_addr, w + 4, 4);
+        len = sizeof *a;
+    }
+    if (addr && addrlen) {
+        memcpy(addr, &ss, *addrlen < len ? *addrlen : len);
+        *addrlen = len;
+    }
+    return 0;
+}
+
+struct again {
+    int slot, fd;
+    unsigned gen;
+};
+
+/* Connects to the hand-off socket again every 200 ms (tlsplane restarting removes and
+ * re-creates it) and puts the connection on the program's descriptor, unless the program
+ * closed it meanwhile. */
+static void *reconnect(void *arg) {
+    struct again a = *(struct again *)arg;
+    free(arg);
+    for (;;) {
+        struct timespec ts = {0, 200 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (s < 0)
+            continue;
+        int ok = connect(s, (struct sockaddr *)&cfg.path, cfg.path_len) == 0;
+        pthread_mutex_lock(&table_lock);
+        struct taken *t = &taken[a.slot];
+        int mine = t->fd == a.fd && t->gen == a.gen;
+        if (mine && ok && replace(a.fd, s) == 0) {
+            __atomic_store_n(&t->lost, 0, __ATOMIC_RELEASE);
+            pthread_mutex_unlock(&table_lock);
+            note("reconnected to TLSPLANE_HANDOFF", 0);
+            return NULL;
+        }
+        pthread_mutex_unlock(&table_lock);
+        if (!(mine && ok))
+            real_close(s); /* (replace closed it if it failed) */
+        if (!mine)
+            return NULL;
+    }
+}
+
+/* The hand-off connection is gone: accept fails once, and until a thread has reconnected
+ * nothing arrives. */
+static int lose(struct taken *t, int fd) {
+    note("the hand-off connection is closed or broken; reconnecting", 0);
+    /* A listening Unix socket on an unnamed abstract address: never readable (an unconnected
+     * stream socket would report POLLHUP and spin the program's poll loop). */
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sa_family_t unnamed = AF_UNIX;
+    if (s >= 0 && bind(s, (struct sockaddr *)&unnamed, sizeof unnamed) == 0 &&
+        real_listen(s, 0) == 0)
+        replace(fd, s);
+    else if (s >= 0)
+        real_close(s);
+    __atomic_store_n(&t->lost, 1, __ATOMIC_RELEASE);
+    struct again *a = malloc(sizeof *a);
+    if (a) {
+        pthread_mutex_lock(&table_lock);
+        a->slot = (int)(t - taken);
+        a->fd = fd;
+        a->gen = t->gen;
+        pthread_mutex_unlock(&table_lock);
+        /* The thread takes no signals: they stay the program's threads' business. */
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        pthread_attr_t attr;
+        pthread_t th;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&th, &attr, reconnect, a) != 0)
+            free(a);
+        pthread_attr_destroy(&attr);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
+    errno = ECONNABORTED;
+    return -1;
+}
+
+static int handoff_accept(struct taken *t, int fd, struct sockaddr *addr, socklen_t *addrlen,
+                          int flags) {
+    while (__atomic_load_n(&t->lost, __ATOMIC_ACQUIRE)) {
+        int fl = fcntl(fd, F_GETFL);
+        if (fl >= 0 && fl & O_NONBLOCK) {
+            errno = EAGAIN;
+            return -1;
+        }
+        struct timespec ts = {0, 100 * 1000 * 1000};
+        if (nanosleep(&ts, NULL) < 0 && errno == EINTR)
+            return -1;
+    }
+    int cloexec = (flags & SOCK_CLOEXEC) != 0;
+    if (fcntl(fd, F_GETFL) & O_NONBLOCK) {
+        /* Another thread is reading a frame: nothing for this non-blocking call. */
+        if (pthread_mutex_trylock(&t->lock) != 0) {
+            errno = EAGAIN;
+            return -1;
+        }
+    } else {
+        pthread_mutex_lock(&t->lock);
+    }
+    unsigned char *frame = t->frame;
+    for (;;) {
+        int cfd = -1;
+        int r = read_exact(fd, frame, 8, &cfd, cloexec, 1);
+        if (r == -1) {
+            int e = errno;
+            pthread_mutex_unlock(&t->lock);
+            errno = e;
+            return -1;
+        }
+        if (r == 0 || r == -2) {
+            if (cfd >= 0)
+                real_close(cfd);
+            int ret = lose(t, fd);
+            pthread_mutex_unlock(&t->lock);
+            return ret;
+        }
+        size_t len = (size_t)(frame[6] << 8 | frame[7]);
+        if (memcmp(frame, "TLPH", 4) != 0 || frame[4] != 1 || len < 8 || len > FRAME_MAX ||
+            read_exact(fd, frame + 8, len - 8, &cfd, cloexec, 0) != 1) {
+            if (cfd >= 0)
+                real_close(cfd);
+            int ret = lose(t, fd);
+            pthread_mutex_unlock(&t->lock);
+            return ret;
+        }
+        if (frame[5] != KIND_CONNECTION || cfd < 0) {
+            if (cfd >= 0)
+                real_close(cfd); /* a REPLY or a later kind: skipped whole */
+            continue;
+        }
+        /* CONNECTION: v1 minimum 64 + n + m; plane 1..3. */
+        if (len < 64 || len < 64u + frame[62] || len < 64u + frame[62] + frame[63 + frame[62]] ||
+            frame[16] < 1 || frame[16] > 3 || fill_addr(frame + 22, t->bound.ss_family, addr,
+                                                        addrlen) < 0) {
+            real_close(cfd);
+            continue;
+        }
+        int fl = fcntl(cfd, F_GETFL);
+        int want = flags & SOCK_NONBLOCK ? fl | O_NONBLOCK : fl & ~O_NONBLOCK;
+        if (fl < 0 || (want != fl && fcntl(cfd, F_SETFL, want) < 0)) {
+            real_close(cfd);
+            continue;
+        }
+        pthread_mutex_unlock(&t->lock);
+        return cfd;
+    }
+}
+
+int accept4(int fd, struct sockaddr *addr, socklen_t *addrlen, int flags) {
+    pthread_once(&once, init);
+    struct taken *t = find(fd);
+    if (!t)
+        return real_accept4(fd, addr, addrlen, flags);
+    return handoff_accept(t, fd, addr, addrlen, flags);
+}
+
+int accept(int fd, struct sockaddr *addr, socklen_t *addrlen) {
+    pthread_once(&once, init);
+    struct taken *t = find(fd);
+    if (!t)
+        return real_accept(fd, addr, addrlen);
+    return handoff_accept(t, fd, addr, addrlen, 0);
+}
+
+int getsockname(int fd, struct sockaddr *addr, socklen_t *addrlen) {
+    pthread_once(&once, init);
+    struct taken *t = find(fd);
+    if (!t)
+        return real_getsockname(fd, addr, addrlen);
+    if (!addr || !addrlen) {
+        errno = EFAULT;
+        return -1;
+    }
+    memcpy(addr, &t->bound, *addrlen < t->bound_len ? *addrlen : t->bound_len);
+    *addrlen = t->bound_len;
+    return 0;
+}
+
+int close(int fd) {
+    pthread_once(&once, init);
+    if (__atomic_load_n(&n_taken, __ATOMIC_ACQUIRE) > 0) {
+        pthread_mutex_lock(&table_lock);
+        for (int i = 0; i < MAX_TAKEN; i++)
+            if (taken[i].fd == fd) {
+                taken[i].fd = -1;
+                __atomic_sub_fetch(&n_taken, 1, __ATOMIC_RELEASE);
+            }
+        pthread_mutex_unlock(&table_lock);
+    }
+    return real_close(fd);
+}

@@ -1,0 +1,214 @@
+//! Builds the LD_PRELOAD shim (preload/tlsplane_preload.c) and tests/c/preload_frames.c with
+//! `cc`, and runs the program under the shim against a fake tlsplane that sends what a real
+//! one does not yet: a REPLY, a frame of an unknown kind with a descriptor, a CONNECTION with
+//! a bad body, an IPv6 peer, then goes away. The shim must stay in step with the frames, close
+//! the descriptors it drops, and report the end (tlsplane-cli's e2e `handoff_preload` tests
+//! run it behind the real `tlsplane handoff`). And with no tlsplane there, `listen` fails.
+
+use std::io::Write;
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tlsplane_handoff::wire::Message;
+use tlsplane_handoff::{send_connection, send_reply, ConnInfo, Plane, Reply, Status};
+
+fn compile(args: &[&str], src: &Path, out: &Path) {
+    let res = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args(["-O2", "-Wall", "-Wextra", "-Werror"])
+        .args(args)
+        .arg("-o")
+        .arg(out)
+        .arg(src)
+        .args(["-ldl", "-pthread"])
+        .output()
+        .expect("a C compiler (cc)");
+    assert!(
+        res.status.success(),
+        "cc {}:\n{}",
+        src.display(),
+        String::from_utf8_lossy(&res.stderr)
+    );
+}
+
+fn info(conn_id: u64, peer: &str) -> ConnInfo {
+    ConnInfo {
+        conn_id,
+        plane: Plane::UserRelay,
+        tls_version: 0x0304,
+        cipher_suite: 0x1301,
+        peer: Some(peer.parse().unwrap()),
+        local: Some("127.0.0.1:8443".parse().unwrap()),
+        server_name: Some("preload.example".into()),
+        alpn: None,
+    }
+}
+
+/// A "connection": one end of a socketpair with `byte` waiting to be read on it, and the
+/// other end, which the fake keeps.
+fn conn(byte: u8) -> (UnixStream, UnixStream) {
+    let (mut ours, theirs) = UnixStream::pair().unwrap();
+    ours.write_all(&[byte]).unwrap();
+    (ours, theirs)
+}
+
+/// A scratch directory named for the test, with the shim and the program built in it: (dir,
+/// shim, program).
+fn build(test: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let dir = std::env::temp_dir().join(format!("tlsplane-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let shim = dir.join("libtlsplane_preload.so");
+    compile(
+        &["-shared", "-fPIC"],
+        &crate_dir.join("preload/tlsplane_preload.c"),
+        &shim,
+    );
+    let exe = dir.join("preload_frames");
+    compile(
+        &["-std=c99"],
+        &crate_dir.join("tests/c/preload_frames.c"),
+        &exe,
+    );
+    (dir, shim, exe)
+}
+
+/// A port nothing listens on: the program binds it, the shim takes the socket over.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn listen_fails_loudly_when_tlsplane_is_not_there() {
+    let (dir, shim, exe) = build("preload-missing");
+    let port = free_port();
+    let out = Command::new(&exe)
+        .arg(port.to_string())
+        .env("LD_PRELOAD", &shim)
+        .env("TLSPLANE_HANDOFF", dir.join("nobody.sock"))
+        .env("TLSPLANE_LISTEN", format!("127.0.0.1:{port}"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    // listen fails with connect's errno: the port is not served in plain text instead.
+    assert_eq!(stdout, "listen: No such file or directory\n", "{stderr}");
+    assert!(
+        stderr.contains("tlsplane-preload: cannot connect to TLSPLANE_HANDOFF"),
+        "{stderr}"
+    );
+    assert_eq!(out.status.code(), Some(1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_preload_shim_stays_in_step_with_frames_and_drops_what_it_cannot_use() {
+    let (dir, shim, exe) = build("preload-frames");
+    let path = dir.join("handoff.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let port = free_port();
+
+    let fake = std::thread::spawn(move || {
+        // Bounded: without the shim nobody connects (the test then fails, it does not hang).
+        listener.set_nonblocking(true).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let sock = loop {
+            match listener.accept() {
+                Ok((sock, _)) => break sock,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() > deadline {
+                        return None;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => panic!("accept: {e}"),
+            }
+        };
+        sock.set_nonblocking(false).unwrap();
+        let mut kept = Vec::new();
+        // A REPLY (to a request nobody made here): skipped whole.
+        send_reply(
+            &sock,
+            &Reply {
+                request_id: 7,
+                conn_id: 1,
+                status: Status::Ok,
+            },
+        )
+        .unwrap();
+        let (a, a_theirs) = conn(b'A');
+        send_connection(&sock, a_theirs.as_fd(), &info(1, "10.1.2.3:4444")).unwrap();
+        kept.push(a);
+        // A kind this reader does not know, longer than the prefix, with a descriptor: the
+        // frame skipped, the descriptor closed.
+        let (x, x_theirs) = conn(b'X');
+        let mut unknown = b"TLPH\x01\x09\x00\x0c".to_vec();
+        unknown.extend_from_slice(&[1, 2, 3, 4]);
+        tlsplane_sys::send_with_fd(sock.as_fd(), &unknown, x_theirs.as_fd()).unwrap();
+        kept.push(x);
+        // A CONNECTION with an unknown plane: that connection dropped, the stream read on.
+        let (b, b_theirs) = conn(b'B');
+        let mut bad = vec![0u8; 1024];
+        let n = Message::Connection(info(2, "10.9.9.9:9"))
+            .encode(&mut bad)
+            .unwrap();
+        bad[16] = 0;
+        tlsplane_sys::send_with_fd(sock.as_fd(), &bad[..n], b_theirs.as_fd()).unwrap();
+        kept.push(b);
+        let (c, c_theirs) = conn(b'C');
+        send_connection(&sock, c_theirs.as_fd(), &info(3, "[2001:db8::1]:5555")).unwrap();
+        kept.push(c);
+        drop((a_theirs, x_theirs, b_theirs, c_theirs));
+        drop(sock); // then tlsplane goes away
+        Some(kept)
+    });
+
+    let mut child = Command::new(&exe)
+        .arg(port.to_string())
+        .env("LD_PRELOAD", &shim)
+        .env("TLSPLANE_HANDOFF", &path)
+        .env("TLSPLANE_LISTEN", port.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let kept = fake.join().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while kept.is_some() && child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        kept.is_some(),
+        "the program did not connect to the hand-off socket"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "peer=10.1.2.3 port=4444 data=A",
+            // The program's socket is IPv4; an IPv6 peer still comes as itself.
+            "peer=2001:db8::1 port=5555 data=C",
+            "end=ECONNABORTED",
+            "after=EAGAIN",
+            "leaked=0",
+        ],
+        "{stdout}{stderr}"
+    );
+    assert!(
+        stderr.contains("tlsplane-preload: the hand-off connection is closed"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
