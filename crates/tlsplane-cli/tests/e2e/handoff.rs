@@ -11,17 +11,16 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::client::{ClientOpts, Tls};
-use crate::support::Server;
+use crate::support::{tools, Server};
 
 fn python_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python")
 }
 
+/// python3 runs the receivers: missing natively is a failure, in the kernel-mode guest (which
+/// has none) a skipped test.
 pub(crate) fn have_python() -> bool {
-    Command::new("python3")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
+    tools::require("python3")
 }
 
 /// Runs a Python receiver: `script` with `client` connected to `socket` (the module's
@@ -118,7 +117,6 @@ fn stdout_of(mut child: Child) -> String {
 #[test]
 fn a_python_receiver_echoes_and_sees_the_header() {
     if !have_python() {
-        eprintln!("skipped: no python3");
         return;
     }
     let dir = scratch("handoff-echo");
@@ -231,7 +229,6 @@ fn uid_of_self() -> u32 {
 #[test]
 fn a_receiver_that_dies_mid_connection_ends_its_connections_with_close_notify() {
     if !have_python() {
-        eprintln!("skipped: no python3");
         return;
     }
     let dir = scratch("handoff-dies");
@@ -279,7 +276,6 @@ os._exit(0)
 #[test]
 fn two_receivers_share_the_connections() {
     if !have_python() {
-        eprintln!("skipped: no python3");
         return;
     }
     let dir = scratch("handoff-two");
@@ -326,7 +322,6 @@ while True:
 fn sites_hand_off_on_their_own_sockets() {
     use crate::support::fixtures::{pki, CertKind};
     if !have_python() {
-        eprintln!("skipped: no python3");
         return;
     }
     let dir = scratch("handoff-sites");
@@ -535,7 +530,6 @@ fn a_reload_keeps_the_socket_and_its_receivers_and_applies_new_ids() {
 #[test]
 fn curl_gets_an_answer_from_a_python_receiver_over_tls_1_2_and_1_3() {
     if !have_python() {
-        eprintln!("skipped: no python3");
         return;
     }
     let dir = scratch("handoff-curl");
