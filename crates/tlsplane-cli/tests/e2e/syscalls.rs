@@ -33,9 +33,9 @@ const BUDGETS: &[(&str, f64)] = &[
     ("conn_get", 20.5),
     // A client whose request waits for the server's Finished (10 ms), then the lingering
     // close: whether the client's FIN is in before the server looks for it varies from run to
-    // run (+3 calls, measured 26.3 and 30.3): hence the room, and the exact check on
-    // `epoll_ctl` in the test.
-    ("tls12_full_get", 31.0),
+    // run (+3 calls, measured 25.4-26.4 and 29.6-30.3): hence the room, and the exact check
+    // on `epoll_ctl` in the test (the move this scenario guards against: 4 instead of 2).
+    ("tls12_full_get", 32.0),
     ("keepalive_get", 8.5),
     ("proxied_get", 12.5),
 ];
