@@ -64,18 +64,39 @@
 #include <time.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #define FRAME_MAX 16448
 #define KIND_CONNECTION 1
+#define KIND_KEY_UPDATE 3
+#define KIND_CLOSE 4
+#define PLANE_KERNEL 1
 #define MAX_TAKEN 16
+/* Kernel-plane descriptors remembered: those below this number (an array indexed by fd). */
+#define MAX_KFD 65536
+#define RECORD_MAX 16384 /* the largest TLS record plaintext */
+#define SOL_TLS_ 282
+#define TLS_GET_RECORD_TYPE_ 2
 
 static int (*real_listen)(int, int);
 static int (*real_accept4)(int, struct sockaddr *, socklen_t *, int);
 static int (*real_accept)(int, struct sockaddr *, socklen_t *);
 static int (*real_getsockname)(int, struct sockaddr *, socklen_t *);
 static int (*real_close)(int);
+static int (*real_dup2)(int, int);
+static int (*real_dup3)(int, int, int);
+static int (*real_shutdown)(int, int);
+static ssize_t (*real_read)(int, void *, size_t);
+static ssize_t (*real_recv)(int, void *, size_t, int);
+static ssize_t (*real_recvfrom)(int, void *, size_t, int, struct sockaddr *, socklen_t *);
+static ssize_t (*real_readv)(int, const struct iovec *, int);
+static ssize_t (*real_read_chk)(int, void *, size_t, size_t);
+static ssize_t (*real_recv_chk)(int, void *, size_t, size_t, int);
+static ssize_t (*real_recvfrom_chk)(int, void *, size_t, size_t, int, struct sockaddr *,
+                                    socklen_t *);
 
 static struct {
     int enabled;
@@ -91,6 +112,8 @@ struct taken {
     int fd; /* -1: free */
     unsigned gen; /* claims of this slot, so that a reconnecting thread knows its own */
     int lost;     /* the hand-off connection is gone; a thread reconnects (atomic) */
+    unsigned epoch; /* hand-off connections lost on this slot (atomic): a connection handed
+                     * over before the last loss belongs to a tlsplane that is gone */
     struct sockaddr_storage bound;
     socklen_t bound_len;
     /* One frame reader at a time per socket (frames and descriptors stay aligned). */
@@ -111,12 +134,338 @@ static void note(const char *what, int e) {
         (void)!write(2, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
 }
 
+/* ---- Kernel-plane connections (plane 1): the descriptor is the kTLS socket ----
+ *
+ * kconns[fd] remembers a kernel-plane descriptor accept returned: its connection id and the
+ * hand-off connection it came from (slot, gen, epoch). `state` is written last on
+ * remembering (release) and cleared first on forgetting, so the intercepted reads need no
+ * lock: n_kernel == 0 (nothing remembered) costs one atomic load, otherwise one more. */
+struct kconn {
+    int state;     /* atomic: 0 free, 1 remembered */
+    int end;       /* atomic: 0 live, -1 end of stream (close_notify), >0 errno to repeat */
+    int closed;    /* atomic: a CLOSE was sent (at shutdown) */
+    int shared;    /* atomic: the process forked since: this copy sends no CLOSE */
+    int slot;
+    unsigned gen, epoch;
+    uint64_t conn_id;
+    uint64_t ino; /* the socket's inode: a descriptor closed behind the shim's back and its
+                   * number reused is not taken for the connection */
+};
+
+static struct kconn kconns[MAX_KFD];
+static int n_kernel; /* remembered descriptors (atomic) */
+static int kfd_high; /* 1 + the highest fd ever remembered (atomic) */
+static int warned_kfd; /* the bound was logged (atomic) */
+static unsigned next_request; /* request ids of KEY_UPDATE/CLOSE frames (atomic) */
+
+/* One frame out at a time, in whole; also guards ctl_frame, where a control record is read
+ * and the KEY_UPDATE frame built around it. */
+static pthread_mutex_t send_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned char ctl_frame[22 + RECORD_MAX];
+
+static void fork_prepare(void) { pthread_mutex_lock(&send_lock); }
+
+/* The parent's copies of the connections now live on in the child too: the parent closing
+ * its copy (an accept-then-fork server) sends no CLOSE; the child's does. */
+static void fork_parent(void) {
+    int hi = __atomic_load_n(&kfd_high, __ATOMIC_ACQUIRE);
+    for (int i = 0; i < hi; i++)
+        if (__atomic_load_n(&kconns[i].state, __ATOMIC_ACQUIRE))
+            __atomic_store_n(&kconns[i].shared, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&send_lock);
+}
+
+static void fork_child(void) { pthread_mutex_unlock(&send_lock); }
+
+static struct kconn *kfind(int fd) {
+    if ((unsigned)fd >= MAX_KFD || __atomic_load_n(&n_kernel, __ATOMIC_ACQUIRE) == 0 ||
+        !__atomic_load_n(&kconns[fd].state, __ATOMIC_ACQUIRE))
+        return NULL;
+    return &kconns[fd];
+}
+
+static void put_u32(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)(v >> 24);
+    p[1] = (unsigned char)(v >> 16);
+    p[2] = (unsigned char)(v >> 8);
+    p[3] = (unsigned char)v;
+}
+
+static void put_u64(unsigned char *p, uint64_t v) {
+    put_u32(p, (uint32_t)(v >> 32));
+    put_u32(p + 4, (uint32_t)v);
+}
+
+/* The frame prefix and the request and connection ids, common to KEY_UPDATE and CLOSE. */
+static void frame_head(unsigned char *f, int kind, size_t len, uint64_t conn_id) {
+    memcpy(f, "TLPH", 4);
+    f[4] = 1;
+    f[5] = (unsigned char)kind;
+    f[6] = (unsigned char)(len >> 8);
+    f[7] = (unsigned char)len;
+    put_u32(f + 8, __atomic_add_fetch(&next_request, 1, __ATOMIC_RELAXED));
+    put_u64(f + 12, conn_id);
+}
+
+/* Sends frame f (n bytes) on the hand-off connection connection k came from; send_lock held.
+ * Returns -1 when that connection is gone (tlsplane stopped, restarted, or the program closed
+ * the socket): nothing is sent. The socket may be non-blocking: on EAGAIN it waits for room,
+ * 2 s at most; a frame cut short then would misframe the stream, so the connection is shut
+ * down instead and accept sees it end (and reconnects). */
+static int send_frame(const struct kconn *k, const unsigned char *f, size_t n) {
+    struct taken *t = &taken[k->slot];
+    pthread_mutex_lock(&table_lock);
+    int fd = t->fd;
+    int ok = fd >= 0 && t->gen == k->gen &&
+             __atomic_load_n(&t->epoch, __ATOMIC_ACQUIRE) == k->epoch &&
+             !__atomic_load_n(&t->lost, __ATOMIC_ACQUIRE);
+    pthread_mutex_unlock(&table_lock);
+    if (!ok)
+        return -1;
+    size_t off = 0;
+    int waited = 0;
+    while (off < n) {
+        ssize_t r = send(fd, f + off, n - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r > 0) {
+            off += (size_t)r;
+            continue;
+        }
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && waited < 2000) {
+            struct pollfd p = {fd, POLLOUT, 0};
+            poll(&p, 1, 100);
+            waited += 100;
+            continue;
+        }
+        if (off > 0)
+            real_shutdown(fd, SHUT_RDWR);
+        return -1;
+    }
+    return 0;
+}
+
+static void send_close(struct kconn *k) {
+    if (__atomic_exchange_n(&k->closed, 1, __ATOMIC_ACQ_REL) ||
+        __atomic_load_n(&k->shared, __ATOMIC_ACQUIRE))
+        return;
+    unsigned char f[20];
+    frame_head(f, KIND_CLOSE, sizeof f, k->conn_id);
+    pthread_mutex_lock(&send_lock);
+    send_frame(k, f, sizeof f);
+    pthread_mutex_unlock(&send_lock);
+}
+
+/* Forgets descriptor fd (about to be closed or replaced), sending CLOSE unless sent. */
+static void kforget(int fd) {
+    struct kconn *k = kfind(fd);
+    if (!k || !__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
+        return;
+    __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
+    /* The fields stay valid: fd is not reused before the caller really closes it. */
+    send_close(k);
+}
+
+static uint64_t inode_of(int fd) {
+    struct stat st;
+    return fstat(fd, &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+/* Remembers kernel-plane descriptor fd, just received from hand-off slot t. */
+static void kremember(int fd, struct taken *t, uint64_t conn_id) {
+    if ((unsigned)fd >= MAX_KFD) {
+        if (!__atomic_exchange_n(&warned_kfd, 1, __ATOMIC_RELAXED))
+            note("a kernel-plane descriptor is above the shim's bound (65535): its control "
+                 "records are not handled (logged once)",
+                 0);
+        return;
+    }
+    struct kconn *k = &kconns[fd];
+    if (__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
+        __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE); /* a stale entry: fd was reused */
+    k->slot = (int)(t - taken);
+    k->gen = t->gen;
+    k->epoch = __atomic_load_n(&t->epoch, __ATOMIC_ACQUIRE);
+    k->conn_id = conn_id;
+    k->ino = inode_of(fd);
+    __atomic_store_n(&k->end, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&k->closed, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&k->shared, 0, __ATOMIC_RELAXED);
+    int hi = __atomic_load_n(&kfd_high, __ATOMIC_RELAXED);
+    while (hi < fd + 1 &&
+           !__atomic_compare_exchange_n(&kfd_high, &hi, fd + 1, 0, __ATOMIC_RELEASE,
+                                        __ATOMIC_RELAXED))
+        ;
+    __atomic_add_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&k->state, 1, __ATOMIC_RELEASE);
+}
+
+/* One intercepted read, whichever call it came through. */
+struct rd {
+    int op; /* 0 read, 1 recv, 2 recvfrom, 3 readv */
+    int fd, flags;
+    void *buf;
+    size_t len;
+    struct sockaddr *from;
+    socklen_t *fromlen;
+    const struct iovec *iov;
+    int iovcnt;
+};
+
+static ssize_t rd_real(const struct rd *a) {
+    switch (a->op) {
+    case 0:
+        return real_read(a->fd, a->buf, a->len);
+    case 1:
+        return real_recv(a->fd, a->buf, a->len, a->flags);
+    case 2:
+        return real_recvfrom(a->fd, a->buf, a->len, a->flags, a->from, a->fromlen);
+    default:
+        return real_readv(a->fd, a->iov, a->iovcnt);
+    }
+}
+
+static size_t rd_len(const struct rd *a) {
+    if (a->op != 3)
+        return a->len;
+    size_t n = 0;
+    for (int i = 0; i < a->iovcnt; i++)
+        n += a->iov[i].iov_len;
+    return n;
+}
+
+static void rd_copy(const struct rd *a, const unsigned char *src, size_t n) {
+    if (a->op != 3) {
+        memcpy(a->buf, src, n);
+        return;
+    }
+    for (int i = 0; i < a->iovcnt && n > 0; i++) {
+        size_t c = a->iov[i].iov_len < n ? a->iov[i].iov_len : n;
+        memcpy(a->iov[i].iov_base, src, c);
+        src += c;
+        n -= c;
+    }
+}
+
+static ssize_t fail(int e) {
+    errno = e;
+    return -1;
+}
+
+/* Sticky: later reads see the same end. */
+static ssize_t end_with(struct kconn *k, int e) {
+    __atomic_store_n(&k->end, e ? e : -1, __ATOMIC_RELEASE);
+    return e ? fail(e) : 0;
+}
+
+/* A read on a remembered kernel-plane descriptor. */
+static ssize_t kread(struct kconn *k, const struct rd *a) {
+    struct timespec start = {0, 0};
+    long nap = 0; /* ns; > 0 while waiting for tlsplane to install the next RX key */
+    for (;;) {
+        int end = __atomic_load_n(&k->end, __ATOMIC_ACQUIRE);
+        if (end)
+            return end < 0 ? 0 : fail(end);
+        ssize_t r = rd_real(a);
+        if (r >= 0 || (errno != EIO && errno != EKEYEXPIRED))
+            return r;
+        int e = errno;
+        if (k->ino != inode_of(a->fd))
+            return fail(e); /* not the remembered socket any more */
+        if (e == EKEYEXPIRED) {
+            /* Paused after a KeyUpdate (this thread's or another's): tlsplane re-keys. */
+            struct timespec now;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            if (nap == 0) {
+                start = now;
+                nap = 1000 * 1000;
+            } else if (now.tv_sec - start.tv_sec > 5 ||
+                       (now.tv_sec - start.tv_sec == 5 && now.tv_nsec >= start.tv_nsec)) {
+                return end_with(k, ECONNRESET);
+            }
+            struct timespec ts = {0, nap};
+            nanosleep(&ts, NULL);
+            nap = nap * 2 > 10 * 1000 * 1000 ? 10 * 1000 * 1000 : nap * 2;
+            continue;
+        }
+        /* EIO: a control record is next. Read it alone, with its content type. At least 16
+         * bytes of room, so that a small read takes a whole alert or KeyUpdate. */
+        nap = 0;
+        size_t want = rd_len(a);
+        want = want < 16 ? 16 : want > RECORD_MAX ? RECORD_MAX : want;
+        union {
+            struct cmsghdr h;
+            char b[CMSG_SPACE(sizeof(int))];
+        } ctl;
+        struct iovec iov = {ctl_frame + 22, want};
+        struct msghdr m = {0};
+        m.msg_iov = &iov;
+        m.msg_iovlen = 1;
+        m.msg_control = ctl.b;
+        m.msg_controllen = sizeof ctl.b;
+        pthread_mutex_lock(&send_lock);
+        ssize_t n = recvmsg(a->fd, &m, MSG_DONTWAIT);
+        if (n < 0) {
+            e = errno;
+            pthread_mutex_unlock(&send_lock);
+            if (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)
+                continue; /* another thread took the record: read again */
+            return fail(e);
+        }
+        int type = 23;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
+            if (c->cmsg_level == SOL_TLS_ && c->cmsg_type == TLS_GET_RECORD_TYPE_ &&
+                c->cmsg_len >= CMSG_LEN(1))
+                type = *(unsigned char *)CMSG_DATA(c);
+        const unsigned char *p = ctl_frame + 22;
+        if (type == 23) {
+            /* Data after all (another thread read the control record): the caller's. Only
+             * a read of under 16 bytes can get more than it asked for; the rest is lost. */
+            size_t c = (size_t)n < rd_len(a) ? (size_t)n : rd_len(a);
+            rd_copy(a, p, c);
+            pthread_mutex_unlock(&send_lock);
+            return (ssize_t)c;
+        }
+        if (type == 21 && n == 2) {
+            int desc = p[1];
+            pthread_mutex_unlock(&send_lock);
+            return end_with(k, desc == 0 ? 0 : ECONNRESET); /* close_notify: end of stream */
+        }
+        if (type == 22 && n > 0) {
+            /* A KeyUpdate: tlsplane installs the next RX key (and, if asked, sends ours).
+             * The REPLY is not awaited (accept skips it); the read waits for the key. */
+            frame_head(ctl_frame, KIND_KEY_UPDATE, 22 + (size_t)n, k->conn_id);
+            ctl_frame[20] = (unsigned char)(n >> 8);
+            ctl_frame[21] = (unsigned char)n;
+            int sent = send_frame(k, ctl_frame, 22 + (size_t)n);
+            pthread_mutex_unlock(&send_lock);
+            if (sent < 0)
+                return end_with(k, ECONNRESET); /* nobody can re-key it */
+            continue;
+        }
+        pthread_mutex_unlock(&send_lock);
+        return end_with(k, EPROTO); /* an alert of the wrong size, an empty handshake record
+                                     * or a content type with no business here */
+    }
+}
+
 static void init(void) {
     real_listen = dlsym(RTLD_NEXT, "listen");
     real_accept4 = dlsym(RTLD_NEXT, "accept4");
     real_accept = dlsym(RTLD_NEXT, "accept");
     real_getsockname = dlsym(RTLD_NEXT, "getsockname");
     real_close = dlsym(RTLD_NEXT, "close");
+    real_dup2 = dlsym(RTLD_NEXT, "dup2");
+    real_dup3 = dlsym(RTLD_NEXT, "dup3");
+    real_shutdown = dlsym(RTLD_NEXT, "shutdown");
+    real_read = dlsym(RTLD_NEXT, "read");
+    real_recv = dlsym(RTLD_NEXT, "recv");
+    real_recvfrom = dlsym(RTLD_NEXT, "recvfrom");
+    real_readv = dlsym(RTLD_NEXT, "readv");
+    real_read_chk = dlsym(RTLD_NEXT, "__read_chk");
+    real_recv_chk = dlsym(RTLD_NEXT, "__recv_chk");
+    real_recvfrom_chk = dlsym(RTLD_NEXT, "__recvfrom_chk");
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
     for (int i = 0; i < MAX_TAKEN; i++) {
         taken[i].fd = -1;
         pthread_mutex_init(&taken[i].lock, NULL);
@@ -207,7 +556,7 @@ static int replace(int fd, int with) {
     int fl = fcntl(fd, F_GETFL);
     int fdfl = fcntl(fd, F_GETFD);
     if (fl < 0 || fdfl < 0 || (fl & O_NONBLOCK && fcntl(with, F_SETFL, O_NONBLOCK) < 0) ||
-        dup3(with, fd, fdfl & FD_CLOEXEC ? O_CLOEXEC : 0) < 0) {
+        real_dup3(with, fd, fdfl & FD_CLOEXEC ? O_CLOEXEC : 0) < 0) {
         int e = errno;
         real_close(with);
         errno = e;
@@ -409,6 +758,7 @@ static int lose(struct taken *t, int fd) {
         replace(fd, s);
     else if (s >= 0)
         real_close(s);
+    __atomic_add_fetch(&t->epoch, 1, __ATOMIC_RELEASE);
     __atomic_store_n(&t->lost, 1, __ATOMIC_RELEASE);
     struct again *a = malloc(sizeof *a);
     if (a) {
@@ -500,6 +850,14 @@ static int handoff_accept(struct taken *t, int fd, struct sockaddr *addr, sockle
             real_close(cfd);
             continue;
         }
+        if (frame[16] == PLANE_KERNEL) {
+            uint64_t id = 0;
+            for (int i = 8; i < 16; i++)
+                id = id << 8 | frame[i];
+            kremember(cfd, t, id);
+        } else {
+            kforget(cfd); /* a stale entry: the number was closed behind the shim's back */
+        }
         pthread_mutex_unlock(&t->lock);
         return cfd;
     }
@@ -537,6 +895,7 @@ int getsockname(int fd, struct sockaddr *addr, socklen_t *addrlen) {
 
 int close(int fd) {
     pthread_once(&once, init);
+    kforget(fd);
     if (__atomic_load_n(&n_taken, __ATOMIC_ACQUIRE) > 0) {
         pthread_mutex_lock(&table_lock);
         for (int i = 0; i < MAX_TAKEN; i++)
@@ -547,4 +906,111 @@ int close(int fd) {
         pthread_mutex_unlock(&table_lock);
     }
     return real_close(fd);
+}
+
+ssize_t read(int fd, void *buf, size_t len) {
+    pthread_once(&once, init);
+    struct kconn *k = kfind(fd);
+    if (!k)
+        return real_read(fd, buf, len);
+    struct rd a = {.op = 0, .fd = fd, .buf = buf, .len = len};
+    return kread(k, &a);
+}
+
+ssize_t recv(int fd, void *buf, size_t len, int flags) {
+    pthread_once(&once, init);
+    struct kconn *k = kfind(fd);
+    if (!k)
+        return real_recv(fd, buf, len, flags);
+    struct rd a = {.op = 1, .fd = fd, .buf = buf, .len = len, .flags = flags};
+    return kread(k, &a);
+}
+
+ssize_t recvfrom(int fd, void *buf, size_t len, int flags, struct sockaddr *from,
+                 socklen_t *fromlen) {
+    pthread_once(&once, init);
+    struct kconn *k = kfind(fd);
+    if (!k)
+        return real_recvfrom(fd, buf, len, flags, from, fromlen);
+    struct rd a = {.op = 2,
+                   .fd = fd,
+                   .buf = buf,
+                   .len = len,
+                   .flags = flags,
+                   .from = from,
+                   .fromlen = fromlen};
+    return kread(k, &a);
+}
+
+ssize_t readv(int fd, const struct iovec *iov, int iovcnt) {
+    pthread_once(&once, init);
+    struct kconn *k = kfind(fd);
+    if (!k)
+        return real_readv(fd, iov, iovcnt);
+    struct rd a = {.op = 3, .fd = fd, .iov = iov, .iovcnt = iovcnt};
+    return kread(k, &a);
+}
+
+/* _FORTIFY_SOURCE turns read/recv/recvfrom with a buffer of known size into these. */
+ssize_t __read_chk(int fd, void *buf, size_t len, size_t buflen) {
+    pthread_once(&once, init);
+    struct kconn *k = kfind(fd);
+    if (!k || len > buflen)
+        return real_read_chk(fd, buf, len, buflen);
+    struct rd a = {.op = 0, .fd = fd, .buf = buf, .len = len};
+    return kread(k, &a);
+}
+
+ssize_t __recv_chk(int fd, void *buf, size_t len, size_t buflen, int flags) {
+    pthread_once(&once, init);
+    struct kconn *k = kfind(fd);
+    if (!k || len > buflen)
+        return real_recv_chk(fd, buf, len, buflen, flags);
+    struct rd a = {.op = 1, .fd = fd, .buf = buf, .len = len, .flags = flags};
+    return kread(k, &a);
+}
+
+ssize_t __recvfrom_chk(int fd, void *buf, size_t len, size_t buflen, int flags,
+                       struct sockaddr *from, socklen_t *fromlen) {
+    pthread_once(&once, init);
+    struct kconn *k = kfind(fd);
+    if (!k || len > buflen)
+        return real_recvfrom_chk(fd, buf, len, buflen, flags, from, fromlen);
+    struct rd a = {.op = 2,
+                   .fd = fd,
+                   .buf = buf,
+                   .len = len,
+                   .flags = flags,
+                   .from = from,
+                   .fromlen = fromlen};
+    return kread(k, &a);
+}
+
+/* shutdown(SHUT_WR) would send the TCP FIN before tlsplane's close_notify: on a remembered
+ * descriptor it sends CLOSE instead (tlsplane sends close_notify after what was written). */
+int shutdown(int fd, int how) {
+    pthread_once(&once, init);
+    struct kconn *k = kfind(fd);
+    if (!k || how == SHUT_RD)
+        return real_shutdown(fd, how);
+    if (how != SHUT_WR && how != SHUT_RDWR)
+        return (int)fail(EINVAL);
+    if (how == SHUT_RDWR && real_shutdown(fd, SHUT_RD) < 0)
+        return -1;
+    send_close(k);
+    return 0;
+}
+
+int dup2(int old, int fd) {
+    pthread_once(&once, init);
+    if (old != fd && kfind(fd) && fcntl(old, F_GETFD) >= 0)
+        kforget(fd); /* fd's connection is being closed */
+    return real_dup2(old, fd);
+}
+
+int dup3(int old, int fd, int flags) {
+    pthread_once(&once, init);
+    if (old != fd && kfind(fd) && fcntl(old, F_GETFD) >= 0)
+        kforget(fd);
+    return real_dup3(old, fd, flags);
 }

@@ -5,7 +5,8 @@
 //! the descriptors it drops, and report the end (tlsplane-cli's e2e `handoff_preload` tests
 //! run it behind the real `tlsplane handoff`). And with no tlsplane there, `listen` fails.
 
-use std::io::Write;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -54,9 +55,9 @@ fn conn(byte: u8) -> (UnixStream, UnixStream) {
     (ours, theirs)
 }
 
-/// A scratch directory named for the test, with the shim and the program built in it: (dir,
-/// shim, program).
-fn build(test: &str) -> (PathBuf, PathBuf, PathBuf) {
+/// A scratch directory named for the test, with the shim and the program (tests/c/PROG.c)
+/// built in it: (dir, shim, program).
+fn build(test: &str, prog: &str) -> (PathBuf, PathBuf, PathBuf) {
     let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let dir = std::env::temp_dir().join(format!("tlsplane-{test}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -67,10 +68,10 @@ fn build(test: &str) -> (PathBuf, PathBuf, PathBuf) {
         &crate_dir.join("preload/tlsplane_preload.c"),
         &shim,
     );
-    let exe = dir.join("preload_frames");
+    let exe = dir.join(prog);
     compile(
         &["-std=c99"],
-        &crate_dir.join("tests/c/preload_frames.c"),
+        &crate_dir.join(format!("tests/c/{prog}.c")),
         &exe,
     );
     (dir, shim, exe)
@@ -87,7 +88,7 @@ fn free_port() -> u16 {
 
 #[test]
 fn listen_fails_loudly_when_tlsplane_is_not_there() {
-    let (dir, shim, exe) = build("preload-missing");
+    let (dir, shim, exe) = build("preload-missing", "preload_frames");
     let port = free_port();
     let out = Command::new(&exe)
         .arg(port.to_string())
@@ -110,7 +111,7 @@ fn listen_fails_loudly_when_tlsplane_is_not_there() {
 
 #[test]
 fn the_preload_shim_stays_in_step_with_frames_and_drops_what_it_cannot_use() {
-    let (dir, shim, exe) = build("preload-frames");
+    let (dir, shim, exe) = build("preload-frames", "preload_frames");
     let path = dir.join("handoff.sock");
     let listener = UnixListener::bind(&path).unwrap();
     let port = free_port();
@@ -209,6 +210,192 @@ fn the_preload_shim_stays_in_step_with_frames_and_drops_what_it_cannot_use() {
     assert!(
         stderr.contains("tlsplane-preload: the hand-off connection is closed"),
         "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Reads one frame the program sent on the hand-off connection; None at end of stream or
+/// when nothing comes within the read timeout.
+fn next_frame(sock: &mut UnixStream) -> Option<Vec<u8>> {
+    let mut f = vec![0u8; 8];
+    sock.read_exact(&mut f).ok()?;
+    let len = usize::from(u16::from_be_bytes([f[6], f[7]])).max(8);
+    f.resize(len, 0);
+    sock.read_exact(&mut f[8..]).ok()?;
+    Some(f)
+}
+
+fn describe(frame: Option<Vec<u8>>) -> String {
+    let Some(f) = frame else {
+        return "no frame".into();
+    };
+    match Message::decode(&f) {
+        Ok(Some(Message::Close { conn_id, .. })) => format!("CLOSE {conn_id:#x}"),
+        Ok(Some(Message::KeyUpdate { conn_id, .. })) => format!("KEY_UPDATE {conn_id:#x}"),
+        other => format!("frame {other:?}"),
+    }
+}
+
+/// A connected TCP pair on loopback: (the client's end, the server's end).
+fn tcp_pair() -> (TcpStream, TcpStream) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (server, _) = l.accept().unwrap();
+    (client, server)
+}
+
+/// Writes `line` to the program and reads as many bytes back: whether they are the same.
+fn echoes(peer: &mut (impl Read + Write), line: &[u8]) -> bool {
+    peer.write_all(line).unwrap();
+    let mut back = vec![0u8; line.len()];
+    peer.read_exact(&mut back).is_ok() && back == line
+}
+
+/// What a read on the client's end gives within the timeout.
+fn peer_read(peer: &mut impl Read) -> String {
+    let mut b = [0u8; 16];
+    match peer.read(&mut b) {
+        Ok(0) => "end of stream".into(),
+        Ok(n) => format!("{n} bytes"),
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+            "nothing".into()
+        }
+        Err(e) => format!("error {e}"),
+    }
+}
+
+#[test]
+fn the_preload_shim_sends_close_for_kernel_plane_connections_and_reads_pass_through() {
+    let (dir, shim, exe) = build("preload-kernel", "kernel_frames");
+    let path = dir.join("handoff.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let port = free_port();
+
+    let fake = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        listener.set_nonblocking(true).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut sock = loop {
+            match listener.accept() {
+                Ok((sock, _)) => break sock,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if Instant::now() > deadline {
+                        seen.push("nobody connected".to_string());
+                        return seen;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => panic!("accept: {e}"),
+            }
+        };
+        sock.set_nonblocking(false).unwrap();
+        // Bounded: a shim that sends nothing makes the test fail, not hang.
+        sock.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let timeout = Some(Duration::from_secs(3));
+
+        // 1. Kernel plane, here a plain TCP socket (no kTLS, so no control record): the
+        // program's reads and writes pass through byte-exact, and its close sends CLOSE.
+        let (mut peer, server) = tcp_pair();
+        peer.set_read_timeout(timeout).unwrap();
+        let mut k = info(0x1122_3344_5566_7788, "10.1.2.3:4444");
+        k.plane = Plane::Kernel;
+        send_connection(&sock, server.as_fd(), &k).unwrap();
+        drop(server);
+        let mut line: Vec<u8> = (0..2999u32)
+            .map(|i| match (i * 7 + 13) % 256 {
+                10 => 11,
+                b => b as u8,
+            })
+            .collect();
+        line.push(b'\n');
+        seen.push(format!("kernel echo exact: {}", echoes(&mut peer, &line)));
+        seen.push(describe(next_frame(&mut sock)));
+        seen.push(format!("kernel peer: {}", peer_read(&mut peer)));
+
+        // 2. User relay plane: the same, and no frame.
+        let (mut relay, relay_theirs) = UnixStream::pair().unwrap();
+        relay.set_read_timeout(timeout).unwrap();
+        send_connection(&sock, relay_theirs.as_fd(), &info(2, "10.1.2.3:4445")).unwrap();
+        drop(relay_theirs);
+        seen.push(format!(
+            "relay echo exact: {}",
+            echoes(&mut relay, b"relay plane\n")
+        ));
+        seen.push(format!("relay peer: {}", peer_read(&mut relay)));
+
+        // 3. Kernel plane, shutdown(SHUT_WR): CLOSE at once and no FIN (it would come before
+        // tlsplane's close_notify); the program's close afterwards sends no second CLOSE.
+        let (mut peer, server) = tcp_pair();
+        let mut k = info(3, "10.1.2.3:4446");
+        k.plane = Plane::Kernel;
+        send_connection(&sock, server.as_fd(), &k).unwrap();
+        drop(server);
+        peer.set_read_timeout(timeout).unwrap();
+        seen.push(format!("shut echo exact: {}", echoes(&mut peer, b"shut\n")));
+        seen.push(describe(next_frame(&mut sock)));
+        peer.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        seen.push(format!("after shutdown, peer: {}", peer_read(&mut peer)));
+        peer.shutdown(std::net::Shutdown::Write).unwrap();
+        peer.set_read_timeout(timeout).unwrap();
+        seen.push(format!("after close, peer: {}", peer_read(&mut peer)));
+
+        // Then tlsplane goes away; whatever else the program sends is read to its end.
+        sock.shutdown(std::net::Shutdown::Write).unwrap();
+        while let Some(f) = next_frame(&mut sock) {
+            seen.push(describe(Some(f)));
+        }
+        seen.push("hand-off end".into());
+        seen
+    });
+
+    let mut child = Command::new(&exe)
+        .arg(port.to_string())
+        .env("LD_PRELOAD", &shim)
+        .env("TLSPLANE_HANDOFF", &path)
+        .env("TLSPLANE_LISTEN", port.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let seen = fake.join().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(
+        seen,
+        [
+            "kernel echo exact: true",
+            "CLOSE 0x1122334455667788",
+            "kernel peer: end of stream",
+            "relay echo exact: true",
+            "relay peer: end of stream",
+            "shut echo exact: true",
+            "CLOSE 0x3",
+            "after shutdown, peer: nothing",
+            "after close, peer: end of stream",
+            // Nothing more: no CLOSE for the relay connection, none twice.
+            "hand-off end",
+        ],
+        "{stdout}{stderr}"
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert_eq!(
+        stdout.lines().collect::<Vec<_>>(),
+        [
+            "line bytes=3000",
+            "line bytes=12",
+            "shutdown=0 then read=0",
+            "line bytes=5",
+            "end=ECONNABORTED",
+            "leaked=0",
+        ],
+        "{stdout}{stderr}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
