@@ -144,7 +144,7 @@ struct kconn {
     int state;     /* atomic: 0 free, 1 remembered */
     int end;       /* atomic: 0 live, -1 end of stream (close_notify), >0 errno to repeat */
     int closed;    /* atomic: a CLOSE was sent (at shutdown) */
-    int shared;    /* atomic: the process forked since: this copy sends no CLOSE */
+    pid_t pid;     /* the process that accepted it: only it sends CLOSE */
     int slot;
     unsigned gen, epoch;
     uint64_t conn_id;
@@ -163,19 +163,9 @@ static unsigned next_request; /* request ids of KEY_UPDATE/CLOSE frames (atomic)
 static pthread_mutex_t send_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned char ctl_frame[22 + RECORD_MAX];
 
+/* A child is not forked while another thread holds send_lock (it would never be unlocked). */
 static void fork_prepare(void) { pthread_mutex_lock(&send_lock); }
-
-/* The parent's copies of the connections now live on in the child too: the parent closing
- * its copy (an accept-then-fork server) sends no CLOSE; the child's does. */
-static void fork_parent(void) {
-    int hi = __atomic_load_n(&kfd_high, __ATOMIC_ACQUIRE);
-    for (int i = 0; i < hi; i++)
-        if (__atomic_load_n(&kconns[i].state, __ATOMIC_ACQUIRE))
-            __atomic_store_n(&kconns[i].shared, 1, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&send_lock);
-}
-
-static void fork_child(void) { pthread_mutex_unlock(&send_lock); }
+static void fork_done(void) { pthread_mutex_unlock(&send_lock); }
 
 static struct kconn *kfind(int fd) {
     if ((unsigned)fd >= MAX_KFD || __atomic_load_n(&n_kernel, __ATOMIC_ACQUIRE) == 0 ||
@@ -183,6 +173,17 @@ static struct kconn *kfind(int fd) {
         return NULL;
     return &kconns[fd];
 }
+
+/* The real function, looked up on first use: the read calls work before (and without)
+ * init, which an allocator that reads a file while the shim initialises would otherwise
+ * deadlock on. */
+#define REAL_AS(f, name)                                                                   \
+    (__atomic_load_n(&real_##f, __ATOMIC_ACQUIRE)                                          \
+         ? real_##f                                                                        \
+         : (__atomic_store_n(&real_##f, (__typeof__(real_##f))dlsym(RTLD_NEXT, name),      \
+                             __ATOMIC_RELEASE),                                            \
+            real_##f))
+#define REAL(f) REAL_AS(f, #f)
 
 static void put_u32(unsigned char *p, uint32_t v) {
     p[0] = (unsigned char)(v >> 24);
@@ -207,23 +208,10 @@ static void frame_head(unsigned char *f, int kind, size_t len, uint64_t conn_id)
     put_u64(f + 12, conn_id);
 }
 
-/* Sends frame f (n bytes) on the hand-off connection connection k came from; send_lock held.
- * Returns -1 when that connection is gone (tlsplane stopped, restarted, or the program closed
- * the socket): nothing is sent. The socket may be non-blocking: on EAGAIN it waits for room,
- * 2 s at most; a frame cut short then would misframe the stream, so the connection is shut
- * down instead and accept sees it end (and reconnects). */
-static int send_frame(const struct kconn *k, const unsigned char *f, size_t n) {
-    struct taken *t = &taken[k->slot];
-    pthread_mutex_lock(&table_lock);
-    int fd = t->fd;
-    int ok = fd >= 0 && t->gen == k->gen &&
-             __atomic_load_n(&t->epoch, __ATOMIC_ACQUIRE) == k->epoch &&
-             !__atomic_load_n(&t->lost, __ATOMIC_ACQUIRE);
-    pthread_mutex_unlock(&table_lock);
-    if (!ok)
-        return -1;
+static int send_all(int fd, const unsigned char *f, size_t n) {
     size_t off = 0;
-    int waited = 0;
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
     while (off < n) {
         ssize_t r = send(fd, f + off, n - off, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (r > 0) {
@@ -232,11 +220,14 @@ static int send_frame(const struct kconn *k, const unsigned char *f, size_t n) {
         }
         if (r < 0 && errno == EINTR)
             continue;
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && waited < 2000) {
-            struct pollfd p = {fd, POLLOUT, 0};
-            poll(&p, 1, 100);
-            waited += 100;
-            continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            long ms = (now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000;
+            if (ms < 2000) {
+                struct pollfd p = {fd, POLLOUT, 0};
+                poll(&p, 1, (int)(2000 - ms));
+                continue;
+            }
         }
         if (off > 0)
             real_shutdown(fd, SHUT_RDWR);
@@ -245,9 +236,27 @@ static int send_frame(const struct kconn *k, const unsigned char *f, size_t n) {
     return 0;
 }
 
+/* Sends frame f (n bytes) on the hand-off connection connection k came from; send_lock held.
+ * Returns -1 when that connection is gone (tlsplane stopped, restarted, or the program closed
+ * the socket): nothing is sent. The socket may be non-blocking: on EAGAIN it waits for room,
+ * 2 s at most; a frame cut short then would misframe the stream, so the connection is shut
+ * down instead and accept sees it end (and reconnects). */
+static int send_frame(const struct kconn *k, const unsigned char *f, size_t n) {
+    struct taken *t = &taken[k->slot];
+    /* Held throughout: the program cannot close the socket (and its number be reused) nor
+     * the shim replace the connection meanwhile. */
+    pthread_mutex_lock(&table_lock);
+    int fd = t->fd;
+    int ok = fd >= 0 && t->gen == k->gen &&
+             __atomic_load_n(&t->epoch, __ATOMIC_ACQUIRE) == k->epoch &&
+             !__atomic_load_n(&t->lost, __ATOMIC_ACQUIRE);
+    int ret = ok ? send_all(fd, f, n) : -1;
+    pthread_mutex_unlock(&table_lock);
+    return ret;
+}
+
 static void send_close(struct kconn *k) {
-    if (__atomic_exchange_n(&k->closed, 1, __ATOMIC_ACQ_REL) ||
-        __atomic_load_n(&k->shared, __ATOMIC_ACQUIRE))
+    if (__atomic_exchange_n(&k->closed, 1, __ATOMIC_ACQ_REL))
         return;
     unsigned char f[20];
     frame_head(f, KIND_CLOSE, sizeof f, k->conn_id);
@@ -259,7 +268,9 @@ static void send_close(struct kconn *k) {
 /* Forgets descriptor fd (about to be closed or replaced), sending CLOSE unless sent. */
 static void kforget(int fd) {
     struct kconn *k = kfind(fd);
-    if (!k || !__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
+    /* A child (fork, or vfork, sharing this table) closing its copy leaves the connection
+     * to the process that accepted it. */
+    if (!k || k->pid != getpid() || !__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
         return;
     __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
     /* The fields stay valid: fd is not reused before the caller really closes it. */
@@ -290,7 +301,7 @@ static void kremember(int fd, struct taken *t, uint64_t conn_id) {
     k->ino = inode_of(fd);
     __atomic_store_n(&k->end, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&k->closed, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&k->shared, 0, __ATOMIC_RELAXED);
+    k->pid = getpid();
     int hi = __atomic_load_n(&kfd_high, __ATOMIC_RELAXED);
     while (hi < fd + 1 &&
            !__atomic_compare_exchange_n(&kfd_high, &hi, fd + 1, 0, __ATOMIC_RELEASE,
@@ -315,13 +326,13 @@ struct rd {
 static ssize_t rd_real(const struct rd *a) {
     switch (a->op) {
     case 0:
-        return real_read(a->fd, a->buf, a->len);
+        return REAL(read)(a->fd, a->buf, a->len);
     case 1:
-        return real_recv(a->fd, a->buf, a->len, a->flags);
+        return REAL(recv)(a->fd, a->buf, a->len, a->flags);
     case 2:
-        return real_recvfrom(a->fd, a->buf, a->len, a->flags, a->from, a->fromlen);
+        return REAL(recvfrom)(a->fd, a->buf, a->len, a->flags, a->from, a->fromlen);
     default:
-        return real_readv(a->fd, a->iov, a->iovcnt);
+        return REAL(readv)(a->fd, a->iov, a->iovcnt);
     }
 }
 
@@ -465,7 +476,7 @@ static void init(void) {
     real_read_chk = dlsym(RTLD_NEXT, "__read_chk");
     real_recv_chk = dlsym(RTLD_NEXT, "__recv_chk");
     real_recvfrom_chk = dlsym(RTLD_NEXT, "__recvfrom_chk");
-    pthread_atfork(fork_prepare, fork_parent, fork_child);
+    pthread_atfork(fork_prepare, fork_done, fork_done);
     for (int i = 0; i < MAX_TAKEN; i++) {
         taken[i].fd = -1;
         pthread_mutex_init(&taken[i].lock, NULL);
@@ -909,29 +920,26 @@ int close(int fd) {
 }
 
 ssize_t read(int fd, void *buf, size_t len) {
-    pthread_once(&once, init);
     struct kconn *k = kfind(fd);
     if (!k)
-        return real_read(fd, buf, len);
+        return REAL(read)(fd, buf, len);
     struct rd a = {.op = 0, .fd = fd, .buf = buf, .len = len};
     return kread(k, &a);
 }
 
 ssize_t recv(int fd, void *buf, size_t len, int flags) {
-    pthread_once(&once, init);
     struct kconn *k = kfind(fd);
     if (!k)
-        return real_recv(fd, buf, len, flags);
+        return REAL(recv)(fd, buf, len, flags);
     struct rd a = {.op = 1, .fd = fd, .buf = buf, .len = len, .flags = flags};
     return kread(k, &a);
 }
 
 ssize_t recvfrom(int fd, void *buf, size_t len, int flags, struct sockaddr *from,
                  socklen_t *fromlen) {
-    pthread_once(&once, init);
     struct kconn *k = kfind(fd);
     if (!k)
-        return real_recvfrom(fd, buf, len, flags, from, fromlen);
+        return REAL(recvfrom)(fd, buf, len, flags, from, fromlen);
     struct rd a = {.op = 2,
                    .fd = fd,
                    .buf = buf,
@@ -943,39 +951,35 @@ ssize_t recvfrom(int fd, void *buf, size_t len, int flags, struct sockaddr *from
 }
 
 ssize_t readv(int fd, const struct iovec *iov, int iovcnt) {
-    pthread_once(&once, init);
     struct kconn *k = kfind(fd);
     if (!k)
-        return real_readv(fd, iov, iovcnt);
+        return REAL(readv)(fd, iov, iovcnt);
     struct rd a = {.op = 3, .fd = fd, .iov = iov, .iovcnt = iovcnt};
     return kread(k, &a);
 }
 
 /* _FORTIFY_SOURCE turns read/recv/recvfrom with a buffer of known size into these. */
 ssize_t __read_chk(int fd, void *buf, size_t len, size_t buflen) {
-    pthread_once(&once, init);
     struct kconn *k = kfind(fd);
     if (!k || len > buflen)
-        return real_read_chk(fd, buf, len, buflen);
+        return REAL_AS(read_chk, "__read_chk")(fd, buf, len, buflen);
     struct rd a = {.op = 0, .fd = fd, .buf = buf, .len = len};
     return kread(k, &a);
 }
 
 ssize_t __recv_chk(int fd, void *buf, size_t len, size_t buflen, int flags) {
-    pthread_once(&once, init);
     struct kconn *k = kfind(fd);
     if (!k || len > buflen)
-        return real_recv_chk(fd, buf, len, buflen, flags);
+        return REAL_AS(recv_chk, "__recv_chk")(fd, buf, len, buflen, flags);
     struct rd a = {.op = 1, .fd = fd, .buf = buf, .len = len, .flags = flags};
     return kread(k, &a);
 }
 
 ssize_t __recvfrom_chk(int fd, void *buf, size_t len, size_t buflen, int flags,
                        struct sockaddr *from, socklen_t *fromlen) {
-    pthread_once(&once, init);
     struct kconn *k = kfind(fd);
     if (!k || len > buflen)
-        return real_recvfrom_chk(fd, buf, len, buflen, flags, from, fromlen);
+        return REAL_AS(recvfrom_chk, "__recvfrom_chk")(fd, buf, len, buflen, flags, from, fromlen);
     struct rd a = {.op = 2,
                    .fd = fd,
                    .buf = buf,
