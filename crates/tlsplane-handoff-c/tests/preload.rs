@@ -231,7 +231,11 @@ fn describe(frame: Option<Vec<u8>>) -> String {
     };
     match Message::decode(&f) {
         Ok(Some(Message::Close { conn_id, .. })) => format!("CLOSE {conn_id:#x}"),
-        Ok(Some(Message::KeyUpdate { conn_id, .. })) => format!("KEY_UPDATE {conn_id:#x}"),
+        Ok(Some(Message::KeyUpdate {
+            conn_id,
+            record_plaintext,
+            ..
+        })) => format!("KEY_UPDATE {conn_id:#x} {record_plaintext:?}"),
         other => format!("frame {other:?}"),
     }
 }
@@ -396,6 +400,157 @@ fn the_preload_shim_sends_close_for_kernel_plane_connections_and_reads_pass_thro
             "leaked=0",
         ],
         "{stdout}{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A record as tests/c/fake_ktls.c reads it off a TCP stream: type, 2-byte length, payload.
+fn record(ty: u8, payload: &[u8]) -> Vec<u8> {
+    let mut r = vec![ty];
+    r.extend_from_slice(&u16::try_from(payload.len()).unwrap().to_be_bytes());
+    r.extend_from_slice(payload);
+    r
+}
+
+/// What the program sent for one connection, in order, and what its peer saw at the end.
+fn kernel_conn(
+    sock: &mut UnixStream,
+    conn_id: u64,
+    records: &[Vec<u8>],
+    echo: &[u8],
+) -> Vec<String> {
+    let (mut peer, server) = tcp_pair();
+    peer.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut k = info(conn_id, "10.1.2.3:4444");
+    k.plane = Plane::Kernel;
+    send_connection(&*sock, server.as_fd(), &k).unwrap();
+    drop(server);
+    // (A program that stops reading may reset the connection: the echo then tells.)
+    let _ = peer.write_all(&records.concat());
+    let mut back = vec![0u8; echo.len()];
+    let mut seen = vec![format!(
+        "{conn_id:#x} echo exact: {}",
+        peer.read_exact(&mut back).is_ok() && back == echo
+    )];
+    // The frames this connection caused, up to its CLOSE (or none within the timeout).
+    loop {
+        let f = next_frame(sock);
+        let last = f.is_none() || describe(f.clone()).starts_with("CLOSE");
+        seen.push(describe(f));
+        if last {
+            break;
+        }
+    }
+    seen.push(format!("{conn_id:#x} peer: {}", peer_read(&mut peer)));
+    seen
+}
+
+#[test]
+fn the_preload_shim_handles_control_records_of_a_kernel_plane_connection() {
+    // No kTLS natively: tests/c/fake_ktls.c, preloaded after the shim, plays the kTLS
+    // socket's receive side (EIO at a control record, recvmsg with the record type,
+    // EKEYEXPIRED after a KeyUpdate) over records the test writes on a plain TCP socket.
+    let (dir, shim, exe) = build("preload-records", "kernel_echo");
+    let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let fake_ktls = dir.join("libfake_ktls.so");
+    compile(
+        &["-shared", "-fPIC"],
+        &crate_dir.join("tests/c/fake_ktls.c"),
+        &fake_ktls,
+    );
+    let path = dir.join("handoff.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let port = free_port();
+
+    let fake = std::thread::spawn(move || {
+        listener.set_nonblocking(true).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut sock = loop {
+            match listener.accept() {
+                Ok((sock, _)) => break sock,
+                Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => return vec![format!("nobody connected: {e}")],
+            }
+        };
+        sock.set_nonblocking(false).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let key_update = [24u8, 0, 0, 1, 1]; // KeyUpdate, update_requested
+        let mut seen = kernel_conn(
+            &mut sock,
+            0xa1,
+            &[
+                record(23, b"hello "),
+                record(22, &key_update),
+                record(23, b"world\n"),
+                record(21, &[1, 0]), // close_notify
+            ],
+            b"hello world\n",
+        );
+        let alert = [record(23, b"x"), record(21, &[2, 40])]; // handshake_failure
+        seen.extend(kernel_conn(&mut sock, 0xb2, &alert, b"x"));
+        let ccs = [record(20, &[1])]; // change_cipher_spec: no business here
+        seen.extend(kernel_conn(&mut sock, 0xc3, &ccs, b""));
+        sock.shutdown(std::net::Shutdown::Write).unwrap();
+        while let Some(f) = next_frame(&mut sock) {
+            seen.push(describe(Some(f)));
+        }
+        seen.push("hand-off end".into());
+        seen
+    });
+
+    let mut child = Command::new(&exe)
+        .arg(port.to_string())
+        .env(
+            "LD_PRELOAD",
+            format!("{} {}", shim.display(), fake_ktls.display()),
+        )
+        .env("TLSPLANE_HANDOFF", &path)
+        .env("TLSPLANE_LISTEN", port.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let seen = fake.join().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(
+        seen,
+        [
+            "0xa1 echo exact: true",
+            "KEY_UPDATE 0xa1 [24, 0, 0, 1, 1]",
+            "CLOSE 0xa1",
+            "0xa1 peer: end of stream",
+            "0xb2 echo exact: true",
+            "CLOSE 0xb2",
+            "0xb2 peer: end of stream",
+            "0xc3 echo exact: true",
+            "CLOSE 0xc3",
+            "0xc3 peer: end of stream",
+            "hand-off end",
+        ],
+        "{stderr}"
+    );
+    assert!(out.status.success(), "{stderr}");
+    let conns: Vec<&str> = stderr
+        .lines()
+        .filter(|l| !l.starts_with("tlsplane-preload:"))
+        .collect();
+    assert_eq!(
+        conns,
+        [
+            "conn bytes=12 end=eof",
+            "conn bytes=1 end=ECONNRESET",
+            "conn bytes=0 end=EPROTO",
+            "accept: ECONNABORTED",
+        ],
+        "{stderr}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
