@@ -2,7 +2,7 @@
  * tlsplane_preload.c - LD_PRELOAD shim: an unmodified, dynamically linked server receives the
  * connections `tlsplane handoff` hands off, on a listening socket it names (issue 21).
  *
- *   cc -shared -fPIC -O2 -o libtlsplane_preload.so tlsplane_preload.c -ldl
+ *   cc -shared -fPIC -O2 -o libtlsplane_preload.so tlsplane_preload.c -ldl -pthread
  *   TLSPLANE_HANDOFF=/tmp/app.sock TLSPLANE_LISTEN=127.0.0.1:8000 \
  *     LD_PRELOAD=./libtlsplane_preload.so python3 -m http.server 8000 --bind 127.0.0.1
  *
@@ -21,14 +21,82 @@
  * next frame read. In non-blocking mode accept returns EAGAIN when no frame is queued.
  * getsockname(2) on the taken-over descriptor returns the address the program bound.
  *
- * What the program then sees on an accepted descriptor: on the user relay plane (the only one
+ * What the program then sees on an accepted descriptor: on the user relay plane (2, the one
  * `tlsplane handoff` uses today) one end of a socketpair carrying plaintext; end of stream is
  * the client's close_notify or TCP close. getpeername/getsockname on it report an AF_UNIX
  * socket, and TCP socket options fail (EOPNOTSUPP): the client's address is the one accept
- * returned. On the kernel plane (not built yet) it would be the kTLS socket: plain read(2)
- * fails with EIO at a control record (close_notify, an alert, a KeyUpdate) and this shim does
- * not intercept reads, so a KeyUpdate from the client stalls the connection; use the C library
- * (tlsplane_read) for that.
+ * returned. The shim does nothing more for it (no frame is sent when it is closed).
+ *
+ * Kernel plane (1): the descriptor is the kTLS TCP socket, and tlsplane keeps a duplicate of
+ * it and the traffic secrets. A plain read fails with EIO at a control record; the shim
+ * handles those so that the program sees a plain byte stream:
+ *   - accept/accept4 remember a plane-1 descriptor: its connection id, the hand-off
+ *     connection it came from, the accepting pid and the socket's inode, in a static array
+ *     indexed by descriptor (no allocation; lookups are lock-free atomic loads, and cost one
+ *     load while no kernel-plane descriptor is open). Descriptors 65536 and above are still
+ *     returned but not remembered: their control records reach the program as EIO and closing
+ *     them sends no CLOSE (logged once).
+ *   - read, recv, recvfrom, readv (and __read_chk, __recv_chk, __recvfrom_chk, which
+ *     _FORTIFY_SOURCE calls) on a remembered descriptor call the real function; on EIO the
+ *     shim reads the control record alone with recvmsg(MSG_DONTWAIT) and a control buffer
+ *     (SOL_TLS 282 / TLS_GET_RECORD_TYPE 2):
+ *       close_notify (alert, bytes [level, 0])  -> 0, end of stream; later reads return 0;
+ *       any other alert                         -> -1 ECONNRESET, and later reads too;
+ *       a handshake record (a KeyUpdate)        -> a KEY_UPDATE frame (the connection id, the
+ *         plaintext as recvmsg returned it) on the hand-off connection, without waiting for
+ *         the REPLY (accept skips it: waiting would mean reading frames that CONNECTIONs are
+ *         interleaved with, and frames the shim consumed would no longer wake the program's
+ *         poll/epoll on the listening socket); then the read is retried: while it fails with
+ *         EKEYEXPIRED (Linux 6.14+ pauses the receive side until tlsplane installs the next
+ *         key) the shim sleeps 1 ms, doubling to 10 ms, for 5 s at most, then fails it with
+ *         ECONNRESET (and later reads too). Any other result goes to the program (EAGAIN on a
+ *         non-blocking socket with nothing to read). A non-blocking descriptor waits the same.
+ *       anything else (an alert of the wrong size, an empty handshake record, a content type
+ *         with no business after the handshake) -> -1 EPROTO, and later reads too.
+ *     A read that gets EKEYEXPIRED first (another thread forwarded the KeyUpdate) waits the
+ *     same way. The control record is read into the shim's own buffer (under a mutex) with
+ *     the read's length as room, at least 64 bytes (a 1-byte read takes a whole alert or
+ *     KeyUpdate) and at most 16384; a handshake record longer than that room (never seen: a
+ *     KeyUpdate is 5 bytes) would go to tlsplane in pieces it refuses, and the read would
+ *     end with ECONNRESET after the 5 s bound. If data comes instead (another thread read the control record
+ *     meanwhile) it is the caller's, but a read of under 64 bytes then loses what did not
+ *     fit. recvmsg and recvmmsg are not intercepted:
+ *     a program calling them on the connection sees the kernel's behaviour (EIO without a
+ *     control buffer). When the descriptor's inode is no longer the remembered socket's (it
+ *     was closed where the shim cannot see, e.g. by fclose, and its number reused), the EIO
+ *     goes to the program untouched.
+ *   - close, and dup2/dup3 onto a remembered descriptor, send a CLOSE frame (tlsplane then
+ *     sends close_notify on its duplicate after everything the program wrote, and does a
+ *     lingering close), forget the descriptor, and really close it; the REPLY is not awaited.
+ *     shutdown(SHUT_WR or SHUT_RDWR) sends CLOSE at once and does not shut the socket's
+ *     sending side (its TCP FIN would precede tlsplane's close_notify; SHUT_RDWR still shuts
+ *     the receiving side); the later close sends no second CLOSE. What the program writes
+ *     after that shutdown would follow the close_notify: don't. Copies made with dup(),
+ *     fcntl(F_DUPFD) or received otherwise are not remembered: reads on them are not handled
+ *     and closing them sends nothing. A process that exits without closing sends no CLOSE.
+ *   - Frames go out whole, one at a time (a mutex), with MSG_NOSIGNAL; the hand-off
+ *     connection keeps the program's O_NONBLOCK, so on EAGAIN the shim polls for POLLOUT, 2 s
+ *     at most, holding the shim's table lock (accept waits meanwhile); a frame cut short then
+ *     would misframe the stream, so the shim shuts the connection down and accept sees it end.
+ *     When the hand-off connection the descriptor came from is gone (tlsplane stopped or
+ *     restarted: accept saw it end, whether or not the shim has reconnected since; or the
+ *     program closed its listening socket), or the send fails (EPIPE: tlsplane died and accept
+ *     has not noticed yet), nothing is sent: a KeyUpdate then fails the read with ECONNRESET
+ *     at once (nobody can re-key the connection), a close just closes. If tlsplane
+ *     restarts after a KEY_UPDATE went out, or the shim reconnects between the check and the
+ *     send, the new tlsplane answers REPLY status 1 (unknown connection), which accept skips,
+ *     and the read keeps getting EKEYEXPIRED until the 5 s bound -> ECONNRESET.
+ *   - fork: only the process that accepted a connection sends its CLOSE; a child (fork, or a
+ *     vfork child sharing the parent's memory) closing its copy sends nothing, so a threaded
+ *     server that spawns subprocesses is unaffected. An accept-then-fork server (the parent
+ *     closes its copy at once, the child serves) is not supported on the kernel plane: the
+ *     parent's close sends CLOSE while the child still serves the connection. A child still
+ *     forwards KeyUpdates on the inherited hand-off connection.
+ *   - The documented limit of the kernel plane: a client KeyUpdate with update_requested makes
+ *     tlsplane send our KeyUpdate on its duplicate under the old TX key and install the next;
+ *     the reading thread waits meanwhile, but a program writing from another thread during
+ *     that brief window may have a record encrypted under the old key land after ours, and
+ *     the client then fails the connection.
  *
  * Limits: one hand-off connection per taken-over socket, read by one thread at a time (a
  * mutex; a non-blocking accept while another thread reads returns EAGAIN); processes that
@@ -44,9 +112,10 @@
  * the C library (Go, static binaries) are not affected by LD_PRELOAD at all.
  *
  * This is a second reader of the frame format beside the Rust one (crates/tlsplane-handoff):
- * it decodes only the CONNECTION frame's prefix and peer address, and it must run before the
- * program's own code with no allocation and no runtime, which the Rust C library (a blocking
- * client that owns its socket, 2.4 MB with Rust's std) does not offer.
+ * it decodes only the CONNECTION frame's prefix, connection id, plane and peer address, and
+ * encodes KEY_UPDATE and CLOSE; it must run before the program's own code with no
+ * allocation and no runtime, which the Rust C library (a blocking client that owns its
+ * socket, 2.4 MB with Rust's std) does not offer.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -291,9 +360,10 @@ static void kremember(int fd, struct taken *t, uint64_t conn_id) {
                  0);
         return;
     }
+    kforget(fd); /* a stale entry: the number was closed behind the shim's back */
     struct kconn *k = &kconns[fd];
     if (__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
-        __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE); /* a stale entry: fd was reused */
+        __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE); /* another process's */
     k->slot = (int)(t - taken);
     k->gen = t->gen;
     k->epoch = __atomic_load_n(&t->epoch, __ATOMIC_ACQUIRE);
@@ -399,11 +469,11 @@ static ssize_t kread(struct kconn *k, const struct rd *a) {
             nap = nap * 2 > 10 * 1000 * 1000 ? 10 * 1000 * 1000 : nap * 2;
             continue;
         }
-        /* EIO: a control record is next. Read it alone, with its content type. At least 16
-         * bytes of room, so that a small read takes a whole alert or KeyUpdate. */
+        /* EIO: a control record is next. Read it alone, with its content type. At least 64
+         * bytes of room, so that a small read takes a whole alert or KeyUpdate (5 bytes). */
         nap = 0;
         size_t want = rd_len(a);
-        want = want < 16 ? 16 : want > RECORD_MAX ? RECORD_MAX : want;
+        want = want < 64 ? 64 : want > RECORD_MAX ? RECORD_MAX : want;
         union {
             struct cmsghdr h;
             char b[CMSG_SPACE(sizeof(int))];
@@ -431,7 +501,7 @@ static ssize_t kread(struct kconn *k, const struct rd *a) {
         const unsigned char *p = ctl_frame + 22;
         if (type == 23) {
             /* Data after all (another thread read the control record): the caller's. Only
-             * a read of under 16 bytes can get more than it asked for; the rest is lost. */
+             * a read of under 64 bytes can get more than it asked for; the rest is lost. */
             size_t c = (size_t)n < rd_len(a) ? (size_t)n : rd_len(a);
             rd_copy(a, p, c);
             pthread_mutex_unlock(&send_lock);

@@ -4,6 +4,13 @@
 //! a bad body, an IPv6 peer, then goes away. The shim must stay in step with the frames, close
 //! the descriptors it drops, and report the end (tlsplane-cli's e2e `handoff_preload` tests
 //! run it behind the real `tlsplane handoff`). And with no tlsplane there, `listen` fails.
+//!
+//! Kernel plane (1): the fake hands over a plain TCP socket as plane 1 (tests/c/kernel_frames.c):
+//! reads and writes pass through, closing (or shutdown(SHUT_WR)) sends exactly one CLOSE,
+//! a relay connection none. No kTLS natively, so tests/c/fake_ktls.c, preloaded after the
+//! shim, plays a kTLS socket's records for tests/c/kernel_echo.c (the program the kTLS guest
+//! runs): a KeyUpdate goes to tlsplane as KEY_UPDATE, close_notify is end of stream, another
+//! alert ECONNRESET, a stray record EPROTO.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
