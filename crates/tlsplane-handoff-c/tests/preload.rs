@@ -351,6 +351,18 @@ fn the_preload_shim_sends_close_for_kernel_plane_connections_and_reads_pass_thro
         peer.set_read_timeout(timeout).unwrap();
         seen.push(format!("after close, peer: {}", peer_read(&mut peer)));
 
+        // 4. Kernel plane, dup2 of another file onto the descriptor closes the connection:
+        // CLOSE then (the program holds the descriptor, now /dev/null, open to the end).
+        let (mut peer, server) = tcp_pair();
+        let mut k = info(4, "10.1.2.3:4447");
+        k.plane = Plane::Kernel;
+        send_connection(&sock, server.as_fd(), &k).unwrap();
+        drop(server);
+        peer.set_read_timeout(timeout).unwrap();
+        seen.push(format!("dup2 echo exact: {}", echoes(&mut peer, b"dup2\n")));
+        seen.push(describe(next_frame(&mut sock)));
+        seen.push(format!("after dup2, peer: {}", peer_read(&mut peer)));
+
         // Then tlsplane goes away; whatever else the program sends is read to its end.
         sock.shutdown(std::net::Shutdown::Write).unwrap();
         while let Some(f) = next_frame(&mut sock) {
@@ -390,6 +402,9 @@ fn the_preload_shim_sends_close_for_kernel_plane_connections_and_reads_pass_thro
             "CLOSE 0x3",
             "after shutdown, peer: nothing",
             "after close, peer: end of stream",
+            "dup2 echo exact: true",
+            "CLOSE 0x4",
+            "after dup2, peer: end of stream",
             // Nothing more: no CLOSE for the relay connection, none twice.
             "hand-off end",
         ],
@@ -402,6 +417,8 @@ fn the_preload_shim_sends_close_for_kernel_plane_connections_and_reads_pass_thro
             "line bytes=3000",
             "line bytes=12",
             "shutdown=0 then read=0",
+            "line bytes=5",
+            "dup2=1",
             "line bytes=5",
             "end=ECONNABORTED",
             "leaked=0",
@@ -499,11 +516,30 @@ fn the_preload_shim_handles_control_records_of_a_kernel_plane_connection() {
         seen.extend(kernel_conn(&mut sock, 0xb2, &alert, b"x"));
         let ccs = [record(20, &[1])]; // change_cipher_spec: no business here
         seen.extend(kernel_conn(&mut sock, 0xc3, &ccs, b""));
-        sock.shutdown(std::net::Shutdown::Write).unwrap();
-        while let Some(f) = next_frame(&mut sock) {
-            seen.push(describe(Some(f)));
-        }
-        seen.push("hand-off end".into());
+
+        // tlsplane goes away while a connection is open: a KeyUpdate then has nobody to
+        // re-key it, and the read fails at once (ECONNRESET), not after the 5 s bound.
+        let (mut peer, server) = tcp_pair();
+        peer.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut k = info(0xd4, "10.1.2.3:4444");
+        k.plane = Plane::Kernel;
+        send_connection(&sock, server.as_fd(), &k).unwrap();
+        drop(server);
+        peer.write_all(&record(23, b"a")).unwrap();
+        let mut back = [0u8; 1];
+        let echoed = peer.read_exact(&mut back).is_ok() && back == *b"a";
+        seen.push(format!("0xd4 echo exact: {echoed}"));
+        sock.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        seen.push(describe(next_frame(&mut sock))); // nothing stray before
+        sock.shutdown(std::net::Shutdown::Both).unwrap();
+        let started = Instant::now();
+        let _ = peer.write_all(&record(22, &key_update));
+        seen.push(format!("0xd4 peer: {}", peer_read(&mut peer)));
+        seen.push(format!(
+            "within 2 s: {}",
+            started.elapsed() < Duration::from_secs(2)
+        ));
         seen
     });
 
@@ -540,7 +576,10 @@ fn the_preload_shim_handles_control_records_of_a_kernel_plane_connection() {
             "0xc3 echo exact: true",
             "CLOSE 0xc3",
             "0xc3 peer: end of stream",
-            "hand-off end",
+            "0xd4 echo exact: true",
+            "no frame",
+            "0xd4 peer: end of stream",
+            "within 2 s: true",
         ],
         "{stderr}"
     );
@@ -555,6 +594,7 @@ fn the_preload_shim_handles_control_records_of_a_kernel_plane_connection() {
             "conn bytes=12 end=eof",
             "conn bytes=1 end=ECONNRESET",
             "conn bytes=0 end=EPROTO",
+            "conn bytes=1 end=ECONNRESET",
             "accept: ECONNABORTED",
         ],
         "{stderr}"

@@ -3,12 +3,15 @@
  * PORT`. Binds 127.0.0.1:PORT and listens (the shim takes the socket over), then for each
  * connection accepted: reads one line in small pieces, through read, recv, recvfrom and
  * readv in turn, writing each piece back as it comes; a line "shut\n" is followed by
- * shutdown(SHUT_WR) and reading until end of stream; then closes the connection. Prints one
+ * shutdown(SHUT_WR) and reading until end of stream, a line "dup2\n" by dup2 of /dev/null
+ * onto the connection's descriptor, which is then held open until the end (so that only
+ * dup2 can have ended the connection); then closes the descriptor. Prints one
  * line per connection, then how accept ended and how many descriptors leaked.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +61,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     int before = open_fds();
+    int held = -1;
     for (;;) {
         int c = accept4(l, NULL, NULL, SOCK_CLOEXEC);
         if (c < 0) {
@@ -93,9 +97,18 @@ int main(int argc, char **argv) {
                 ;
             printf("shutdown=%d then read=%zd\n", s, n);
         }
+        if (newline && memcmp(first, "dup2", 4) == 0) {
+            int z = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            printf("dup2=%d\n", dup2(z, c) == c);
+            close(z);
+            held = c;
+        }
         printf("line bytes=%zu\n", total);
-        close(c);
+        if (c != held)
+            close(c);
     }
+    if (held >= 0)
+        close(held);
     printf("leaked=%d\n", open_fds() - before);
     return 0;
 }
