@@ -872,6 +872,112 @@ pub fn async_epoll(poll: mio::Poll) -> io::Result<tokio::io::unix::AsyncFd<mio::
     unsafe { tokio::io::unix::AsyncFd::register(poll) }.map_err(|e| e.into_parts().1)
 }
 
+/// An epoll instance that watches sockets for the peer's end of the connection only
+/// (`EPOLLRDHUP`, plus the `EPOLLHUP`/`EPOLLERR` epoll always reports), edge-triggered: the
+/// hand-off keeps a duplicate of each socket it gave a program and must learn when the client
+/// has gone without waking for every byte the program's reads take. A socket may also be
+/// watched for input (`EPOLLIN`), for a lingering close.
+///
+/// epoll keys a registration by descriptor *and* open file description, and removes it only
+/// when the last descriptor of that description closes: the program holds another one, so a
+/// caller must [`PeerEndWatch::forget`] a socket before closing its own descriptor.
+pub struct PeerEndWatch {
+    epoll: OwnedFd,
+}
+
+impl PeerEndWatch {
+    pub fn new() -> io::Result<Self> {
+        // SAFETY: epoll_create1 takes no pointer; a non-negative return is a new descriptor
+        // that only this OwnedFd owns.
+        let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
+        // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
+        Ok(Self {
+            epoll: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// Watches `sock` under `token`: for its peer's end, and for input too when `input`.
+    pub fn watch(&self, sock: BorrowedFd<'_>, token: u64, input: bool) -> io::Result<()> {
+        let mut events = libc::EPOLLRDHUP | libc::EPOLLET;
+        if input {
+            events |= libc::EPOLLIN;
+        }
+        let mut ev = libc::epoll_event {
+            events: events as u32,
+            u64: token,
+        };
+        // SAFETY: `ev` is a valid epoll_event that outlives the call; both descriptors are open.
+        cvt(unsafe {
+            libc::epoll_ctl(
+                self.epoll.as_raw_fd(),
+                libc::EPOLL_CTL_ADD,
+                sock.as_raw_fd(),
+                &mut ev,
+            )
+        })
+        .map(drop)
+    }
+
+    /// Stops watching `sock` (before its descriptor is closed: see the type's note).
+    pub fn forget(&self, sock: BorrowedFd<'_>) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: as in `watch`; the event argument is ignored by EPOLL_CTL_DEL but must be
+        // non-null on old kernels.
+        cvt(unsafe {
+            libc::epoll_ctl(
+                self.epoll.as_raw_fd(),
+                libc::EPOLL_CTL_DEL,
+                sock.as_raw_fd(),
+                &mut ev,
+            )
+        })
+        .map(drop)
+    }
+
+    /// Waits up to `timeout_ms` (-1: no limit) and appends the tokens of the sockets that had
+    /// an event to `out`. `EINTR` is an empty wait.
+    pub fn wait(&self, out: &mut Vec<u64>, timeout_ms: i32) -> io::Result<()> {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        // SAFETY: the kernel writes at most `events.len()` entries into the array.
+        let n = unsafe {
+            libc::epoll_wait(
+                self.epoll.as_raw_fd(),
+                events.as_mut_ptr(),
+                events.len() as libc::c_int,
+                timeout_ms,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return if e.kind() == io::ErrorKind::Interrupted {
+                Ok(())
+            } else {
+                Err(e)
+            };
+        }
+        out.extend(events[..n as usize].iter().map(|e| e.u64));
+        Ok(())
+    }
+}
+
+/// Waits until `sock` can be written or `timeout_ms` passes (`Ok(false)`), with poll(2): for
+/// a descriptor whose blocking mode belongs to someone else (a handed-off socket).
+pub fn wait_writable(sock: BorrowedFd<'_>, timeout_ms: i32) -> io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd: sock.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one valid pollfd that outlives the call.
+        match cvt(unsafe { libc::poll(&mut p, 1, timeout_ms) }) {
+            Ok(n) => return Ok(n > 0),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -108,6 +108,13 @@ pub struct ServerOptions {
     /// How a closing connection (a last response, a refused handshake's alert) waits for the
     /// client's input before it closes: see [`crate::linger`].
     pub linger: crate::Linger,
+    /// Read the client's handshake records after the server's first flight without going
+    /// past the end of the handshake (a peek, then whole records up to its Finished), so
+    /// that the application data a client sends right behind its Finished stays in the
+    /// socket for the kernel to decrypt. For connections whose socket is handed to another
+    /// program (which can only read what the socket holds). Costs one `MSG_PEEK` per client
+    /// flight, and only on connections that may go to the kernel plane.
+    pub exact_handshake_reads: bool,
 }
 
 /// The default KeyUpdate rate: GnuTLS allows 8 per second.
@@ -140,6 +147,7 @@ impl ServerOptions {
             max_client_hello_records: DEFAULT_MAX_CLIENT_HELLO_RECORDS,
             key_updates_per_second: DEFAULT_KEY_UPDATES_PER_SECOND,
             linger: crate::linger::DEFAULT_LINGER,
+            exact_handshake_reads: false,
         }
     }
 }
@@ -198,6 +206,7 @@ pub struct Acceptor {
     /// Shared: every connection keeps a reference for its close (a copy would make each
     /// `TlsStream` larger).
     pub(crate) linger: Arc<crate::Linger>,
+    pub(crate) exact_handshake_reads: bool,
 }
 
 impl Acceptor {
@@ -287,6 +296,7 @@ impl Acceptor {
             max_client_hello_records: opts.max_client_hello_records,
             key_updates_per_second: opts.key_updates_per_second,
             linger: Arc::new(opts.linger),
+            exact_handshake_reads: opts.exact_handshake_reads,
         })
     }
 

@@ -170,6 +170,59 @@ impl Incoming {
     }
 }
 
+impl Incoming {
+    /// Reads the client's records without going past the end of its handshake (see
+    /// `ServerOptions::exact_handshake_reads`): peeks at what has arrived, then reads whole
+    /// records up to the first that may end the handshake. TLS 1.3: up to and including the
+    /// first encrypted record (type 23: the client's Finished, or a 0-RTT record rustls
+    /// skips, after which the next read goes on); TLS 1.2: every record before the first of
+    /// application data (type 23 comes only after the Finished there). A record cut short is
+    /// read as far as it has arrived. Returns the bytes read; 0 at EOF.
+    pub(crate) async fn read_handshake_records(
+        &mut self,
+        sock: &TcpStream,
+        tls13: bool,
+    ) -> io::Result<usize> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        let want = self.used + MAX_RECORD_LEN;
+        if self.buf.len() < want {
+            self.buf.resize(want, 0);
+        }
+        let peeked = sock.peek(&mut self.buf[self.used..want]).await?;
+        if peeked == 0 {
+            return Ok(0);
+        }
+        let end = exact_end(&self.buf[..self.used + peeked], self.used, tls13);
+        let n = read_some(sock, &mut self.buf[self.used..end]).await?;
+        self.used += n;
+        Ok(n)
+    }
+}
+
+/// Where an exact read of `buf` (`consumed` bytes already read, the rest peeked) stops: see
+/// [`Incoming::read_handshake_records`]. Always past `consumed` when anything was peeked.
+fn exact_end(buf: &[u8], consumed: usize, tls13: bool) -> usize {
+    let mut pos = 0;
+    while pos + HEADER_LEN <= buf.len() {
+        let typ = buf[pos];
+        if !tls13 && typ == 23 && pos >= consumed {
+            // Application data before the handshake ended is rustls' to refuse: read it.
+            return if pos > consumed { pos } else { buf.len() };
+        }
+        let end = pos + HEADER_LEN + u16::from_be_bytes([buf[pos + 3], buf[pos + 4]]) as usize;
+        if end >= buf.len() {
+            return buf.len();
+        }
+        pos = end;
+        if tls13 && typ == 23 && pos > consumed {
+            return pos;
+        }
+    }
+    buf.len()
+}
+
 pub(crate) async fn read_some(sock: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
     loop {
         sock.readable().await?;
@@ -460,6 +513,7 @@ pub(crate) async fn drive(
     conn: &mut UnbufferedServerConnection,
     sock: &TcpStream,
     incoming: &mut Incoming,
+    exact: bool,
 ) -> Result<Driven, Error> {
     let mut out = OutBuf::new();
     let mut peer_closed = false;
@@ -546,7 +600,14 @@ pub(crate) async fn drive(
                     out.clear();
                     silent = false;
                 }
-                if incoming.read_more(sock).await? == 0 {
+                // Once the server has spoken, the client's next flight may end the handshake.
+                let n = if exact && !silent {
+                    let tls13 = conn.protocol_version() == Some(rustls::ProtocolVersion::TLSv1_3);
+                    incoming.read_handshake_records(sock, tls13).await?
+                } else {
+                    incoming.read_more(sock).await?
+                };
+                if n == 0 {
                     return Err(Error::PeerClosedInHandshake);
                 }
             }
@@ -640,5 +701,41 @@ pub(crate) async fn settle(
         if stop {
             return Ok(settled);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exact_end;
+
+    /// A record of `typ` with `len` bytes of body.
+    fn rec(typ: u8, len: usize) -> Vec<u8> {
+        let mut r = vec![typ, 3, 3, (len >> 8) as u8, len as u8];
+        r.resize(HEADER + len, 0xab);
+        r
+    }
+    const HEADER: usize = super::HEADER_LEN;
+
+    #[test]
+    fn tls13_stops_after_the_first_encrypted_record() {
+        // ChangeCipherSpec, Finished, then a request: read up to the Finished's end.
+        let buf = [rec(20, 1), rec(23, 53), rec(23, 100)].concat();
+        assert_eq!(exact_end(&buf, 0, true), 6 + 58);
+        // The Finished cut short: what has arrived of it.
+        assert_eq!(exact_end(&buf[..30], 0, true), 30);
+        // A header cut short: read it, nothing beyond was peeked.
+        assert_eq!(exact_end(&buf[..3], 0, true), 3);
+        // Part of the Finished already read: its rest, not the request.
+        assert_eq!(exact_end(&buf, 20, true), 6 + 58);
+    }
+
+    #[test]
+    fn tls12_stops_before_application_data() {
+        // ClientKeyExchange, ChangeCipherSpec, Finished, a request.
+        let buf = [rec(22, 37), rec(20, 1), rec(22, 40), rec(23, 100)].concat();
+        assert_eq!(exact_end(&buf, 0, false), 42 + 6 + 45);
+        // Application data first is the handshake's to refuse: read, not waited on.
+        let early = [rec(23, 10), rec(22, 4)].concat();
+        assert_eq!(exact_end(&early, 0, false), early.len());
     }
 }

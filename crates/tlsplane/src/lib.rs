@@ -27,5 +27,6 @@ mod stream;
 pub use config::{Acceptor, DataPlanePolicy, ServerOptions, SiteTls};
 pub use error::Error;
 pub use linger::Linger;
+pub use plane::kernel::{HandedKeyError, HandedKeys};
 pub use plane::PlaneKind;
-pub use stream::{DetachedTlsStream, Received, Spliced, TlsStream};
+pub use stream::{DetachedTlsStream, KernelHandoff, Received, Spliced, TlsStream};

@@ -15,8 +15,8 @@ use crate::config::{Acceptor, DataPlanePolicy};
 use crate::handshake::{self, Incoming};
 use crate::hello::HelloInfo;
 use crate::linger::{self, Linger};
-use crate::plane::kernel::KernelPlane;
 pub use crate::plane::kernel::Spliced;
+use crate::plane::kernel::{HandedKeys, KernelPlane};
 use crate::plane::user::UserPlane;
 use crate::plane::{confidentiality_limit, kernel_suite, FallbackReason, PlaneKind};
 use crate::sites::UnknownName;
@@ -164,7 +164,10 @@ impl Acceptor {
         };
         // Only now, with a whole ClientHello admitted, does the connection cost a rustls state.
         let mut conn = UnbufferedServerConnection::new(self.sites[site].clone())?;
-        let driven = match handshake::drive(&mut conn, &sock, &mut incoming).await {
+        // Exact reads only matter where the kernel may take the socket.
+        let exact =
+            self.exact_handshake_reads && self.policy != DataPlanePolicy::User && self.kernel.ulp;
+        let driven = match handshake::drive(&mut conn, &sock, &mut incoming, exact).await {
             Ok(d) => d,
             Err(e) => return Err(self.close_refused(&sock, failed(e)).await),
         };
@@ -308,6 +311,15 @@ impl Acceptor {
     }
 }
 
+/// A kernel-plane connection given up for hand-off ([`TlsStream::into_kernel_handoff`]).
+pub struct KernelHandoff {
+    /// The kTLS socket, non-blocking, on no event loop. The program gets a duplicate; this
+    /// one is for re-keying and close_notify on its behalf.
+    pub socket: std::net::TcpStream,
+    pub keys: HandedKeys,
+    pub info: ConnectionInfo,
+}
+
 /// A [`TlsStream`] taken off its tokio runtime (see [`TlsStream::detach`]), to be carried to
 /// another thread and resumed there with [`DetachedTlsStream::attach`].
 pub struct DetachedTlsStream {
@@ -367,6 +379,40 @@ impl TlsStream {
 
     pub fn info(&self) -> &ConnectionInfo {
         &self.info
+    }
+
+    /// Gives the connection up to be handed to another program as the kTLS socket itself:
+    /// taken off the event loop (it stays non-blocking), with the keys that re-key it. Only a
+    /// kernel-plane connection whose input is all still in the socket qualifies (see
+    /// `ServerOptions::exact_handshake_reads`); any other comes back as `Err`, unchanged.
+    /// `Ok(Err)`: taking the socket off its event loop failed and the connection is lost.
+    pub fn into_kernel_handoff(self) -> Result<io::Result<KernelHandoff>, Box<TlsStream>> {
+        let bare = self.small.is_empty()
+            && !self.read_ended
+            && !self.write_shut
+            && !self.peer_closed
+            && matches!(&self.plane, Plane::Kernel(k) if k.is_bare());
+        if !bare {
+            return Err(Box::new(self));
+        }
+        let TlsStream {
+            sock,
+            plane,
+            _open,
+            info,
+            ..
+        } = self;
+        let keys = match plane {
+            Plane::Kernel(k) => k.into_handed(),
+            // Not reached: checked above.
+            Plane::User(_) => return Ok(Err(io::Error::other("not a kernel-plane connection"))),
+        };
+        // Leaves the open-connection gauge: the connection is the program's now.
+        drop(_open);
+        // Deregistration fails only for a socket the loop does not know; tokio then closes it.
+        Ok(sock
+            .into_std()
+            .map(|socket| KernelHandoff { socket, keys, info }))
     }
 
     /// Whether a read would return at once rather than wait for the peer: input buffered in

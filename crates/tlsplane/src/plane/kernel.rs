@@ -667,6 +667,164 @@ impl KernelPlane {
     }
 }
 
+impl KernelPlane {
+    /// Whether everything the connection holds is in the socket: no plaintext rustls
+    /// decrypted during the handshake, no KeyUpdate still to send, no end seen. Only such a
+    /// connection can be handed to another program as the bare socket.
+    pub(crate) fn is_bare(&self) -> bool {
+        self.early.is_empty() && !self.read_closed && !self.write_closed && !self.tx_update_pending
+    }
+
+    /// What is left once the socket goes to another program (see `is_bare`): the keys, to
+    /// re-key on the program's behalf.
+    pub(crate) fn into_handed(self) -> HandedKeys {
+        HandedKeys {
+            kconn: self.kconn,
+            version: self.version,
+            rekey: self.rekey,
+            key_updates: self.key_updates,
+            write_closed: false,
+        }
+    }
+}
+
+/// Why [`HandedKeys::key_update`] did not re-key. Each but `Io` has already ended the
+/// connection with an alert: the program should close it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum HandedKeyError {
+    /// The record is not a TLS 1.3 KeyUpdate (unexpected_message sent).
+    NotKeyUpdate,
+    /// The peer sent KeyUpdates faster than `ServerOptions::key_updates_per_second`
+    /// (unexpected_message sent).
+    RateLimited,
+    /// This kernel cannot replace TLS 1.3 keys (before Linux 6.14): close_notify sent.
+    Unsupported,
+    /// A system call failed; the connection's state is unknown.
+    Io(io::Error),
+}
+
+impl std::fmt::Display for HandedKeyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NotKeyUpdate => f.write_str("not a KeyUpdate"),
+            Self::RateLimited => f.write_str("KeyUpdate rate limit exceeded"),
+            Self::Unsupported => f.write_str("this kernel cannot re-key TLS 1.3"),
+            Self::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for HandedKeyError {}
+
+/// The traffic secrets of a kernel-plane connection whose socket another program now reads
+/// and writes: tlsplane keeps them (they never leave its process) and applies them to its
+/// own duplicate of the socket when the program asks. The socket's blocking mode is the
+/// program's: every call here is non-blocking with a bounded wait.
+pub struct HandedKeys {
+    kconn: KernelConnection<ServerConnectionData>,
+    version: TlsVersion,
+    rekey: Rekey,
+    key_updates: KeyUpdateBudget,
+    write_closed: bool,
+}
+
+/// How long a record tlsplane sends on a handed socket may wait for room.
+const HANDED_SEND_WAIT_MS: i32 = 1000;
+
+impl HandedKeys {
+    /// After the program read a handshake record from `sock` (its plaintext, `message`): a
+    /// TLS 1.3 KeyUpdate installs the next receive key, and when the peer asked for ours,
+    /// sends our KeyUpdate under the old send key and installs the next one. Anything else
+    /// ends the connection with an alert.
+    pub fn key_update(
+        &mut self,
+        sock: BorrowedFd<'_>,
+        message: &[u8],
+    ) -> Result<(), HandedKeyError> {
+        let requested = match message {
+            [HS_KEY_UPDATE, 0, 0, 1, r @ (0 | 1)] if self.version == TlsVersion::Tls13 => *r == 1,
+            _ => {
+                self.alert(sock, ALERT_UNEXPECTED_MESSAGE);
+                return Err(HandedKeyError::NotKeyUpdate);
+            }
+        };
+        if !self.key_updates.take(self.rekey.key_updates_per_second) {
+            bump(&global().limit_key_updates);
+            self.alert(sock, ALERT_UNEXPECTED_MESSAGE);
+            return Err(HandedKeyError::RateLimited);
+        }
+        if !self.rekey.supported {
+            bump(&global().key_update_unsupported);
+            self.alert(sock, ALERT_CLOSE_NOTIFY);
+            return Err(HandedKeyError::Unsupported);
+        }
+        let io = HandedKeyError::Io;
+        // Our side first, while the socket's receive side is still paused at the peer's
+        // KeyUpdate: a program that reads before it writes is waiting in its read, so nothing
+        // of its can go out between our KeyUpdate (old key) and the new key's first record.
+        if requested && !self.write_closed {
+            send_record_waiting(sock, CT_HANDSHAKE, &[HS_KEY_UPDATE, 0, 0, 1, 0]).map_err(io)?;
+            let (seq, secrets) = self
+                .kconn
+                .update_tx_secret()
+                .map_err(|e| io(io::Error::other(e)))?;
+            let info = crypto_info(self.version, &secrets, seq, Direction::Tx)
+                .map_err(|e| io(io::Error::other(e)))?;
+            drop(secrets);
+            sys::set_crypto_info(sock, Direction::Tx, &info).map_err(io)?;
+        }
+        let (seq, secrets) = self
+            .kconn
+            .update_rx_secret()
+            .map_err(|e| io(io::Error::other(e)))?;
+        let info = crypto_info(self.version, &secrets, seq, Direction::Rx)
+            .map_err(|e| io(io::Error::other(e)))?;
+        drop(secrets);
+        sys::set_crypto_info(sock, Direction::Rx, &info).map_err(io)?;
+        bump(&global().key_updates);
+        Ok(())
+    }
+
+    /// Sends close_notify (once), after everything already written to `sock`.
+    pub fn close_notify(&mut self, sock: BorrowedFd<'_>) -> io::Result<()> {
+        if self.write_closed {
+            return Ok(());
+        }
+        self.write_closed = true;
+        send_record_waiting(sock, CT_ALERT, &[1, ALERT_CLOSE_NOTIFY])
+    }
+
+    /// Sends an alert (best effort): fatal unless it is close_notify. Nothing is sent after.
+    fn alert(&mut self, sock: BorrowedFd<'_>, desc: u8) {
+        if self.write_closed {
+            return;
+        }
+        self.write_closed = true;
+        let level = if desc == ALERT_CLOSE_NOTIFY { 1 } else { 2 };
+        bump(&global().kernel_alerts_sent);
+        let _ = send_record_waiting(sock, CT_ALERT, &[level, desc]);
+    }
+}
+
+/// One record of `typ` on a socket whose blocking mode is not ours: non-blocking, waiting up
+/// to [`HANDED_SEND_WAIT_MS`] for room. A record goes out whole or fails.
+fn send_record_waiting(sock: BorrowedFd<'_>, typ: u8, data: &[u8]) -> io::Result<()> {
+    loop {
+        match sys::send_record(sock, typ, data) {
+            Ok(n) if n == data.len() => return Ok(()),
+            Ok(_) => return Err(io::Error::other("a control record went out in part")),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if !sys::wait_writable(sock, HANDED_SEND_WAIT_MS)? {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Waits (at most `limit`) for the peer's FIN without reading: the socket may hold a record
 /// the kernel refuses to return.
 async fn linger_until_peer_closes(sock: &TcpStream, limit: std::time::Duration) {
