@@ -18,6 +18,8 @@
 //! with a bounded queue) and one reads its requests and notices its end. When a receiver
 //! goes away, the relays of the connections it was given end: their clients get close_notify.
 
+mod keeper;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
@@ -26,13 +28,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::mpsc::{sync_channel, Receiver as JobQueue, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 use tlsplane::stats::Counter;
-use tlsplane::TlsStream;
+use tlsplane::{PlaneKind, TlsStream};
 use tlsplane_handoff::{ConnInfo, Message, Plane, Reply, Status};
 
 use crate::config::{HandoffTarget, Origin, SiteNeeds, Sites};
@@ -40,6 +42,7 @@ use crate::proxy::backend::{BackendConn, Io};
 use crate::proxy::{Ended, ProxyStats};
 use crate::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
 use crate::server::{Product, ServerArgs};
+use keeper::{Keeper, KeptSocket, KeptStats};
 
 #[derive(Args, Debug, Clone)]
 pub struct HandoffArgs {
@@ -126,7 +129,17 @@ pub struct HandoffStats {
     idle_timeouts: Counter,
     /// Relayed bytes (the relay's to-backend/to-client copy counters: program/client).
     relay: ProxyStats,
-    /// Connection ids: unique while the process runs.
+    /// Kernel-plane connections that went to the user relay: input was already buffered
+    /// (the client's data arrived with its close, or rustls holds plaintext).
+    kernel_relayed: Counter,
+    kernel: Arc<KeptStats>,
+    /// Kernel-plane hand-offs kept, started at the first one (`None`: epoll refused; those
+    /// connections are relayed).
+    keeper: OnceLock<Option<Arc<Keeper>>>,
+    /// Connection ids: unique while the process runs, and unlike those of an earlier run
+    /// (the top half is random): a program that kept connections across a restart cannot
+    /// name another program's.
+    id_base: OnceLock<u64>,
     next_id: AtomicU64,
     /// Receiver ids, to find one in its socket's list.
     next_receiver: AtomicU64,
@@ -180,8 +193,25 @@ struct HandoffSocket {
 
 /// One hand-off of a connection to a receiver.
 struct Job {
-    fd: OwnedFd,
+    fd: JobFd,
     info: ConnInfo,
+}
+
+/// The descriptor a CONNECTION frame carries.
+enum JobFd {
+    /// The program's end of a relay's socketpair: ours to close once sent.
+    Relay(OwnedFd),
+    /// The kTLS socket, which tlsplane keeps a duplicate of.
+    Kernel(Arc<KeptSocket>),
+}
+
+impl AsFd for JobFd {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        match self {
+            JobFd::Relay(fd) => fd.as_fd(),
+            JobFd::Kernel(k) => k.as_fd(),
+        }
+    }
 }
 
 /// A connected receiver, as the connection loops see it.
@@ -319,7 +349,7 @@ impl HandoffSocket {
         std::thread::Builder::new()
             .name("handoff-recv".into())
             .spawn(move || {
-                read_loop(&sock, &writer, &stats);
+                read_loop(id, &sock, &writer, &stats);
                 socket.lose(id, &stats, &sock, &gone_tx);
             })?;
         Ok(())
@@ -347,6 +377,11 @@ impl HandoffSocket {
         gone.send_replace(true);
         if let (true, Some(stats)) = (removed, stats.upgrade()) {
             stats.receivers_lost.fetch_add(1, Relaxed);
+            // Its kernel-plane connections end too (its queue is gone: nothing more is
+            // handed to it).
+            if let Some(Some(keeper)) = stats.keeper.get() {
+                keeper.receiver_gone(id);
+            }
             tracing::info!(socket = %self.path.display(), "hand-off receiver gone");
         }
     }
@@ -373,7 +408,8 @@ fn write_loop(sock: &UnixStream, writer: &Mutex<()>, queued: JobQueue<Job>, pend
             tlsplane_handoff::send_connection(sock, job.fd.as_fd(), &job.info)
         };
         pending.fetch_sub(1, Relaxed);
-        // Our copy of the program's end goes: the program holds the only one now.
+        // Our copy of the program's end of a relay goes: the program holds the only one now
+        // (a kernel-plane socket stays kept).
         drop(job.fd);
         if let Err(e) = sent {
             tracing::debug!(error = %e, "hand-off: writing to a receiver failed");
@@ -383,7 +419,7 @@ fn write_loop(sock: &UnixStream, writer: &Mutex<()>, queued: JobQueue<Job>, pend
 }
 
 /// Reads the receiver's requests until it closes its connection (or breaks the framing).
-fn read_loop(reader: &UnixStream, writer: &Mutex<()>, stats: &Weak<HandoffStats>) {
+fn read_loop(receiver: u64, reader: &UnixStream, writer: &Mutex<()>, stats: &Weak<HandoffStats>) {
     let mut frame = Vec::new();
     loop {
         let (_prefix, fd) = match tlsplane_handoff::read_frame(reader, &mut frame) {
@@ -396,16 +432,32 @@ fn read_loop(reader: &UnixStream, writer: &Mutex<()>, stats: &Weak<HandoffStats>
         };
         // No request carries a descriptor.
         drop(fd);
-        let (request_id, conn_id) = match Message::decode(&frame) {
+        let Some(stats) = stats.upgrade() else {
+            return;
+        };
+        // Connections on the user relay are not kept: re-keyed by tlsplane's record layer,
+        // ended by shutting down the program's end, they are unknown to requests.
+        let keeper = stats.keeper.get().cloned().flatten();
+        let (request_id, conn_id, status) = match Message::decode(&frame) {
             Ok(Some(Message::KeyUpdate {
                 request_id,
                 conn_id,
-                ..
-            }))
-            | Ok(Some(Message::Close {
+                record_plaintext,
+            })) => (
                 request_id,
                 conn_id,
-            })) => (request_id, conn_id),
+                keeper.map_or(Status::UnknownConnection, |k| {
+                    k.key_update(receiver, conn_id, record_plaintext)
+                }),
+            ),
+            Ok(Some(Message::Close {
+                request_id,
+                conn_id,
+            })) => (
+                request_id,
+                conn_id,
+                keeper.map_or(Status::UnknownConnection, |k| k.close(receiver, conn_id)),
+            ),
             // Kinds a receiver does not send, or a later revision's: skipped.
             Ok(_) => continue,
             Err(e) => {
@@ -413,15 +465,12 @@ fn read_loop(reader: &UnixStream, writer: &Mutex<()>, stats: &Weak<HandoffStats>
                 continue;
             }
         };
-        if let Some(stats) = stats.upgrade() {
-            stats.requests.fetch_add(1, Relaxed);
-        }
-        // Every connection of this build is on the user relay: it is re-keyed by tlsplane's
-        // record layer, and ended by shutting down the program's end, not by a request.
+        stats.requests.fetch_add(1, Relaxed);
+        drop(stats);
         let reply = Reply {
             request_id,
             conn_id,
-            status: Status::BadRequest,
+            status,
         };
         let _turn = writer.lock().unwrap_or_else(|e| e.into_inner());
         if tlsplane_handoff::send_reply(reader, &reply).is_err() {
@@ -564,6 +613,8 @@ impl Product for Handoff {
         3
     }
 
+    const HANDS_OFF_SOCKETS: bool = true;
+
     fn counters(h: &HandoffStats, r: &RuntimeStats) -> Vec<(&'static str, u64)> {
         let to_program = h.relay.bytes_to_backend_copied.load(Relaxed);
         let to_client = h.relay.bytes_to_client_copied.load(Relaxed);
@@ -599,6 +650,25 @@ impl Product for Handoff {
             ("handoff_client_errors", h.client_errors.load(Relaxed)),
             ("handoff_program_errors", h.program_errors.load(Relaxed)),
             ("handoff_idle_timeouts", h.idle_timeouts.load(Relaxed)),
+            ("handoff_kernel_relayed", h.kernel_relayed.load(Relaxed)),
+            ("handoff_kernel_kept", h.kernel.kept.load(Relaxed)),
+            (
+                "handoff_kernel_key_updates",
+                h.kernel.key_updates.load(Relaxed),
+            ),
+            (
+                "handoff_kernel_key_update_failures",
+                h.kernel.key_update_failures.load(Relaxed),
+            ),
+            ("handoff_kernel_closes", h.kernel.closes.load(Relaxed)),
+            (
+                "handoff_kernel_released_peer_end",
+                h.kernel.released_peer_end.load(Relaxed),
+            ),
+            (
+                "handoff_kernel_released_receiver_gone",
+                h.kernel.released_receiver_gone.load(Relaxed),
+            ),
             ("handoff_relayed_bytes", to_program + to_client),
             ("handoff_relayed_bytes_to_program", to_program),
             ("handoff_relayed_bytes_to_client", to_client),
@@ -609,7 +679,7 @@ impl Product for Handoff {
         for s in &sites.serve {
             if let Origin::Handoff(t) = &s.origin {
                 tracing::info!(
-                    "handoff: site {} to receivers on {} (uids {:?}, gids {:?}; user relay plane)",
+                    "handoff: site {} to receivers on {} (uids {:?}, gids {:?})",
                     s.label,
                     t.socket.display(),
                     t.uids,
@@ -653,6 +723,14 @@ impl Handoff {
             let _ = Box::pin(tls.close()).await;
             return;
         }
+        tls = if tls.plane() == PlaneKind::Kernel {
+            match self.hand_off_kernel(tls, peer, &receiver) {
+                Some(tls) => tls,
+                None => return,
+            }
+        } else {
+            tls
+        };
         let (ours, theirs) = match UnixStream::pair() {
             Ok(p) => p,
             Err(e) => {
@@ -662,10 +740,10 @@ impl Handoff {
                 return;
             }
         };
-        let info = self.conn_info(&tls, peer);
+        let info = self.conn_info(&tls, peer, Plane::UserRelay);
         receiver.pending.fetch_add(1, Relaxed);
         match receiver.jobs.try_send(Job {
-            fd: OwnedFd::from(theirs),
+            fd: JobFd::Relay(OwnedFd::from(theirs)),
             info,
         }) {
             Ok(()) => {}
@@ -738,12 +816,93 @@ impl Handoff {
         }
     }
 
+    /// Hands a kernel-plane connection over as its kTLS socket, keeping a duplicate and the
+    /// keys. `Some`: it cannot go bare (input already buffered, or no keeper): relay it.
+    fn hand_off_kernel(
+        &self,
+        tls: TlsStream,
+        peer: SocketAddr,
+        receiver: &ReceiverHandle,
+    ) -> Option<TlsStream> {
+        let Some(keeper) = self.keeper() else {
+            return Some(tls);
+        };
+        let info = self.conn_info(&tls, peer, Plane::Kernel);
+        let handed = match tls.into_kernel_handoff() {
+            Ok(Ok(h)) => h,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "hand-off: the socket could not leave its event loop");
+                self.stats.failed.fetch_add(1, Relaxed);
+                return None;
+            }
+            Err(tls) => {
+                self.stats.kernel_relayed.fetch_add(1, Relaxed);
+                return Some(*tls);
+            }
+        };
+        let id = info.conn_id;
+        // Blocking, as accept(2) gives it and as the relay's socketpair end is: the mode is
+        // the program's from here on (the flag is shared with our duplicate, on which every
+        // call of ours is non-blocking by its own flags).
+        if let Err(e) = handed.socket.set_nonblocking(false) {
+            tracing::warn!(error = %e, "hand-off: the socket's mode could not be set");
+            self.stats.failed.fetch_add(1, Relaxed);
+            return None;
+        }
+        let kept = match keeper.keep(id, receiver.id, handed.socket, handed.keys) {
+            Ok(k) => k,
+            Err(e) => {
+                // The socket and keys are dropped: the client sees the connection close.
+                tracing::warn!(error = %e, "hand-off: the socket could not be watched");
+                self.stats.failed.fetch_add(1, Relaxed);
+                return None;
+            }
+        };
+        receiver.pending.fetch_add(1, Relaxed);
+        if let Err(e) = receiver.jobs.try_send(Job {
+            fd: JobFd::Kernel(kept),
+            info,
+        }) {
+            receiver.pending.fetch_sub(1, Relaxed);
+            match e {
+                TrySendError::Full(_) => &self.stats.refused_queue_full,
+                TrySendError::Disconnected(_) => &self.stats.refused_no_receiver,
+            }
+            .fetch_add(1, Relaxed);
+            keeper.not_handed(id);
+            return None;
+        }
+        self.stats.handed_off_kernel.fetch_add(1, Relaxed);
+        None
+    }
+
+    /// The process's keeper of kernel-plane hand-offs, started at the first.
+    fn keeper(&self) -> Option<Arc<Keeper>> {
+        self.stats
+            .keeper
+            .get_or_init(|| match Keeper::start(&self.stats.kernel) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    tracing::warn!(error = %e, "hand-off: no keeper for kernel-plane connections; they are relayed");
+                    None
+                }
+            })
+            .clone()
+    }
+
     /// The CONNECTION header of `tls`.
-    fn conn_info(&self, tls: &TlsStream, peer: SocketAddr) -> ConnInfo {
+    fn conn_info(&self, tls: &TlsStream, peer: SocketAddr, plane: Plane) -> ConnInfo {
         let i = tls.info();
+        let base = *self.stats.id_base.get_or_init(|| {
+            use std::hash::{BuildHasher, Hasher};
+            let random = std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish();
+            random & 0xffff_ffff_0000_0000
+        });
         let mut info = ConnInfo {
-            conn_id: self.stats.next_id.fetch_add(1, Relaxed) + 1,
-            plane: Plane::UserRelay,
+            conn_id: base.wrapping_add(self.stats.next_id.fetch_add(1, Relaxed) + 1),
+            plane,
             tls_version: u16::from(i.version),
             cipher_suite: u16::from(i.suite),
             peer: Some(peer),

@@ -196,6 +196,9 @@ pub trait Product: Handler + Sized {
     fn descriptors_per_connection(_args: &Self::Args, _kernel_plane: bool) -> usize {
         1
     }
+    /// The product hands the socket itself to another program: handshakes must leave the
+    /// client's first application data in it (`ServerOptions::exact_handshake_reads`).
+    const HANDS_OFF_SOCKETS: bool = false;
 }
 
 /// What a product offers by ALPN.
@@ -326,7 +329,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     for w in &sites.warnings {
         tracing::warn!("{w}");
     }
-    let acceptor = Acceptor::new(server_options(&server, &sites))?;
+    let acceptor = Acceptor::new(server_options(&server, &sites, P::HANDS_OFF_SOCKETS))?;
     tracing::info!(
         "data plane: {} ({})",
         server.data_plane,
@@ -432,7 +435,11 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
             for w in &sites.warnings {
                 tracing::warn!("{w}");
             }
-            let acceptor = current.reload(server_options(P::server(&args), &sites))?;
+            let acceptor = current.reload(server_options(
+                P::server(&args),
+                &sites,
+                P::HANDS_OFF_SOCKETS,
+            ))?;
             let handler = Arc::new(P::build(&args, sites, &stats, &runtime_stats)?);
             current = acceptor.clone();
             // Installed by the runtime as soon as this returns.
@@ -536,7 +543,7 @@ fn load_sites<P: Product>(
 }
 
 /// The acceptor's options: the sites' TLS and the global TLS options.
-fn server_options(args: &ServerArgs, sites: &Sites) -> ServerOptions {
+fn server_options(args: &ServerArgs, sites: &Sites, hands_off_sockets: bool) -> ServerOptions {
     ServerOptions {
         sites: sites.tls.clone(),
         names: sites.names.clone(),
@@ -553,6 +560,7 @@ fn server_options(args: &ServerArgs, sites: &Sites) -> ServerOptions {
             time: Duration::from_secs_f64(args.linger_time),
             max_bytes: args.linger_max_bytes,
         },
+        exact_handshake_reads: hands_off_sockets,
     }
 }
 

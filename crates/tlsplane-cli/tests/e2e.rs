@@ -34,6 +34,8 @@ mod control;
 mod descriptors;
 #[path = "e2e/handoff.rs"]
 mod handoff;
+#[path = "e2e/handoff_c.rs"]
+mod handoff_c;
 #[path = "e2e/handoff_preload.rs"]
 mod handoff_preload;
 #[path = "e2e/hello_records.rs"]

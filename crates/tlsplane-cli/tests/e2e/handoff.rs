@@ -63,6 +63,12 @@ pub(crate) fn wait_receivers(server: &Server, n: usize) {
     }
 }
 
+/// Connections handed off, on either plane (natively the user relay; in the kernel-mode
+/// guest the kTLS socket itself).
+pub(crate) fn handed_off(stats: &crate::support::Stats) -> u64 {
+    stats.get("handoff_user_plane") + stats.get("handoff_kernel_plane")
+}
+
 pub(crate) fn scratch(what: &str) -> PathBuf {
     crate::sites::scratch(what)
 }
@@ -179,7 +185,7 @@ client.close(sock, info)
     assert!(header["conn_id"].as_u64().unwrap() > 0, "{header}");
     let stats = server.stop();
     assert!(!socket.exists(), "the socket file outlived the server");
-    assert_eq!(stats.get("handoff_user_plane"), 1);
+    assert_eq!(handed_off(&stats), 1);
     assert_eq!(
         stats.get("handoff_relayed_bytes"),
         2 * data.len() as u64,
@@ -217,7 +223,7 @@ fn a_receiver_whose_uid_is_not_allowed_is_closed_and_gets_nothing() {
     assert_eq!(stats.get("handoff_receivers_refused"), 1, "{stats:?}");
     assert_eq!(stats.get("handoff_receivers_accepted"), 0, "{stats:?}");
     assert_eq!(stats.get("handoff_refused_no_receiver"), 1, "{stats:?}");
-    assert_eq!(stats.get("handoff_user_plane"), 0, "{stats:?}");
+    assert_eq!(handed_off(&stats), 0, "{stats:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -314,7 +320,7 @@ while True:
         "both receivers must get connections: {tags:?}"
     );
     assert!(tags.iter().all(|t| t == "A" || t == "B"), "{tags:?}");
-    assert_eq!(stats.get("handoff_user_plane"), 6, "{stats:?}");
+    assert_eq!(handed_off(&stats), 6, "{stats:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -381,7 +387,7 @@ client.close(sock, info)
     assert_eq!(String::from_utf8_lossy(&got_a.0), "A a.test x-a");
     assert_eq!(String::from_utf8_lossy(&got_d.0), "D localhost -");
     let stats = server.stop();
-    assert_eq!(stats.get("handoff_user_plane"), 2, "{stats:?}");
+    assert_eq!(handed_off(&stats), 2, "{stats:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -418,12 +424,9 @@ fn a_receiver_that_stops_receiving_gets_a_bounded_queue_then_refusals() {
     // (A refusal whose close_notify took over 50 ms counts among `before`.)
     let full = stats.get("handoff_refused_queue_full");
     assert!(full >= 1, "{stats:?}");
-    assert!(
-        stats.get("handoff_user_plane") <= before as u64,
-        "{stats:?}"
-    );
+    assert!(handed_off(&stats) <= before as u64, "{stats:?}");
     assert_eq!(
-        stats.get("handoff_user_plane") + full,
+        handed_off(&stats) + full,
         stats.get("handoff_established"),
         "{stats:?}"
     );
@@ -521,7 +524,7 @@ fn a_reload_keeps_the_socket_and_its_receivers_and_applies_new_ids() {
     drop((rx, _c1, _c2));
     let stats = server.stop();
     assert!(!socket.exists(), "the socket file outlived the server");
-    assert_eq!(stats.get("handoff_user_plane"), 2, "{stats:?}");
+    assert_eq!(handed_off(&stats), 2, "{stats:?}");
     assert_eq!(stats.get("handoff_receivers_refused"), 1, "{stats:?}");
     assert_eq!(stats.get("reloads"), 2, "{stats:?}");
     let _ = std::fs::remove_dir_all(dir);
@@ -573,6 +576,6 @@ for _ in range(2):
     }
     let _ = stdout_of(rx);
     let stats = server.stop();
-    assert_eq!(stats.get("handoff_user_plane"), 2, "{stats:?}");
+    assert_eq!(handed_off(&stats), 2, "{stats:?}");
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -1,0 +1,351 @@
+//! Kernel-plane hand-offs: what tlsplane keeps of a connection whose kTLS socket a program
+//! now owns (docs/HANDOFF.md, plane 1).
+//!
+//! The program reads and writes the socket; tlsplane copies nothing. It keeps a duplicate of
+//! the descriptor and the connection's traffic secrets, to serve the program's KEY_UPDATE
+//! (install the next keys on the shared socket) and CLOSE (send close_notify), and to send
+//! close_notify itself when the program's receiver connection ends. A duplicate is let go
+//! when the program asks (CLOSE, after a lingering close), when its receiver goes, or when the
+//! client's end of the connection is seen (its FIN or a reset: nothing more can come that
+//! would need a key, and a program that closed its descriptor without a CLOSE must not leave
+//! the connection open through ours). So tlsplane holds at most one descriptor per client
+//! connection still open, whatever the program does.
+//!
+//! One thread watches every kept socket with an epoll set that asks for the peer's end only
+//! (`EPOLLRDHUP`), so that the program's traffic never wakes it; sockets in a lingering close
+//! are watched for input too, which is read and dropped until the client closes or the
+//! linger time ends.
+
+use std::collections::HashMap;
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use tlsplane::{HandedKeyError, HandedKeys};
+use tlsplane_handoff::Status;
+use tlsplane_sys::PeerEndWatch;
+
+/// How long a connection closed at a program's request (or for a receiver that went) is
+/// read and drained before its last descriptor closes, at most: as nginx's
+/// `lingering_timeout`, so that input the client still sends does not turn the close into a
+/// reset that destroys the response in flight.
+const LINGER: Duration = Duration::from_secs(5);
+
+/// Kernel-plane counters (kept with the product's across reloads).
+#[derive(Default)]
+pub struct KeptStats {
+    /// Duplicates held now.
+    pub kept: AtomicU64,
+    pub key_updates: AtomicU64,
+    /// KEY_UPDATE requests not served (not a KeyUpdate, rate limit, unsupported kernel,
+    /// a failed system call).
+    pub key_update_failures: AtomicU64,
+    /// CLOSE requests served.
+    pub closes: AtomicU64,
+    /// Duplicates let go at the client's end of the connection.
+    pub released_peer_end: AtomicU64,
+    /// Connections ended with close_notify because their receiver went.
+    pub released_receiver_gone: AtomicU64,
+}
+
+/// A handed connection tlsplane still keeps.
+struct Kept {
+    receiver: u64,
+    socket: TcpStream,
+    keys: Mutex<HandedKeys>,
+}
+
+enum Entry {
+    Kept(Arc<Kept>),
+    /// close_notify sent and our side shut down: input is drained until the client closes.
+    Lingering {
+        socket: TcpStream,
+        until: Instant,
+    },
+}
+
+/// Every kernel-plane hand-off of the process (kept across reloads, like the sockets).
+pub struct Keeper {
+    watch: PeerEndWatch,
+    /// By connection id (the epoll token).
+    entries: Mutex<HashMap<u64, Entry>>,
+    stats: Weak<KeptStats>,
+}
+
+impl Keeper {
+    /// Starts the watching thread. Fails where epoll or a thread cannot be had; the product
+    /// then relays kernel-plane connections instead.
+    pub fn start(stats: &Arc<KeptStats>) -> std::io::Result<Arc<Self>> {
+        let keeper = Arc::new(Self {
+            watch: PeerEndWatch::new()?,
+            entries: Mutex::new(HashMap::new()),
+            stats: Arc::downgrade(stats),
+        });
+        let weak = Arc::downgrade(&keeper);
+        std::thread::Builder::new()
+            .name("handoff-keeper".into())
+            .spawn(move || watch_loop(&weak))?;
+        Ok(keeper)
+    }
+
+    fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn count(&self, f: impl FnOnce(&KeptStats)) {
+        if let Some(s) = self.stats.upgrade() {
+            f(&s);
+        }
+    }
+
+    /// Keeps connection `id`, about to be handed to `receiver`: the socket (the descriptor
+    /// the frame carries) and its keys. Returns the socket to send.
+    pub fn keep(
+        &self,
+        id: u64,
+        receiver: u64,
+        socket: TcpStream,
+        keys: HandedKeys,
+    ) -> std::io::Result<Arc<KeptSocket>> {
+        let kept = Arc::new(Kept {
+            receiver,
+            socket,
+            keys: Mutex::new(keys),
+        });
+        // In the table before the program can ask about it, and watched after: an end
+        // already seen is reported at once.
+        self.entries().insert(id, Entry::Kept(kept.clone()));
+        if let Err(e) = self.watch.watch(kept.socket.as_fd(), id, false) {
+            self.entries().remove(&id);
+            return Err(e);
+        }
+        self.count(|s| {
+            s.kept.fetch_add(1, Relaxed);
+        });
+        Ok(Arc::new(KeptSocket(kept)))
+    }
+
+    /// The program's KEY_UPDATE for connection `id`, after it read `message` from it.
+    pub fn key_update(&self, receiver: u64, id: u64, message: &[u8]) -> Status {
+        let kept = match self.kept(receiver, id) {
+            Ok(k) => k,
+            Err(s) => return s,
+        };
+        let r = kept
+            .keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .key_update(kept.socket.as_fd(), message);
+        match r {
+            Ok(()) => {
+                self.count(|s| {
+                    s.key_updates.fetch_add(1, Relaxed);
+                });
+                Status::Ok
+            }
+            Err(e) => {
+                self.count(|s| {
+                    s.key_update_failures.fetch_add(1, Relaxed);
+                });
+                tracing::debug!(conn = id, error = %e, "hand-off: KeyUpdate not served");
+                match e {
+                    HandedKeyError::NotKeyUpdate => Status::BadRequest,
+                    HandedKeyError::Unsupported => Status::Unsupported,
+                    _ => Status::Failed,
+                }
+            }
+        }
+    }
+
+    /// The program's CLOSE for connection `id`: close_notify after all it wrote, then a
+    /// lingering close of our duplicate.
+    pub fn close(&self, receiver: u64, id: u64) -> Status {
+        if let Err(s) = self.kept(receiver, id) {
+            return s;
+        }
+        if self.end(id, true) {
+            self.count(|s| {
+                s.closes.fetch_add(1, Relaxed);
+            });
+        }
+        Status::Ok
+    }
+
+    /// Receiver `receiver` went (its connection closed: the program died or let go): each of
+    /// its connections gets close_notify, so that the client can tell an end from a cut.
+    pub fn receiver_gone(&self, receiver: u64) {
+        let ids: Vec<u64> = self
+            .entries()
+            .iter()
+            .filter_map(|(id, e)| match e {
+                Entry::Kept(k) if k.receiver == receiver => Some(*id),
+                _ => None,
+            })
+            .collect();
+        for id in ids {
+            if self.end(id, true) {
+                self.count(|s| {
+                    s.released_receiver_gone.fetch_add(1, Relaxed);
+                });
+            }
+        }
+    }
+
+    /// Connection `id` not handed after all (its frame was never queued): close_notify.
+    pub fn not_handed(&self, id: u64) {
+        self.end(id, true);
+    }
+
+    fn kept(&self, receiver: u64, id: u64) -> Result<Arc<Kept>, Status> {
+        match self.entries().get(&id) {
+            Some(Entry::Kept(k)) if k.receiver == receiver => Ok(k.clone()),
+            Some(Entry::Kept(_)) => Err(Status::Refused),
+            _ => Err(Status::UnknownConnection),
+        }
+    }
+
+    /// Stops keeping connection `id`: with `close_notify`, sends it, shuts our side and
+    /// lingers; without, just lets our duplicate go. False if it was not kept.
+    fn end(&self, id: u64, close_notify: bool) -> bool {
+        let Some(Entry::Kept(kept)) = self.entries().remove(&id) else {
+            return false;
+        };
+        let _ = self.watch.forget(kept.socket.as_fd());
+        self.count(|s| {
+            s.kept.fetch_sub(1, Relaxed);
+        });
+        // The program's last CONNECTION frame write may still hold a reference.
+        let socket = match Arc::try_unwrap(kept) {
+            Ok(k) => {
+                if close_notify {
+                    let mut keys = k.keys.into_inner().unwrap_or_else(|e| e.into_inner());
+                    let _ = keys.close_notify(k.socket.as_fd());
+                }
+                k.socket
+            }
+            Err(shared) => {
+                if close_notify {
+                    let _ = shared
+                        .keys
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .close_notify(shared.socket.as_fd());
+                }
+                match shared.socket.try_clone() {
+                    Ok(s) => s,
+                    Err(_) => return true,
+                }
+            }
+        };
+        if !close_notify {
+            return true;
+        }
+        if socket.shutdown(Shutdown::Write).is_err() {
+            return true;
+        }
+        let mut entries = self.entries();
+        if self.watch.watch(socket.as_fd(), id, true).is_ok() {
+            entries.insert(
+                id,
+                Entry::Lingering {
+                    socket,
+                    until: Instant::now() + LINGER,
+                },
+            );
+        }
+        true
+    }
+
+    /// An event on `id`: a kept socket's client ended (let go), or a lingering one has input
+    /// or its end (drained; closed at the end).
+    fn on_event(&self, id: u64) {
+        let lingering = match self.entries().get(&id) {
+            Some(Entry::Kept(_)) => false,
+            Some(Entry::Lingering { .. }) => true,
+            None => return,
+        };
+        if !lingering {
+            if self.end(id, false) {
+                self.count(|s| {
+                    s.released_peer_end.fetch_add(1, Relaxed);
+                });
+            }
+            return;
+        }
+        let done = match self.entries().get(&id) {
+            Some(Entry::Lingering { socket, .. }) => drain(socket),
+            _ => false,
+        };
+        if done {
+            self.forget_lingering(id);
+        }
+    }
+
+    fn forget_lingering(&self, id: u64) {
+        if let Some(Entry::Lingering { socket, .. }) = self.entries().remove(&id) {
+            let _ = self.watch.forget(socket.as_fd());
+        }
+    }
+
+    /// Lingering sockets whose time is up.
+    fn expired(&self, now: Instant) -> Vec<u64> {
+        self.entries()
+            .iter()
+            .filter_map(|(id, e)| match e {
+                Entry::Lingering { until, .. } if *until <= now => Some(*id),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// A kept socket, as the frame that hands it over borrows it.
+pub struct KeptSocket(Arc<Kept>);
+
+impl AsFd for KeptSocket {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.0.socket.as_fd()
+    }
+}
+
+/// Reads and drops what a lingering socket holds (non-blocking). True at its end: the
+/// client's FIN, an error, or a record the kernel will not decrypt past (a KeyUpdate).
+fn drain(socket: &TcpStream) -> bool {
+    let mut buf = [0u8; 16384];
+    loop {
+        match tlsplane_sys::recv_record(socket.as_fd(), &mut buf) {
+            Ok((0, _)) => return true,
+            Ok((_, 23)) => {}
+            // An alert (the client's close_notify) or a handshake record: nothing more to wait
+            // for.
+            Ok(_) => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return true,
+        }
+    }
+}
+
+fn watch_loop(keeper: &Weak<Keeper>) {
+    let mut ready = Vec::new();
+    loop {
+        let Some(k) = keeper.upgrade() else {
+            return;
+        };
+        ready.clear();
+        // Wakes at least twice a second for linger deadlines.
+        if let Err(e) = k.watch.wait(&mut ready, 500) {
+            tracing::warn!(error = %e, "hand-off: epoll_wait failed");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        for &id in &ready {
+            k.on_event(id);
+        }
+        for id in k.expired(Instant::now()) {
+            k.forget_lingering(id);
+        }
+    }
+}

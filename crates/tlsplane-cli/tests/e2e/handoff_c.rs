@@ -1,0 +1,378 @@
+//! `tlsplane handoff` to C programs on both planes (issue 21): a file server on the C library
+//! (`handoff_files.c`: sendfile on the handed descriptor) and an unmodified echo server under
+//! the LD_PRELOAD shim, each through a client KeyUpdate (both directions) mid-stream and a
+//! client close_notify.
+//!
+//! Natively the connections go over the user relay; in the kernel-mode guest (vm/ktls-suite)
+//! the program receives the kTLS socket itself: tlsplane copies nothing after the hand-off
+//! (`handoff_relayed_bytes` 0), re-keys on the program's request, and /proc/net/tls_stat
+//! moves. The guest has no C compiler: vm/ktls-suite builds the programs on the host and
+//! names their directory in `TLSPLANE_TEST_PREBUILT`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use crate::handoff::{scratch, wait_receivers};
+use crate::support::client::{End, Tls, TlsClient};
+use crate::support::{info_message, mode, tls_stat, Mode, Server};
+
+/// A program the tests run: prebuilt (the guest) or compiled here once.
+fn program(name: &str) -> PathBuf {
+    if let Ok(dir) = std::env::var("TLSPLANE_TEST_PREBUILT") {
+        let p = Path::new(&dir).join(name);
+        assert!(p.exists(), "{} is not there", p.display());
+        return p;
+    }
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    let dir = BUILT.get_or_init(|| {
+        let dir = scratch("handoff-c-programs");
+        build_programs(&dir);
+        dir
+    });
+    dir.join(name)
+}
+
+/// Builds what vm/ktls-suite builds for the guest (keep the two in step).
+fn build_programs(out: &Path) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let lib = static_lib();
+    let cc = |args: &[&str]| {
+        let res = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+            .args(["-O2", "-Wall", "-Wextra", "-Werror"])
+            .args(args)
+            .output()
+            .expect("a C compiler (cc)");
+        assert!(
+            res.status.success(),
+            "cc {args:?}:\n{}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+    };
+    let include = root.join("crates/tlsplane-handoff-c/include");
+    cc(&[
+        "-I",
+        include.to_str().unwrap(),
+        "-o",
+        out.join("handoff_files").to_str().unwrap(),
+        root.join("crates/tlsplane-cli/tests/e2e/handoff_files.c")
+            .to_str()
+            .unwrap(),
+        lib.to_str().unwrap(),
+        "-lpthread",
+        "-ldl",
+        "-lm",
+    ]);
+    cc(&[
+        "-shared",
+        "-fPIC",
+        "-o",
+        out.join("libtlsplane_preload.so").to_str().unwrap(),
+        root.join("crates/tlsplane-handoff-c/preload/tlsplane_preload.c")
+            .to_str()
+            .unwrap(),
+        "-ldl",
+        "-pthread",
+    ]);
+    cc(&[
+        "-std=c99",
+        "-D_GNU_SOURCE",
+        "-o",
+        out.join("preload_echo").to_str().unwrap(),
+        root.join("crates/tlsplane-cli/tests/e2e/preload_echo.c")
+            .to_str()
+            .unwrap(),
+    ]);
+}
+
+/// The C library's static archive: cargo builds it with the workspace's tests (in deps/,
+/// beside this test binary), else it is built here.
+fn static_lib() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap();
+    for dir in [deps, deps.parent().unwrap()] {
+        let p = dir.join("libtlsplane_handoff_c.a");
+        if p.exists() {
+            return p;
+        }
+    }
+    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["build", "--release", "-p", "tlsplane-handoff-c"])
+        .status()
+        .expect("cargo");
+    assert!(status.success(), "building the C library failed");
+    let p = deps.parent().unwrap().join("libtlsplane_handoff_c.a");
+    assert!(p.exists(), "{} not built", p.display());
+    p
+}
+
+/// /proc/net/tls_stat in kernel mode (natively there is none).
+fn kernel_tls_stat() -> std::collections::BTreeMap<String, u64> {
+    if mode() == Mode::Kernel {
+        tls_stat()
+    } else {
+        Default::default()
+    }
+}
+
+fn kernel_rekeys(server: &Server) -> bool {
+    server
+        .stderr_lines()
+        .iter()
+        .filter_map(|l| info_message(l))
+        .any(|m| m.starts_with("data plane:") && m.contains("TLS 1.3 rekey yes"))
+}
+
+/// The program's stdout lines, as they come, up to `n` of them (or its end).
+fn lines_of(child: &mut Child, n: usize, limit: Duration) -> Vec<String> {
+    let out = child.stdout.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let deadline = Instant::now() + limit;
+    let mut got = Vec::new();
+    while got.len() < n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => got.push(l),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(_) => panic!("the program printed {got:?}, not {n} lines"),
+        }
+    }
+    got
+}
+
+fn body(data: &[u8], seed: u32) -> Vec<u8> {
+    let mut x = seed;
+    (0..data.len())
+        .map(|_| {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            (x >> 16) as u8
+        })
+        .collect()
+}
+
+/// Checks the planes' own evidence: counted on the right plane, nothing relayed on the
+/// kernel plane, and the kernel's TLS counters moved by `conns`.
+fn assert_plane(
+    stats: &crate::support::Stats,
+    conns: u64,
+    tls0: &std::collections::BTreeMap<String, u64>,
+) {
+    match mode() {
+        Mode::Kernel => {
+            assert_eq!(stats.get("handoff_kernel_plane"), conns, "{stats:?}");
+            assert_eq!(stats.get("handoff_user_plane"), 0, "{stats:?}");
+            assert_eq!(
+                stats.get("handoff_relayed_bytes"),
+                0,
+                "tlsplane copied bytes after the hand-off: {stats:?}"
+            );
+            let tls1 = tls_stat();
+            for key in ["TlsTxSw", "TlsRxSw"] {
+                let d = tls1.get(key).copied().unwrap_or(0) - tls0.get(key).copied().unwrap_or(0);
+                assert!(d >= conns, "{key} moved by {d}, not {conns}");
+            }
+            assert_eq!(stats.get("handoff_kernel_kept"), 0, "{stats:?}");
+        }
+        Mode::User => {
+            assert_eq!(stats.get("handoff_user_plane"), conns, "{stats:?}");
+            assert!(stats.get("handoff_relayed_bytes") > 0, "{stats:?}");
+        }
+    }
+}
+
+#[test]
+fn a_c_program_serves_files_by_sendfile_through_a_key_update_and_close_notify() {
+    let dir = scratch("handoff-c-files");
+    let www = dir.join("www");
+    std::fs::create_dir_all(&www).unwrap();
+    let big = body(&vec![0; (1 << 20) + 7], 1);
+    let small = body(&[0; 16385], 2);
+    std::fs::write(www.join("big.bin"), &big).unwrap();
+    std::fs::write(www.join("small.bin"), &small).unwrap();
+    let socket = dir.join("app.sock");
+    let tls0 = kernel_tls_stat();
+    let server = Server::builder().handoff(&socket).start();
+    let rekeys = mode() == Mode::User || kernel_rekeys(&server);
+    let mut prog = Command::new(program("handoff_files"))
+        .arg(&socket)
+        .arg(&www)
+        .arg("2")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("handoff_files");
+    wait_receivers(&server, 1);
+
+    // A rustls client: a file, a KeyUpdate (update_requested: the program's side re-keys
+    // both ways), a file under the new keys, then close_notify.
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    let r = c.get("/big.bin");
+    assert_eq!(r.status, 200);
+    assert!(r.body == big, "big.bin: {} bytes differ", r.body.len());
+    if rekeys {
+        c.conn.refresh_traffic_keys().expect("KeyUpdate");
+        let r = c.get("/small.bin");
+        assert_eq!(r.status, 200);
+        assert!(r.body == small, "small.bin after KeyUpdate differs");
+    }
+    c.send_close_notify().expect("close_notify");
+    let (rest, end) = c.read_to_end();
+    assert!(rest.is_empty(), "bytes after the last response");
+    assert!(matches!(end, End::CloseNotify), "the end was {end:?}");
+
+    // curl, TLS 1.2 this time: byte-exact by sendfile.
+    let out = Tls::V12
+        .curl(server.port(), 20)
+        .arg(format!("https://localhost:{}/big.bin", server.port()))
+        .output()
+        .expect("curl");
+    assert!(
+        out.status.success(),
+        "curl: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.stdout == big, "curl got {} bytes", out.stdout.len());
+
+    let lines = lines_of(&mut prog, 2, Duration::from_secs(20));
+    let _ = prog.wait();
+    let want_plane = if mode() == Mode::Kernel { 1 } else { 2 };
+    let requests = if rekeys { 2 } else { 1 };
+    assert!(
+        lines[0].contains(&format!(
+            "plane {want_plane} version 0x304 requests {requests} end EOF"
+        )),
+        "{lines:?}"
+    );
+    assert!(
+        lines[1].contains(&format!("plane {want_plane} version 0x303 requests 1 end")),
+        "{lines:?}"
+    );
+    let stats = server.stop();
+    assert_plane(&stats, 2, &tls0);
+    if mode() == Mode::Kernel {
+        assert_eq!(stats.get("handoff_kernel_key_updates"), 1, "{stats:?}");
+        assert_eq!(stats.get("handoff_kernel_closes"), 2, "{stats:?}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn an_unmodified_server_under_the_shim_echoes_through_a_key_update_and_close_notify() {
+    let dir = scratch("handoff-c-shim");
+    let socket = dir.join("app.sock");
+    let tls0 = kernel_tls_stat();
+    let server = Server::builder().handoff(&socket).start();
+    let rekeys = mode() == Mode::User || kernel_rekeys(&server);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut prog = Command::new(program("preload_echo"))
+        .arg(port.to_string())
+        .env("LD_PRELOAD", program("libtlsplane_preload.so"))
+        .env("TLSPLANE_HANDOFF", &socket)
+        .env("TLSPLANE_LISTEN", format!("127.0.0.1:{port}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("preload_echo");
+    wait_receivers(&server, 1);
+
+    // preload_echo serves two connections, echoing each to its end.
+    for k in 0..2u32 {
+        let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+        let first = body(&[0; 3000], 10 + k);
+        c.write_all(&first).unwrap();
+        let mut got = vec![0; first.len()];
+        read_exact(&mut c, &mut got);
+        assert!(got == first, "echo before KeyUpdate");
+        if rekeys {
+            c.conn.refresh_traffic_keys().expect("KeyUpdate");
+            let second = body(&[0; 40000], 20 + k);
+            c.write_all(&second).unwrap();
+            let mut got = vec![0; second.len()];
+            read_exact(&mut c, &mut got);
+            assert!(got == second, "echo after KeyUpdate");
+        }
+        c.send_close_notify().unwrap();
+        let (rest, end) = c.read_to_end();
+        assert!(rest.is_empty(), "bytes after the echo");
+        assert!(matches!(end, End::CloseNotify), "the end was {end:?}");
+    }
+    // Its last line says both connections ended (read returned 0) and were closed.
+    let lines = lines_of(&mut prog, usize::MAX, Duration::from_secs(20));
+    let _ = prog.wait();
+    assert!(lines.iter().all(|l| !l.starts_with("error")), "{lines:?}");
+    assert_eq!(lines.last().map(String::as_str), Some("done"), "{lines:?}");
+    let stats = server.stop();
+    assert_plane(&stats, 2, &tls0);
+    if mode() == Mode::Kernel && rekeys {
+        assert_eq!(stats.get("handoff_kernel_key_updates"), 2, "{stats:?}");
+        assert_eq!(stats.get("handoff_kernel_closes"), 2, "{stats:?}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn read_exact(c: &mut TlsClient, buf: &mut [u8]) {
+    let mut got = 0;
+    while got < buf.len() {
+        let n = c.read_plain(&mut buf[got..]).expect("read");
+        assert!(n > 0, "the end after {got} of {} bytes", buf.len());
+        got += n;
+    }
+}
+
+#[test]
+fn a_c_program_killed_mid_connection_leaves_its_client_a_close_notify() {
+    let dir = scratch("handoff-c-killed");
+    let www = dir.join("www");
+    std::fs::create_dir_all(&www).unwrap();
+    std::fs::write(www.join("a.txt"), b"served before the program died\n").unwrap();
+    let socket = dir.join("app.sock");
+    let tls0 = kernel_tls_stat();
+    let server = Server::builder().handoff(&socket).start();
+    let mut prog = Command::new(program("handoff_files"))
+        .arg(&socket)
+        .arg(&www)
+        .arg("1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("handoff_files");
+    wait_receivers(&server, 1);
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    let r = c.get("/a.txt");
+    assert_eq!(r.body, b"served before the program died\n");
+    // The connection is open (keep-alive) and the program waits for its next request: it
+    // dies with the descriptor open. tlsplane ends the connection with close_notify (on the
+    // kernel plane on its duplicate, the socket's last descriptor now).
+    let started = Instant::now();
+    prog.kill().unwrap();
+    let _ = prog.wait();
+    let (rest, end) = c.read_to_end();
+    assert!(rest.is_empty(), "bytes after the response");
+    assert!(matches!(end, End::CloseNotify), "the end was {end:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let stats = server.stop();
+    assert_eq!(stats.get("handoff_receivers_lost"), 1, "{stats:?}");
+    assert_plane(&stats, 1, &tls0);
+    if mode() == Mode::Kernel {
+        assert_eq!(
+            stats.get("handoff_kernel_released_receiver_gone"),
+            1,
+            "{stats:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
