@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 
-use crate::config::{load_sites, ConfigFile, SiteNeeds};
-use crate::server::{server_options_of, Alpn, Product};
+use tlsplane_server::config::{load_sites, ConfigFile, SiteNeeds};
+use tlsplane_server::server::{server_options_of, Alpn, Product};
 
 #[derive(Args, Debug)]
 pub struct CheckArgs {

@@ -35,11 +35,11 @@ use tlsplane::stats::Counter;
 use tlsplane::TlsStream;
 use tlsplane_handoff::{ConnInfo, Message, Plane, Reply, Status};
 
-use crate::config::{HandoffTarget, Origin, SiteNeeds, Sites};
 use crate::proxy::backend::{BackendConn, Io};
 use crate::proxy::{Ended, ProxyStats};
-use crate::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
-use crate::server::{Product, ServerArgs};
+use tlsplane_server::config::{HandoffTarget, Origin, SiteNeeds, Sites};
+use tlsplane_server::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
+use tlsplane_server::server::{Product, ServerArgs};
 
 #[derive(Args, Debug, Clone)]
 pub struct HandoffArgs {

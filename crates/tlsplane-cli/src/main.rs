@@ -2,20 +2,14 @@
 //! daemon, and a TLS load generator.
 #![forbid(unsafe_code)]
 
-mod access_log;
-mod admin;
 mod check;
-mod config;
 mod handoff;
-mod keyd;
-mod keys;
-mod limits;
-mod lobby;
-mod privileges;
 mod proxy;
-mod runtime;
 mod serve;
-mod server;
+
+// The shared server core, under the names the products have always used (`crate::server`,
+// `crate::config` ...).
+use tlsplane_server::{access_log, config, keyd, privileges, runtime, server};
 
 use clap::{Parser, Subcommand};
 

@@ -17,10 +17,10 @@ use tlsplane::stats::Counter;
 use tlsplane::TlsStream;
 use tlsplane_http::{error_response, parse_request, respond, Body, DocRoot, Limits, Parsed};
 
-use crate::access_log::{self, AccessLog, Entry, RequestLine};
-use crate::config::{Origin, SiteNeeds, Sites};
-use crate::runtime::{ConnContext, FirstRequest, Handler, Phase, RuntimeStats, Served};
-use crate::server::{Product, ServerArgs};
+use tlsplane_server::access_log::{self, AccessLog, Entry, RequestLine};
+use tlsplane_server::config::{Origin, SiteNeeds, Sites};
+use tlsplane_server::runtime::{ConnContext, FirstRequest, Handler, Phase, RuntimeStats, Served};
+use tlsplane_server::server::{Product, ServerArgs};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {

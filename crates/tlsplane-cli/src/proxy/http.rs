@@ -24,8 +24,8 @@ use tokio::time::{timeout, timeout_at, Instant};
 use super::backend::BackendConn;
 use super::tcp::relay;
 use super::{reset, Ended, Proxy, Unavailable};
-use crate::access_log::{Entry, RequestLine};
-use crate::runtime::ConnContext;
+use tlsplane_server::access_log::{Entry, RequestLine};
+use tlsplane_server::runtime::ConnContext;
 
 /// Largest response head accepted from a backend.
 const MAX_RESPONSE_HEAD: usize = 65536;

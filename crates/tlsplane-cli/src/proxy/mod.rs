@@ -12,7 +12,6 @@ pub mod proxy_protocol;
 pub(crate) mod tcp;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,12 +20,12 @@ use clap::Args;
 use tlsplane::stats::Counter;
 use tlsplane::TlsStream;
 
-use crate::config::{Origin, SiteNeeds, Sites};
-use crate::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
-use crate::server::{Product, ServerArgs};
 use backend::{BackendConn, Io, Pool};
 use proxy_protocol::TlsFacts;
 use tcp::{relay, Pipes};
+use tlsplane_server::config::{Backend, Origin, SiteNeeds, Sites};
+use tlsplane_server::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
+use tlsplane_server::server::{Product, ServerArgs};
 
 #[derive(Args, Debug, Clone)]
 pub struct ProxyArgs {
@@ -104,58 +103,6 @@ pub enum ForwardedArg {
     Replace,
     Append,
     Off,
-}
-
-/// Where a proxy forwards a connection.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Backend {
-    /// `HOST:PORT`; a host name is resolved when the configuration is loaded (see `Pool::new`).
-    Tcp(String),
-    Unix(PathBuf),
-}
-
-impl std::fmt::Display for Backend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Backend::Tcp(a) => f.write_str(a),
-            Backend::Unix(p) => write!(f, "unix:{}", p.display()),
-        }
-    }
-}
-
-impl std::str::FromStr for Backend {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::parse_in(s, None)
-    }
-}
-
-impl Backend {
-    /// Parses `HOST:PORT` or `unix:PATH`; a relative PATH is relative to `base` if given
-    /// (a configuration file's directory).
-    pub fn parse_in(s: &str, base: Option<&Path>) -> Result<Self, String> {
-        if let Some(path) = s.strip_prefix("unix:") {
-            if path.is_empty() {
-                return Err("unix: needs a path".into());
-            }
-            let p = Path::new(path);
-            return Ok(Backend::Unix(match base {
-                Some(dir) if p.is_relative() => dir.join(p),
-                _ => p.to_path_buf(),
-            }));
-        }
-        let (host, port) = s
-            .rsplit_once(':')
-            .ok_or_else(|| format!("{s:?}: expected HOST:PORT or unix:PATH"))?;
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        if host.is_empty() {
-            return Err(format!("{s:?}: no host"));
-        }
-        match port.parse::<u16>() {
-            Ok(p) if p > 0 => Ok(Backend::Tcp(s.to_string())),
-            _ => Err(format!("{s:?}: {port:?} is not a port")),
-        }
-    }
 }
 
 /// The backends of `args` as the default for sites of a configuration file.

@@ -191,9 +191,61 @@ pub enum Origin {
     /// `serve`: files under a document root.
     Root(DocRoot),
     /// `proxy`: these backends, in round-robin order.
-    Backends(Vec<crate::proxy::Backend>),
+    Backends(Vec<Backend>),
     /// `handoff`: the receivers connected to this socket.
     Handoff(HandoffTarget),
+}
+
+/// Where a proxy forwards a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// `HOST:PORT`; a host name is resolved when the configuration is loaded (the proxy's `Pool::new`).
+    Tcp(String),
+    Unix(PathBuf),
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Backend::Tcp(a) => f.write_str(a),
+            Backend::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::parse_in(s, None)
+    }
+}
+
+impl Backend {
+    /// Parses `HOST:PORT` or `unix:PATH`; a relative PATH is relative to `base` if given
+    /// (a configuration file's directory).
+    pub fn parse_in(s: &str, base: Option<&Path>) -> Result<Self, String> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err("unix: needs a path".into());
+            }
+            let p = Path::new(path);
+            return Ok(Backend::Unix(match base {
+                Some(dir) if p.is_relative() => dir.join(p),
+                _ => p.to_path_buf(),
+            }));
+        }
+        let (host, port) = s
+            .rsplit_once(':')
+            .ok_or_else(|| format!("{s:?}: expected HOST:PORT or unix:PATH"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() {
+            return Err(format!("{s:?}: no host"));
+        }
+        match port.parse::<u16>() {
+            Ok(p) if p > 0 => Ok(Backend::Tcp(s.to_string())),
+            _ => Err(format!("{s:?}: {port:?} is not a port")),
+        }
+    }
 }
 
 /// Where `tlsplane handoff` hands a site's connections, and who may receive them.
@@ -214,7 +266,7 @@ pub enum SiteNeeds {
     },
     /// `default`: the backends of a site that names none (the `--to` flags).
     Backends {
-        default: Vec<crate::proxy::Backend>,
+        default: Vec<Backend>,
     },
     /// `default`: the socket and ids of a site that names none (the flags).
     Handoff {
@@ -433,7 +485,7 @@ pub fn load_sites(
             (SiteNeeds::Backends { default }, None, to) => {
                 let mut backends = Vec::new();
                 for b in to.iter().flatten() {
-                    match crate::proxy::Backend::parse_in(b, file.path.parent()) {
+                    match Backend::parse_in(b, file.path.parent()) {
                         Ok(b) => backends.push(b),
                         Err(e) => fail(format!("to {b:?}: {e}")),
                     }
