@@ -139,7 +139,7 @@ impl Product for Serve {
             limits: Limits::default(),
             stats: stats.clone(),
             ttfb: runtime.histograms.first_response.clone(),
-            access_log: AccessLog::open(&args.server)?,
+            access_log: args.server.access_log()?,
         })
     }
 

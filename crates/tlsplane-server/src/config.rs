@@ -199,7 +199,8 @@ pub enum Origin {
 /// Where a proxy forwards a connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Backend {
-    /// `HOST:PORT`; a host name is resolved when the configuration is loaded (the proxy's `Pool::new`).
+    /// `HOST:PORT`; a host name is resolved when the configuration is loaded (the
+    /// proxy's `Pool::new`).
     Tcp(String),
     Unix(PathBuf),
 }
@@ -324,8 +325,33 @@ pub fn alpn_ids(list: &[String]) -> Vec<Vec<u8>> {
     list.iter().map(|p| p.trim().as_bytes().to_vec()).collect()
 }
 
+/// What a product offers by ALPN.
+pub struct Alpn {
+    /// For sites without an `alpn` key.
+    pub default: Vec<Vec<u8>>,
+    /// The product speaks HTTP/1 only: any other id (`h2`) would have clients speak a
+    /// protocol it cannot read, so it is refused at load.
+    pub http1_only: bool,
+}
+
+/// The ALPN ids of HTTP/1 (RFC 7301): what serve and HTTP mode speak, most preferred first.
+pub const HTTP1_ALPN: [&[u8]; 2] = [b"http/1.1", b"http/1.0"];
+
+impl Alpn {
+    /// `--alpn` if given (checked), else `default`.
+    pub fn new(flag: Option<&[String]>, default: &[&[u8]], http1_only: bool) -> Self {
+        Self {
+            default: match flag {
+                Some(list) => alpn_ids(list),
+                None => default.iter().map(|p| p.to_vec()).collect(),
+            },
+            http1_only,
+        }
+    }
+}
+
 /// Why an ALPN list cannot be offered, if it cannot.
-pub fn check_alpn(ids: &[Vec<u8>], alpn: &crate::server::Alpn) -> Result<(), String> {
+pub fn check_alpn(ids: &[Vec<u8>], alpn: &Alpn) -> Result<(), String> {
     for id in ids {
         if id.is_empty() || id.len() > 255 {
             return Err(format!(
@@ -333,7 +359,7 @@ pub fn check_alpn(ids: &[Vec<u8>], alpn: &crate::server::Alpn) -> Result<(), Str
                 String::from_utf8_lossy(id)
             ));
         }
-        if alpn.http1_only && !crate::server::HTTP1_ALPN.contains(&id.as_slice()) {
+        if alpn.http1_only && !HTTP1_ALPN.contains(&id.as_slice()) {
             return Err(format!(
                 "ALPN id {:?}: this server speaks HTTP/1 only (http/1.1, http/1.0)",
                 String::from_utf8_lossy(id)
@@ -348,7 +374,7 @@ pub fn single_site(
     origin: Origin,
     chain: &Path,
     key: &Path,
-    alpn: &crate::server::Alpn,
+    alpn: &Alpn,
     keys: KeyLoader,
 ) -> anyhow::Result<Sites> {
     check_alpn(&alpn.default, alpn).map_err(|e| anyhow::anyhow!("--alpn: {e}"))?;
@@ -372,7 +398,7 @@ pub fn single_site(
 pub fn load_sites(
     file: &ConfigFile,
     needs: &SiteNeeds,
-    alpn: &crate::server::Alpn,
+    alpn: &Alpn,
     keys: KeyLoader,
 ) -> Result<Sites, Vec<String>> {
     let mut errors = Vec::new();

@@ -19,3 +19,4 @@ pub mod lobby;
 pub mod privileges;
 pub mod runtime;
 pub mod server;
+pub mod stats;

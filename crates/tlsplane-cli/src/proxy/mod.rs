@@ -237,7 +237,7 @@ impl Product for Proxy {
             },
             args: args.clone(),
             stats: stats.clone(),
-            access_log: crate::access_log::AccessLog::open(&args.server)?,
+            access_log: args.server.access_log()?,
         })
     }
 
