@@ -15,7 +15,9 @@ use clap::Args;
 use tlsplane::sites::SiteNames;
 use tlsplane::stats::Counter;
 use tlsplane::TlsStream;
-use tlsplane_http::{error_response, parse_request, respond, Body, DocRoot, Limits, Parsed};
+use tlsplane_http::{
+    error_response, parse_request, respond, Body, DocRoot, HeadReader, Limits, Parsed,
+};
 
 use tlsplane_server::access_log::{self, AccessLog, Entry, RequestLine};
 use tlsplane_server::config::{Origin, SiteNeeds, Sites};
@@ -201,12 +203,17 @@ async fn http_loop(
         Phase::Handshake => (vec![0u8; max_buf.min(1024)], 0, None, true, false),
         Phase::Moved(p) => (p.buf, p.used, p.deadline, false, p.responded),
     };
+    // Looks at each byte of a head once; parses it a bounded number of times (not per read).
+    let mut head = HeadReader::new();
     loop {
-        match parse_request(&buf[..used], &shared.limits) {
-            Ok(Parsed::Complete {
-                head_len,
-                mut request,
-            }) => {
+        let parsed = head.read(&buf[..used], &shared.limits, |b| {
+            Ok(match parse_request(b, &shared.limits)? {
+                Parsed::Complete { head_len, request } => Some((request, head_len)),
+                Parsed::Incomplete => None,
+            })
+        });
+        match parsed {
+            Ok(Some((mut request, head_len))) => {
                 shared.stats.requests.fetch_add(1, Relaxed);
                 // Only with the access log: no clock read per request otherwise.
                 let started = shared
@@ -278,12 +285,12 @@ async fn http_loop(
                     return Box::pin(tls.close()).await.map(|()| Served::Done);
                 }
             }
-            Ok(Parsed::Incomplete) => {
+            Ok(None) => {
                 if used == buf.len() && buf.len() < max_buf {
                     buf.resize((buf.len() * 2).min(max_buf), 0);
                 }
                 if used == buf.len() {
-                    // parse_request enforces the head limit before this can happen; be safe.
+                    // The head reader enforces the head limit before this can happen; be safe.
                     let resp = error_response(431, false);
                     count_status(&shared.stats, 431);
                     return Box::pin(send_last_response(&mut tls, &resp))
