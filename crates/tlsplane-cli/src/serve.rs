@@ -1,7 +1,7 @@
 //! `tlsplane serve`: an HTTPS static-file server.
 //!
-//! Listeners, handshakes and workers are the shared runtime's (`crate::runtime`); this module
-//! is the handler it runs on each established connection. HTTP/1.1 is parsed by
+//! Listeners, handshakes and workers are the shared runtime's (`tlsplane_server::runtime`);
+//! this module is the handler it runs on each established connection. HTTP/1.1 is parsed by
 //! `tlsplane-http`; responses are written here so that file bodies can follow the headers by
 //! `sendfile(2)`.
 

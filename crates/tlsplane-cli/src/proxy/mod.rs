@@ -1,6 +1,6 @@
 //! `tlsplane proxy`: TLS termination in front of a plain TCP (or Unix socket) backend.
 //!
-//! Listeners, handshakes, sites, keys and reload are the shared server's (`crate::server`);
+//! Listeners, handshakes, sites, keys and reload are the shared server's (`tlsplane_server::server`);
 //! this module picks a backend for each established connection and moves bytes both ways
 //! unchanged (TCP mode, the hitch/stunnel model), keeping half-closes: the client's
 //! close_notify becomes `shutdown(SHUT_WR)` towards the backend, the backend's EOF becomes a
