@@ -7,6 +7,12 @@
 //! [`server::Product`] that builds a [`runtime::Handler`]: given an established TLS
 //! connection, serve it. [`server::run`] starts everything else the same way for every
 //! product.
+//!
+//! What products use: [`server`] (flags, `Product`, `run`), [`runtime`] (`Handler`, the
+//! connection context, `RuntimeStats`), [`config`] (sites, their origins, backends) and
+//! [`access_log`]; the binary also runs [`keyd`] and the `--user` launcher ([`privileges`]).
+//! [`admin`], [`keys`] and [`limits`] are public for the types of the flags and counters
+//! above; the lobby and the counters' module are internal.
 #![forbid(unsafe_code)]
 
 pub mod access_log;
@@ -15,8 +21,8 @@ pub mod config;
 pub mod keyd;
 pub mod keys;
 pub mod limits;
-pub mod lobby;
+mod lobby;
 pub mod privileges;
 pub mod runtime;
 pub mod server;
-pub mod stats;
+mod stats;
