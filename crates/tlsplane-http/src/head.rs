@@ -37,11 +37,6 @@ impl HeadReader {
         Self::default()
     }
 
-    /// Whether nothing of a head has been looked at.
-    pub fn is_idle(&self) -> bool {
-        self.seen == 0
-    }
-
     /// Reads the head in `buf` (all of it so far, from its first byte; the caller appends to
     /// it between calls and moves on by the returned length once it is complete). Only the
     /// bytes not seen before are looked at; `parse` (the product's parser, given the whole
@@ -191,7 +186,7 @@ mod tests {
         let mut r = HeadReader::new();
         let mut parse = counting(&mut calls, &limits);
         let ((), first) = r.read(two, &limits, &mut parse).unwrap().unwrap();
-        assert!(r.is_idle());
+        assert_eq!(r.seen, 0, "ready for the next head");
         let ((), second) = r.read(&two[first..], &limits, &mut parse).unwrap().unwrap();
         assert_eq!(first + second, two.len());
     }
