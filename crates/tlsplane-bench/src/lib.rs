@@ -1,4 +1,5 @@
-//! Load generator behind `tlsplane bench`.
+//! Load generator behind `tlsplane bench` (the `tlsplane-bench` binary, which `tlsplane bench`
+//! runs).
 //!
 //! * `bench handshake TARGET`: repeated connect + TLS handshake (+ optional
 //!   GET) + close_notify, counting full vs resumed handshakes, failures by

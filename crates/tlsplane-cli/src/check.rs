@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 
-use crate::config::{load_sites, ConfigFile, SiteNeeds};
-use crate::server::{server_options_of, Alpn, Product};
+use tlsplane_server::config::{load_sites, ConfigFile, SiteNeeds};
+use tlsplane_server::server::{server_options_of, Alpn, Product};
 
 #[derive(Args, Debug)]
 pub struct CheckArgs {
@@ -39,7 +39,7 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
                 errors.push(format!("{e:#}"));
                 (
                     SiteNeeds::Handoff {
-                        default: crate::config::HandoffTarget {
+                        default: tlsplane_server::config::HandoffTarget {
                             socket: Default::default(),
                             uids: vec![],
                             gids: vec![],
@@ -64,7 +64,7 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
         let options = server_options_of::<crate::serve::ServeArgs>(&file, &|_| false, Vec::new());
         let alpn = match &options {
             Ok(o) => crate::serve::Serve::alpn(o),
-            Err(_) => Alpn::new(None, &crate::server::HTTP1_ALPN, true),
+            Err(_) => Alpn::new(None, &tlsplane_server::server::HTTP1_ALPN, true),
         };
         let needs = SiteNeeds::Root {
             allow_symlinks_outside: match options {
@@ -127,7 +127,7 @@ pub fn reload(args: ReloadArgs) -> anyhow::Result<()> {
         .trim()
         .parse()
         .map_err(|_| anyhow::anyhow!("{}: not a pid: {:?}", args.pid_file.display(), text))?;
-    let status = crate::runtime::reload_status_path(&args.pid_file);
+    let status = tlsplane_server::runtime::reload_status_path(&args.pid_file);
     let (before, _) = last_reload(&status);
     tlsplane_sys::send_sighup(pid).map_err(|e| {
         anyhow::anyhow!(

@@ -37,12 +37,12 @@ use tlsplane::stats::Counter;
 use tlsplane::{PlaneKind, TlsStream};
 use tlsplane_handoff::{ConnInfo, Message, Plane, Reply, Status};
 
-use crate::config::{HandoffTarget, Origin, SiteNeeds, Sites};
 use crate::proxy::backend::{BackendConn, Io};
 use crate::proxy::{Ended, ProxyStats};
-use crate::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
-use crate::server::{Product, ServerArgs};
 use keeper::{Keeper, KeptSocket, KeptStats};
+use tlsplane_server::config::{HandoffTarget, Origin, SiteNeeds, Sites};
+use tlsplane_server::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
+use tlsplane_server::server::{Product, ServerArgs};
 
 #[derive(Args, Debug, Clone)]
 pub struct HandoffArgs {
@@ -524,8 +524,8 @@ impl Product for Handoff {
     }
 
     /// The program decides what it speaks: no ALPN unless told (as the proxy's TCP mode).
-    fn alpn(args: &HandoffArgs) -> crate::server::Alpn {
-        crate::server::Alpn::new(args.server.alpn.as_deref(), &[], false)
+    fn alpn(args: &HandoffArgs) -> tlsplane_server::server::Alpn {
+        tlsplane_server::server::Alpn::new(args.server.alpn.as_deref(), &[], false)
     }
 
     fn check_args(args: &HandoffArgs, with_config: bool) -> anyhow::Result<()> {

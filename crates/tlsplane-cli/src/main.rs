@@ -1,21 +1,14 @@
-//! `tlsplane`: HTTPS static files and a TLS-terminating proxy over split-plane TLS, their key
-//! daemon, and a TLS load generator.
+//! `tlsplane`: HTTPS static files, a TLS-terminating proxy and the hand-off of TLS
+//! connections over split-plane TLS, and their key daemon. `tlsplane bench` runs the load
+//! generator, a separate binary (`tlsplane-bench`) that this one does not link.
 #![forbid(unsafe_code)]
 
-mod access_log;
-mod admin;
 mod check;
-mod config;
 mod handoff;
-mod keyd;
-mod keys;
-mod limits;
-mod lobby;
-mod privileges;
 mod proxy;
-mod runtime;
 mod serve;
-mod server;
+
+use tlsplane_server::{keyd, privileges, server};
 
 use clap::{Parser, Subcommand};
 
@@ -53,9 +46,13 @@ enum Command {
     /// Started by a server with --user, as root: starts its key daemons.
     #[command(hide = true)]
     KeydLauncher(privileges::LauncherArgs),
-    /// Load generators: TLS handshakes per second, HTTPS throughput.
-    #[command(subcommand)]
-    Bench(tlsplane_bench::BenchCommand),
+    /// Load generators: TLS handshakes per second, HTTPS throughput (runs the tlsplane-bench
+    /// binary beside this one with these arguments; `tlsplane bench --help` for its help).
+    #[command(disable_help_flag = true)]
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+        args: Vec<std::ffi::OsString>,
+    },
 }
 
 /// One line per panic, so that a bug the network can trigger repeatedly cannot flood the log
@@ -86,6 +83,30 @@ fn install_panic_hook() {
             }
         }
     }));
+}
+
+/// `tlsplane bench ARGS`: becomes (exec) the `tlsplane-bench` binary beside this one, so that
+/// scripts keep calling `tlsplane bench` while the server binary does not link the load
+/// generator.
+fn run_bench(args: Vec<std::ffi::OsString>) -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe()
+        .map_err(|e| anyhow::anyhow!("cannot find this binary's directory: {e}"))?;
+    let bench = exe.with_file_name("tlsplane-bench");
+    if !bench.exists() {
+        anyhow::bail!(
+            "the load generator is its own binary, and {} does not exist: build it with \
+             `cargo build --release -p tlsplane-bench` (a plain `cargo build --release` at the \
+             workspace root builds it too) and keep it beside tlsplane",
+            bench.display()
+        );
+    }
+    // Usage lines then read `tlsplane bench ...`, as the command typed.
+    let err = std::process::Command::new(&bench)
+        .arg0("tlsplane bench")
+        .args(args)
+        .exec();
+    Err(anyhow::anyhow!("cannot run {}: {err}", bench.display()))
 }
 
 fn main() {
@@ -126,7 +147,7 @@ fn main() {
         Command::Reload(args) => check::reload(args),
         Command::Keyd(args) => keyd::run(args),
         Command::KeydLauncher(args) => privileges::run_launcher(args),
-        Command::Bench(cmd) => tlsplane_bench::run(cmd),
+        Command::Bench { args } => run_bench(args),
     };
     if let Err(e) = result {
         eprintln!("tlsplane: error: {e:#}");

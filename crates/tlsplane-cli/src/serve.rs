@@ -1,7 +1,7 @@
 //! `tlsplane serve`: an HTTPS static-file server.
 //!
-//! Listeners, handshakes and workers are the shared runtime's (`crate::runtime`); this module
-//! is the handler it runs on each established connection. HTTP/1.1 is parsed by
+//! Listeners, handshakes and workers are the shared runtime's (`tlsplane_server::runtime`);
+//! this module is the handler it runs on each established connection. HTTP/1.1 is parsed by
 //! `tlsplane-http`; responses are written here so that file bodies can follow the headers by
 //! `sendfile(2)`.
 
@@ -15,12 +15,14 @@ use clap::Args;
 use tlsplane::sites::SiteNames;
 use tlsplane::stats::Counter;
 use tlsplane::TlsStream;
-use tlsplane_http::{error_response, parse_request, respond, Body, DocRoot, Limits, Parsed};
+use tlsplane_http::{
+    error_response, parse_request, respond, Body, DocRoot, HeadReader, Limits, Parsed,
+};
 
-use crate::access_log::{self, AccessLog, Entry, RequestLine};
-use crate::config::{Origin, SiteNeeds, Sites};
-use crate::runtime::{ConnContext, FirstRequest, Handler, Phase, RuntimeStats, Served};
-use crate::server::{Product, ServerArgs};
+use tlsplane_server::access_log::{self, AccessLog, Entry, RequestLine};
+use tlsplane_server::config::{Origin, SiteNeeds, Sites};
+use tlsplane_server::runtime::{ConnContext, FirstRequest, Handler, Phase, RuntimeStats, Served};
+use tlsplane_server::server::{Product, ServerArgs};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -103,10 +105,10 @@ impl Product for Serve {
         }
     }
 
-    fn alpn(args: &ServeArgs) -> crate::server::Alpn {
-        crate::server::Alpn::new(
+    fn alpn(args: &ServeArgs) -> tlsplane_server::server::Alpn {
+        tlsplane_server::server::Alpn::new(
             args.server.alpn.as_deref(),
-            &crate::server::HTTP1_ALPN,
+            &tlsplane_server::server::HTTP1_ALPN,
             true,
         )
     }
@@ -139,7 +141,7 @@ impl Product for Serve {
             limits: Limits::default(),
             stats: stats.clone(),
             ttfb: runtime.histograms.first_response.clone(),
-            access_log: AccessLog::open(&args.server)?,
+            access_log: args.server.access_log()?,
         })
     }
 
@@ -201,12 +203,17 @@ async fn http_loop(
         Phase::Handshake => (vec![0u8; max_buf.min(1024)], 0, None, true, false),
         Phase::Moved(p) => (p.buf, p.used, p.deadline, false, p.responded),
     };
+    // Looks at each byte of a head once; parses it a bounded number of times (not per read).
+    let mut head = HeadReader::new();
     loop {
-        match parse_request(&buf[..used], &shared.limits) {
-            Ok(Parsed::Complete {
-                head_len,
-                mut request,
-            }) => {
+        let parsed = head.read(&buf[..used], &shared.limits, |b| {
+            Ok(match parse_request(b, &shared.limits)? {
+                Parsed::Complete { head_len, request } => Some((request, head_len)),
+                Parsed::Incomplete => None,
+            })
+        });
+        match parsed {
+            Ok(Some((mut request, head_len))) => {
                 shared.stats.requests.fetch_add(1, Relaxed);
                 // Only with the access log: no clock read per request otherwise.
                 let started = shared
@@ -278,12 +285,12 @@ async fn http_loop(
                     return Box::pin(tls.close()).await.map(|()| Served::Done);
                 }
             }
-            Ok(Parsed::Incomplete) => {
+            Ok(None) => {
                 if used == buf.len() && buf.len() < max_buf {
                     buf.resize((buf.len() * 2).min(max_buf), 0);
                 }
                 if used == buf.len() {
-                    // parse_request enforces the head limit before this can happen; be safe.
+                    // The head reader enforces the head limit before this can happen; be safe.
                     let resp = error_response(431, false);
                     count_status(&shared.stats, 431);
                     return Box::pin(send_last_response(&mut tls, &resp))

@@ -54,6 +54,7 @@
 mod date;
 mod error;
 pub mod forward;
+mod head;
 mod mime;
 mod parse;
 mod resolve;
@@ -62,6 +63,7 @@ mod rules;
 
 pub use date::{http_date, parse_http_date};
 pub use error::HttpError;
+pub use head::HeadReader;
 pub use mime::content_type;
 pub use parse::{parse_request, Limits, Method, Parsed, Request};
 pub use resolve::DocRoot;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::Interest;
 
-use super::Backend;
+use tlsplane_server::config::Backend;
 
 /// One site's backends, in rotation, with what passive health checking learnt.
 pub(super) struct Pool {

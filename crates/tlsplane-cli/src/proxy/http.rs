@@ -18,14 +18,14 @@ use std::time::Duration;
 
 use tlsplane::TlsStream;
 use tlsplane_http::forward::{self, BodyFraming, Framing, Head, Origin, RequestHead, ResponseHead};
-use tlsplane_http::{error_response, Body, Limits};
+use tlsplane_http::{error_response, Body, HeadReader, Limits};
 use tokio::time::{timeout, timeout_at, Instant};
 
 use super::backend::BackendConn;
 use super::tcp::relay;
 use super::{reset, Ended, Proxy, Unavailable};
-use crate::access_log::{Entry, RequestLine};
-use crate::runtime::ConnContext;
+use tlsplane_server::access_log::{Entry, RequestLine};
+use tlsplane_server::runtime::ConnContext;
 
 /// Largest response head accepted from a backend.
 const MAX_RESPONSE_HEAD: usize = 65536;
@@ -198,13 +198,23 @@ async fn read_request(
 ) -> Result<RequestHead, Ended> {
     let limits = Limits::default();
     let mut deadline: Option<(bool, Instant)> = None;
+    // Looks at each byte of the head once; parses it a bounded number of times (not per read).
+    let mut head = HeadReader::new();
     loop {
-        match forward::parse_request_head(client.bytes(), &limits, proxy.forwarded) {
-            Ok(Head::Complete(request, len)) => {
+        let parsed = head.read(client.bytes(), &limits, |b| {
+            Ok(
+                match forward::parse_request_head(b, &limits, proxy.forwarded)? {
+                    Head::Complete(request, len) => Some((request, len)),
+                    Head::Incomplete => None,
+                },
+            )
+        });
+        match parsed {
+            Ok(Some((request, len))) => {
                 client.consume(len);
                 return Ok(request);
             }
-            Ok(Head::Incomplete) => {}
+            Ok(None) => {}
             Err(e) => {
                 proxy.stats.http_refused.fetch_add(1, Relaxed);
                 let started = proxy.access_log.as_ref().map(|_| Instant::now());

@@ -1,6 +1,6 @@
 //! `tlsplane proxy`: TLS termination in front of a plain TCP (or Unix socket) backend.
 //!
-//! Listeners, handshakes, sites, keys and reload are the shared server's (`crate::server`);
+//! Listeners, handshakes, sites, keys and reload are the shared server's (`tlsplane_server::server`);
 //! this module picks a backend for each established connection and moves bytes both ways
 //! unchanged (TCP mode, the hitch/stunnel model), keeping half-closes: the client's
 //! close_notify becomes `shutdown(SHUT_WR)` towards the backend, the backend's EOF becomes a
@@ -12,7 +12,6 @@ pub mod proxy_protocol;
 pub(crate) mod tcp;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,12 +20,12 @@ use clap::Args;
 use tlsplane::stats::Counter;
 use tlsplane::TlsStream;
 
-use crate::config::{Origin, SiteNeeds, Sites};
-use crate::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
-use crate::server::{Product, ServerArgs};
 use backend::{BackendConn, Io, Pool};
 use proxy_protocol::TlsFacts;
 use tcp::{relay, Pipes};
+use tlsplane_server::config::{Backend, Origin, SiteNeeds, Sites};
+use tlsplane_server::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
+use tlsplane_server::server::{Product, ServerArgs};
 
 #[derive(Args, Debug, Clone)]
 pub struct ProxyArgs {
@@ -106,58 +105,6 @@ pub enum ForwardedArg {
     Off,
 }
 
-/// Where a proxy forwards a connection.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Backend {
-    /// `HOST:PORT`; a host name is resolved when the configuration is loaded (see `Pool::new`).
-    Tcp(String),
-    Unix(PathBuf),
-}
-
-impl std::fmt::Display for Backend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Backend::Tcp(a) => f.write_str(a),
-            Backend::Unix(p) => write!(f, "unix:{}", p.display()),
-        }
-    }
-}
-
-impl std::str::FromStr for Backend {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::parse_in(s, None)
-    }
-}
-
-impl Backend {
-    /// Parses `HOST:PORT` or `unix:PATH`; a relative PATH is relative to `base` if given
-    /// (a configuration file's directory).
-    pub fn parse_in(s: &str, base: Option<&Path>) -> Result<Self, String> {
-        if let Some(path) = s.strip_prefix("unix:") {
-            if path.is_empty() {
-                return Err("unix: needs a path".into());
-            }
-            let p = Path::new(path);
-            return Ok(Backend::Unix(match base {
-                Some(dir) if p.is_relative() => dir.join(p),
-                _ => p.to_path_buf(),
-            }));
-        }
-        let (host, port) = s
-            .rsplit_once(':')
-            .ok_or_else(|| format!("{s:?}: expected HOST:PORT or unix:PATH"))?;
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        if host.is_empty() {
-            return Err(format!("{s:?}: no host"));
-        }
-        match port.parse::<u16>() {
-            Ok(p) if p > 0 => Ok(Backend::Tcp(s.to_string())),
-            _ => Err(format!("{s:?}: {port:?} is not a port")),
-        }
-    }
-}
-
 /// The backends of `args` as the default for sites of a configuration file.
 pub fn site_needs(args: &ProxyArgs) -> SiteNeeds {
     SiteNeeds::Backends {
@@ -221,7 +168,7 @@ pub struct Proxy {
     args: ProxyArgs,
     stats: Arc<ProxyStats>,
     /// Opened again with each generation (a reload re-opens the file).
-    access_log: Option<crate::access_log::AccessLog>,
+    access_log: Option<tlsplane_server::access_log::AccessLog>,
 }
 
 impl Product for Proxy {
@@ -239,14 +186,14 @@ impl Product for Proxy {
 
     /// HTTP mode speaks HTTP/1; TCP mode does not know what it carries, so it offers no ALPN
     /// unless told (a client offering any, or none, is served).
-    fn alpn(args: &ProxyArgs) -> crate::server::Alpn {
+    fn alpn(args: &ProxyArgs) -> tlsplane_server::server::Alpn {
         let http = args.mode == Mode::Http;
         let default: &[&[u8]] = if http {
-            &crate::server::HTTP1_ALPN
+            &tlsplane_server::server::HTTP1_ALPN
         } else {
             &[]
         };
-        crate::server::Alpn::new(args.server.alpn.as_deref(), default, http)
+        tlsplane_server::server::Alpn::new(args.server.alpn.as_deref(), default, http)
     }
 
     fn check_args(args: &ProxyArgs, with_config: bool) -> anyhow::Result<()> {
@@ -290,7 +237,7 @@ impl Product for Proxy {
             },
             args: args.clone(),
             stats: stats.clone(),
-            access_log: crate::access_log::AccessLog::open(&args.server)?,
+            access_log: args.server.access_log()?,
         })
     }
 
@@ -403,7 +350,7 @@ impl Handler for Proxy {
                 let outcome = self.forward(tls, peer).await;
                 if let Some((log, started, plane, name)) = logged {
                     let outcome = format!("{outcome:?}");
-                    log.write(&crate::access_log::Entry {
+                    log.write(&tlsplane_server::access_log::Entry {
                         peer,
                         host: None,
                         request: None,

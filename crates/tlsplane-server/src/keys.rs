@@ -3,9 +3,8 @@
 //! (`--keyd off`, weaker: a memory disclosure in the server then discloses the keys).
 
 use std::ffi::OsString;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -186,14 +185,14 @@ impl Keys {
             });
         }
         drop(launcher);
-        let dir = private_dir(0o700)?;
+        let dir = crate::keyd::private_dir(0o700)?;
         let socket = dir.join("keyd.sock");
         let extra: Vec<OsString> = match copy_of {
             Some(d) => vec!["--copy-from".into(), d.socket.clone().into()],
             None => Vec::new(),
         };
         let (mut child, stdin) =
-            start_daemon_process(&socket, &self.daemon_args, &extra, &self.token)?;
+            crate::keyd::start_daemon_process(&socket, &self.daemon_args, &extra, &self.token)?;
         let ready = wait_until_listening(self.endpoint(&socket), self.sign_timeout, || {
             Ok(child.try_wait()?.map(|status| status.to_string()))
         });
@@ -326,7 +325,7 @@ impl Keys {
     pub fn supervise(
         self: &Arc<Self>,
         reload: tokio::sync::mpsc::UnboundedSender<&'static str>,
-        stats: Arc<crate::runtime::RuntimeStats>,
+        stats: Arc<crate::stats::RuntimeStats>,
     ) {
         if self.mode == KeydMode::Off {
             return;
@@ -371,10 +370,7 @@ impl Keys {
     /// If the daemon in use died or is stuck, puts its spare in its place (no reload: the
     /// configuration in force keeps its keys); without a spare, starts a daemon from the
     /// files, and returns why a reload is needed (new handles).
-    fn replace_if_dead_or_stuck(
-        &self,
-        stats: &crate::runtime::RuntimeStats,
-    ) -> Option<&'static str> {
+    fn replace_if_dead_or_stuck(&self, stats: &crate::stats::RuntimeStats) -> Option<&'static str> {
         let mut daemons = self.lock_daemons();
         let status = daemons.in_use.as_mut().and_then(|d| self.exited(d));
         let kill = if let Some(status) = status {
@@ -503,7 +499,7 @@ impl Keys {
     fn reconnect_if_broken(
         &self,
         socket: &Path,
-        stats: &crate::runtime::RuntimeStats,
+        stats: &crate::stats::RuntimeStats,
     ) -> Option<&'static str> {
         if self.client().is_none_or(|c| c.broken() == 0) {
             return None;
@@ -579,33 +575,6 @@ struct SpareRetry {
     last_error: String,
 }
 
-/// Starts `tlsplane keyd` listening on `socket` for the keys `daemon_args` name, a child of
-/// this process (dying with it), with `extra` arguments, and hands it `token` on its stdin,
-/// which it keeps open: the daemon exits when that closes.
-pub fn start_daemon_process(
-    socket: &Path,
-    daemon_args: &[OsString],
-    extra: &[OsString],
-    token: &[u8; TOKEN_LEN],
-) -> anyhow::Result<(Child, ChildStdin)> {
-    let mut child = Command::new(std::env::current_exe()?)
-        .arg("keyd")
-        .arg("--socket")
-        .arg(socket)
-        .args(daemon_args)
-        .arg("--parent")
-        .arg(std::process::id().to_string())
-        .args(extra)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .map_err(|e| anyhow::anyhow!("cannot start the key daemon: {e}"))?;
-    let mut stdin = child.stdin.take().expect("piped stdin");
-    stdin.write_all(crate::keyd::encode_hex(token).as_bytes())?;
-    stdin.write_all(b"\n")?;
-    Ok((child, stdin))
-}
-
 /// Connects to a daemon started by hand (`--keyd unix:PATH`), with the token it wrote beside
 /// its socket.
 fn connect_external(socket: &Path, sign_timeout: Duration) -> anyhow::Result<Arc<KeydClient>> {
@@ -650,34 +619,4 @@ fn wait_until_listening(
             Err(e) => anyhow::bail!("the key daemon did not answer within 30 s: {e}"),
         }
     }
-}
-
-/// A new directory for a daemon's socket (0700, or 0711 for a daemon that serves another
-/// user), under $XDG_RUNTIME_DIR or the temporary directory.
-pub fn private_dir(mode: u32) -> anyhow::Result<PathBuf> {
-    use std::os::unix::fs::DirBuilderExt;
-    let base = std::env::var_os("XDG_RUNTIME_DIR")
-        .map(PathBuf::from)
-        .filter(|p| p.is_dir())
-        .unwrap_or_else(std::env::temp_dir);
-    let mut rnd = [0u8; 8];
-    rustls::crypto::aws_lc_rs::default_provider()
-        .secure_random
-        .fill(&mut rnd)
-        .map_err(|_| anyhow::anyhow!("no randomness"))?;
-    let dir = base.join(format!(
-        "tlsplane-keyd-{}-{}",
-        std::process::id(),
-        crate::keyd::encode_hex(&rnd).as_str()
-    ));
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(&dir)
-        .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
-    if mode != 0o700 {
-        // After creation: the umask would have masked the mode given to mkdir.
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))?;
-    }
-    Ok(dir)
 }

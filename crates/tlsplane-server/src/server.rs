@@ -12,6 +12,8 @@ use std::time::Duration;
 use clap::Args;
 use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions};
 
+// Alpn and HTTP1_ALPN live with the configuration that checks them; products name them here.
+pub use crate::config::{Alpn, HTTP1_ALPN};
 use crate::config::{ConfigFile, Origin, SiteNeeds, Sites};
 use crate::keys::Keys;
 use crate::runtime::{self, Generation, Handler, RuntimeConfig, RuntimeStats};
@@ -147,6 +149,17 @@ fn parse_linger_seconds(s: &str) -> Result<f64, String> {
     }
 }
 
+impl ServerArgs {
+    /// The access log these flags ask for, if any (its file, if any, opened now).
+    pub fn access_log(&self) -> anyhow::Result<Option<crate::access_log::AccessLog>> {
+        crate::access_log::AccessLog::open(
+            self.access_log,
+            self.access_log_file.as_deref(),
+            self.access_log_format,
+        )
+    }
+}
+
 fn parse_workers(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(0) => Err("must be at least 1".into()),
@@ -199,31 +212,6 @@ pub trait Product: Handler + Sized {
     /// The product hands the socket itself to another program: handshakes must leave the
     /// client's first application data in it (`ServerOptions::exact_handshake_reads`).
     const HANDS_OFF_SOCKETS: bool = false;
-}
-
-/// What a product offers by ALPN.
-pub struct Alpn {
-    /// For sites without an `alpn` key.
-    pub default: Vec<Vec<u8>>,
-    /// The product speaks HTTP/1 only: any other id (`h2`) would have clients speak a
-    /// protocol it cannot read, so it is refused at load.
-    pub http1_only: bool,
-}
-
-/// The ALPN ids of HTTP/1 (RFC 7301): what serve and HTTP mode speak, most preferred first.
-pub const HTTP1_ALPN: [&[u8]; 2] = [b"http/1.1", b"http/1.0"];
-
-impl Alpn {
-    /// `--alpn` if given (checked), else `default`.
-    pub fn new(flag: Option<&[String]>, default: &[&[u8]], http1_only: bool) -> Self {
-        Self {
-            default: match flag {
-                Some(list) => crate::config::alpn_ids(list),
-                None => default.iter().map(|p| p.to_vec()).collect(),
-            },
-            http1_only,
-        }
-    }
 }
 
 /// A product's flags, standalone, to parse a configuration file's `[server]` table with.

@@ -1340,7 +1340,7 @@ mod tests {
         }
     }
 
-    /// `cargo test --release -p tlsplane-cli admission_cost -- --ignored --nocapture`:
+    /// `cargo test --release -p tlsplane-server admission_cost -- --ignored --nocapture`:
     /// admission of 1 M distinct IPv6 /64 clients, one connection each (admitted, then
     /// closed), into a table of the default size and into one that holds them all.
     #[test]

@@ -16,9 +16,11 @@
 //! its own parent and that is a key daemon started with `--copy-from`.
 
 use std::collections::HashMap;
-use std::io::{BufRead, Read};
+use std::ffi::OsString;
+use std::io::{BufRead, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, RwLock};
 
 use clap::Args;
@@ -682,6 +684,63 @@ pub fn decode_hex(s: &str, out: &mut [u8; TOKEN_LEN]) -> Option<()> {
         *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
     }
     Some(())
+}
+
+/// Starts `tlsplane keyd` listening on `socket` for the keys `daemon_args` name, a child of
+/// this process (dying with it), with `extra` arguments, and hands it `token` on its stdin,
+/// which it keeps open: the daemon exits when that closes.
+pub fn start_daemon_process(
+    socket: &Path,
+    daemon_args: &[OsString],
+    extra: &[OsString],
+    token: &[u8; TOKEN_LEN],
+) -> anyhow::Result<(Child, ChildStdin)> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("keyd")
+        .arg("--socket")
+        .arg(socket)
+        .args(daemon_args)
+        .arg("--parent")
+        .arg(std::process::id().to_string())
+        .args(extra)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("cannot start the key daemon: {e}"))?;
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    stdin.write_all(encode_hex(token).as_bytes())?;
+    stdin.write_all(b"\n")?;
+    Ok((child, stdin))
+}
+
+/// A new directory for a daemon's socket (0700, or 0711 for a daemon that serves another
+/// user), under $XDG_RUNTIME_DIR or the temporary directory.
+pub fn private_dir(mode: u32) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let base = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|p| p.is_dir())
+        .unwrap_or_else(std::env::temp_dir);
+    let mut rnd = [0u8; 8];
+    rustls::crypto::aws_lc_rs::default_provider()
+        .secure_random
+        .fill(&mut rnd)
+        .map_err(|_| anyhow::anyhow!("no randomness"))?;
+    let dir = base.join(format!(
+        "tlsplane-keyd-{}-{}",
+        std::process::id(),
+        encode_hex(&rnd).as_str()
+    ));
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
+    if mode != 0o700 {
+        // After creation: the umask would have masked the mode given to mkdir.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))?;
+    }
+    Ok(dir)
 }
 
 #[cfg(test)]

@@ -191,9 +191,62 @@ pub enum Origin {
     /// `serve`: files under a document root.
     Root(DocRoot),
     /// `proxy`: these backends, in round-robin order.
-    Backends(Vec<crate::proxy::Backend>),
+    Backends(Vec<Backend>),
     /// `handoff`: the receivers connected to this socket.
     Handoff(HandoffTarget),
+}
+
+/// Where a proxy forwards a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// `HOST:PORT`; a host name is resolved when the configuration is loaded (the
+    /// proxy's `Pool::new`).
+    Tcp(String),
+    Unix(PathBuf),
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Backend::Tcp(a) => f.write_str(a),
+            Backend::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::parse_in(s, None)
+    }
+}
+
+impl Backend {
+    /// Parses `HOST:PORT` or `unix:PATH`; a relative PATH is relative to `base` if given
+    /// (a configuration file's directory).
+    pub fn parse_in(s: &str, base: Option<&Path>) -> Result<Self, String> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err("unix: needs a path".into());
+            }
+            let p = Path::new(path);
+            return Ok(Backend::Unix(match base {
+                Some(dir) if p.is_relative() => dir.join(p),
+                _ => p.to_path_buf(),
+            }));
+        }
+        let (host, port) = s
+            .rsplit_once(':')
+            .ok_or_else(|| format!("{s:?}: expected HOST:PORT or unix:PATH"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() {
+            return Err(format!("{s:?}: no host"));
+        }
+        match port.parse::<u16>() {
+            Ok(p) if p > 0 => Ok(Backend::Tcp(s.to_string())),
+            _ => Err(format!("{s:?}: {port:?} is not a port")),
+        }
+    }
 }
 
 /// Where `tlsplane handoff` hands a site's connections, and who may receive them.
@@ -214,7 +267,7 @@ pub enum SiteNeeds {
     },
     /// `default`: the backends of a site that names none (the `--to` flags).
     Backends {
-        default: Vec<crate::proxy::Backend>,
+        default: Vec<Backend>,
     },
     /// `default`: the socket and ids of a site that names none (the flags).
     Handoff {
@@ -272,8 +325,33 @@ pub fn alpn_ids(list: &[String]) -> Vec<Vec<u8>> {
     list.iter().map(|p| p.trim().as_bytes().to_vec()).collect()
 }
 
+/// What a product offers by ALPN.
+pub struct Alpn {
+    /// For sites without an `alpn` key.
+    pub default: Vec<Vec<u8>>,
+    /// The product speaks HTTP/1 only: any other id (`h2`) would have clients speak a
+    /// protocol it cannot read, so it is refused at load.
+    pub http1_only: bool,
+}
+
+/// The ALPN ids of HTTP/1 (RFC 7301): what serve and HTTP mode speak, most preferred first.
+pub const HTTP1_ALPN: [&[u8]; 2] = [b"http/1.1", b"http/1.0"];
+
+impl Alpn {
+    /// `--alpn` if given (checked), else `default`.
+    pub fn new(flag: Option<&[String]>, default: &[&[u8]], http1_only: bool) -> Self {
+        Self {
+            default: match flag {
+                Some(list) => alpn_ids(list),
+                None => default.iter().map(|p| p.to_vec()).collect(),
+            },
+            http1_only,
+        }
+    }
+}
+
 /// Why an ALPN list cannot be offered, if it cannot.
-pub fn check_alpn(ids: &[Vec<u8>], alpn: &crate::server::Alpn) -> Result<(), String> {
+pub fn check_alpn(ids: &[Vec<u8>], alpn: &Alpn) -> Result<(), String> {
     for id in ids {
         if id.is_empty() || id.len() > 255 {
             return Err(format!(
@@ -281,7 +359,7 @@ pub fn check_alpn(ids: &[Vec<u8>], alpn: &crate::server::Alpn) -> Result<(), Str
                 String::from_utf8_lossy(id)
             ));
         }
-        if alpn.http1_only && !crate::server::HTTP1_ALPN.contains(&id.as_slice()) {
+        if alpn.http1_only && !HTTP1_ALPN.contains(&id.as_slice()) {
             return Err(format!(
                 "ALPN id {:?}: this server speaks HTTP/1 only (http/1.1, http/1.0)",
                 String::from_utf8_lossy(id)
@@ -296,7 +374,7 @@ pub fn single_site(
     origin: Origin,
     chain: &Path,
     key: &Path,
-    alpn: &crate::server::Alpn,
+    alpn: &Alpn,
     keys: KeyLoader,
 ) -> anyhow::Result<Sites> {
     check_alpn(&alpn.default, alpn).map_err(|e| anyhow::anyhow!("--alpn: {e}"))?;
@@ -320,7 +398,7 @@ pub fn single_site(
 pub fn load_sites(
     file: &ConfigFile,
     needs: &SiteNeeds,
-    alpn: &crate::server::Alpn,
+    alpn: &Alpn,
     keys: KeyLoader,
 ) -> Result<Sites, Vec<String>> {
     let mut errors = Vec::new();
@@ -433,7 +511,7 @@ pub fn load_sites(
             (SiteNeeds::Backends { default }, None, to) => {
                 let mut backends = Vec::new();
                 for b in to.iter().flatten() {
-                    match crate::proxy::Backend::parse_in(b, file.path.parent()) {
+                    match Backend::parse_in(b, file.path.parent()) {
                         Ok(b) => backends.push(b),
                         Err(e) => fail(format!("to {b:?}: {e}")),
                     }

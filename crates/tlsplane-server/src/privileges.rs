@@ -227,7 +227,7 @@ fn start_daemon(args: &LauncherArgs, hex: &str, from: Option<&Path>) -> anyhow::
     // Root's directory, searchable by all: the server (another user now) reaches the socket
     // but cannot replace it. Who may use it is checked per connection (SO_PEERCRED) and by
     // the token.
-    let dir = crate::keys::private_dir(0o711)?;
+    let dir = crate::keyd::private_dir(0o711)?;
     let socket = dir.join("keyd.sock");
     let allow = args.allow_uid.to_string();
     let mut extra = vec![
@@ -240,7 +240,7 @@ fn start_daemon(args: &LauncherArgs, hex: &str, from: Option<&Path>) -> anyhow::
         extra.extend(["--copy-from".into(), from.as_os_str().to_owned()]);
     }
     let (child, stdin) =
-        crate::keys::start_daemon_process(&socket, &args.daemon_args, &extra, &token)?;
+        crate::keyd::start_daemon_process(&socket, &args.daemon_args, &extra, &token)?;
     Ok(Daemon {
         child,
         stdin: Some(stdin),

@@ -17,8 +17,6 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use crate::server::ServerArgs;
-
 /// How a line is written (`--access-log-format`).
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Format {
@@ -99,17 +97,23 @@ pub struct RequestLine<'a> {
 }
 
 impl AccessLog {
-    /// The access log `args` ask for, if any; the file (if any) is opened now.
-    pub fn open(args: &ServerArgs) -> anyhow::Result<Option<AccessLog>> {
-        if !args.access_log && args.access_log_file.is_none() {
+    /// The access log `--access-log` (`on`), `--access-log-file` (`file`) and
+    /// `--access-log-format` ask for, if any; the file (if any) is opened now. Products call
+    /// it through `ServerArgs::access_log`.
+    pub fn open(
+        on: bool,
+        file: Option<&Path>,
+        format: Format,
+    ) -> anyhow::Result<Option<AccessLog>> {
+        if !on && file.is_none() {
             return Ok(None);
         }
-        let file = match &args.access_log_file {
+        let file = match file {
             Some(path) => Some(open_append(path)?),
             None => None,
         };
         Ok(Some(AccessLog {
-            format: args.access_log_format,
+            format,
             file,
             write_failed: Default::default(),
         }))
