@@ -817,9 +817,12 @@ fn handshake_loop<H: Handler>(
                                 };
                                 let mut open = shared.in_flight.load(Relaxed);
                                 let max = shared.config.limits.max_connections;
-                                if max > 0 && open >= max && shared.idle.evict_oldest() {
-                                    // The evicted connection closes in a moment; this one
-                                    // takes its place.
+                                // An evicted connection closes in a moment and this one
+                                // takes its place. Until its task has run it still counts
+                                // as open: then the next one evicted stands for it (as
+                                // nginx drains reusable connections), rather than a client
+                                // being refused while idle connections are there to close.
+                                while max > 0 && open >= max && shared.idle.evict_oldest() {
                                     shared.stats.idle_evicted.fetch_add(1, Relaxed);
                                     open -= 1;
                                 }
