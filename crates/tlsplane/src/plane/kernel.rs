@@ -759,31 +759,34 @@ impl HandedKeys {
             self.alert(sock, ALERT_CLOSE_NOTIFY);
             return Err(HandedKeyError::Unsupported);
         }
-        let io = HandedKeyError::Io;
         // Our side first, while the socket's receive side is still paused at the peer's
         // KeyUpdate: a program that reads before it writes is waiting in its read, so nothing
         // of its can go out between our KeyUpdate (old key) and the new key's first record.
         if requested && !self.write_closed {
-            send_record_waiting(sock, CT_HANDSHAKE, &[HS_KEY_UPDATE, 0, 0, 1, 0]).map_err(io)?;
-            let (seq, secrets) = self
-                .kconn
-                .update_tx_secret()
-                .map_err(|e| io(io::Error::other(e)))?;
-            let info = crypto_info(self.version, &secrets, seq, Direction::Tx)
-                .map_err(|e| io(io::Error::other(e)))?;
-            drop(secrets);
-            sys::set_crypto_info(sock, Direction::Tx, &info).map_err(io)?;
+            send_record_waiting(sock, CT_HANDSHAKE, &[HS_KEY_UPDATE, 0, 0, 1, 0])
+                .map_err(HandedKeyError::Io)?;
+            self.next_key(sock, Direction::Tx)?;
         }
-        let (seq, secrets) = self
-            .kconn
-            .update_rx_secret()
-            .map_err(|e| io(io::Error::other(e)))?;
-        let info = crypto_info(self.version, &secrets, seq, Direction::Rx)
-            .map_err(|e| io(io::Error::other(e)))?;
-        drop(secrets);
-        sys::set_crypto_info(sock, Direction::Rx, &info).map_err(io)?;
+        self.next_key(sock, Direction::Rx)?;
         bump(&global().key_updates);
         Ok(())
+    }
+
+    /// Derives the next secret of `direction` and installs it on `sock`.
+    fn next_key(
+        &mut self,
+        sock: BorrowedFd<'_>,
+        direction: Direction,
+    ) -> Result<(), HandedKeyError> {
+        let (seq, secrets) = match direction {
+            Direction::Tx => self.kconn.update_tx_secret(),
+            Direction::Rx => self.kconn.update_rx_secret(),
+        }
+        .map_err(|e| HandedKeyError::Io(io::Error::other(e)))?;
+        let info = crypto_info(self.version, &secrets, seq, direction)
+            .map_err(|e| HandedKeyError::Io(io::Error::other(e)))?;
+        drop(secrets);
+        sys::set_crypto_info(sock, direction, &info).map_err(HandedKeyError::Io)
     }
 
     /// Sends close_notify (once), after everything already written to `sock`.
