@@ -114,8 +114,10 @@ ssize_t tlsplane_read(tlsplane_handle *h, int fd, void *buf, size_t len);
 
 /* Ends a connection: on the kernel plane asks tlsplane to send close_notify (after what the
  * program already wrote), on the user plane shuts down writing so that tlsplane's relay sends
- * it; then closes fd. fd is closed whatever the return value. Returns 0, or -1 with errno set
- * (EBADF: not a descriptor this handle accepted; it is then left alone). */
+ * it; then closes fd. fd is closed whatever the return value. When tlsplane has stopped or
+ * restarted since the hand-off (it can no longer be asked, or no longer knows the connection),
+ * the library sends the kernel-plane close_notify itself on fd. Returns 0, or -1 with errno
+ * set (EBADF: not a descriptor this handle accepted; it is then left alone). */
 int tlsplane_close(tlsplane_handle *h, int fd);
 
 /* Closes the hand-off connection and frees the handle. Descriptors already accepted stay open

@@ -377,9 +377,17 @@ impl HandoffClient {
     /// Ends a received connection: on the kernel plane, asks tlsplane for close_notify first
     /// (its answer is returned; the descriptor is closed either way); on the user-relay plane
     /// shuts down writing so that the relay sends close_notify; then closes the descriptor.
+    /// When tlsplane cannot be asked (it stopped) or no longer knows the connection (it
+    /// restarted), the kernel-plane close_notify is sent here, on the program's descriptor
+    /// (sending an alert needs no key of ours: the kernel encrypts it), and that is `Ok`.
     pub fn close(&self, conn: Connection) -> io::Result<Status> {
         let status = match conn.info.plane {
-            Plane::Kernel => self.close_notify(conn.info.conn_id),
+            Plane::Kernel => match self.close_notify(conn.info.conn_id) {
+                Ok(Status::UnknownConnection) | Err(_) => {
+                    tlsplane_sys::send_record(conn.fd.as_fd(), 21, &[1, 0]).map(|_| Status::Ok)
+                }
+                other => other,
+            },
             Plane::UserRelay => {
                 let _ = socket2::SockRef::from(&conn.fd).shutdown(std::net::Shutdown::Write);
                 Ok(Status::Ok)

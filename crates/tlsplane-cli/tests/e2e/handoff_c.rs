@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::handoff::{scratch, wait_receivers};
 use crate::support::client::{End, Tls, TlsClient};
-use crate::support::{info_message, mode, tls_stat, Mode, Server};
+use crate::support::{kernel_rekeys, mode, tls_stat, Mode, Server};
 
 /// A program the tests run: prebuilt (the guest) or compiled here once.
 fn program(name: &str) -> PathBuf {
@@ -117,14 +117,6 @@ fn kernel_tls_stat() -> std::collections::BTreeMap<String, u64> {
     }
 }
 
-fn kernel_rekeys(server: &Server) -> bool {
-    server
-        .stderr_lines()
-        .iter()
-        .filter_map(|l| info_message(l))
-        .any(|m| m.starts_with("data plane:") && m.contains("TLS 1.3 rekey yes"))
-}
-
 /// The program's stdout lines, as they come, up to `n` of them (or its end).
 fn lines_of(child: &mut Child, n: usize, limit: Duration) -> Vec<String> {
     let out = child.stdout.take().expect("piped");
@@ -189,28 +181,50 @@ fn assert_plane(
     }
 }
 
-#[test]
-fn a_c_program_serves_files_by_sendfile_through_a_key_update_and_close_notify() {
-    let dir = scratch("handoff-c-files");
+/// `handoff_files` serving `files` for `conns` connections behind a fresh `tlsplane handoff`,
+/// its receiver connected.
+struct Files {
+    dir: PathBuf,
+    server: Server,
+    prog: Child,
+}
+
+fn files_behind_handoff(what: &str, files: &[(&str, &[u8])], conns: u32) -> Files {
+    let dir = scratch(what);
     let www = dir.join("www");
     std::fs::create_dir_all(&www).unwrap();
-    let big = body(&vec![0; (1 << 20) + 7], 1);
-    let small = body(&[0; 16385], 2);
-    std::fs::write(www.join("big.bin"), &big).unwrap();
-    std::fs::write(www.join("small.bin"), &small).unwrap();
+    for (name, bytes) in files {
+        std::fs::write(www.join(name), bytes).unwrap();
+    }
     let socket = dir.join("app.sock");
-    let tls0 = kernel_tls_stat();
     let server = Server::builder().handoff(&socket).start();
-    let rekeys = mode() == Mode::User || kernel_rekeys(&server);
-    let mut prog = Command::new(program("handoff_files"))
+    let prog = Command::new(program("handoff_files"))
         .arg(&socket)
         .arg(&www)
-        .arg("2")
+        .arg(conns.to_string())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
         .expect("handoff_files");
     wait_receivers(&server, 1);
+    Files { dir, server, prog }
+}
+
+#[test]
+fn a_c_program_serves_files_by_sendfile_through_a_key_update_and_close_notify() {
+    let big = body(&vec![0; (1 << 20) + 7], 1);
+    let small = body(&[0; 16385], 2);
+    let tls0 = kernel_tls_stat();
+    let Files {
+        dir,
+        server,
+        mut prog,
+    } = files_behind_handoff(
+        "handoff-c-files",
+        &[("big.bin", &big), ("small.bin", &small)],
+        2,
+    );
+    let rekeys = mode() == Mode::User || kernel_rekeys(&server);
 
     // A rustls client: a file, a KeyUpdate (update_requested: the program's side re-keys
     // both ways), a file under the new keys, then close_notify.
@@ -335,22 +349,16 @@ fn read_exact(c: &mut TlsClient, buf: &mut [u8]) {
 
 #[test]
 fn a_c_program_killed_mid_connection_leaves_its_client_a_close_notify() {
-    let dir = scratch("handoff-c-killed");
-    let www = dir.join("www");
-    std::fs::create_dir_all(&www).unwrap();
-    std::fs::write(www.join("a.txt"), b"served before the program died\n").unwrap();
-    let socket = dir.join("app.sock");
     let tls0 = kernel_tls_stat();
-    let server = Server::builder().handoff(&socket).start();
-    let mut prog = Command::new(program("handoff_files"))
-        .arg(&socket)
-        .arg(&www)
-        .arg("1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("handoff_files");
-    wait_receivers(&server, 1);
+    let Files {
+        dir,
+        server,
+        mut prog,
+    } = files_behind_handoff(
+        "handoff-c-killed",
+        &[("a.txt", b"served before the program died\n")],
+        1,
+    );
     let mut c = TlsClient::connect_version(server.port(), Tls::V13);
     let r = c.get("/a.txt");
     assert_eq!(r.body, b"served before the program died\n");
@@ -374,5 +382,38 @@ fn a_c_program_killed_mid_connection_leaves_its_client_a_close_notify() {
             "{stats:?}"
         );
     }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// On the kernel plane a handed connection is the program's: tlsplane stopping (or
+/// restarting) leaves it working, and the C library then sends its close_notify itself.
+#[test]
+fn a_kernel_plane_connection_outlives_tlsplane() {
+    if !crate::support::kernel_only("a connection that outlives tlsplane (the relay does not)") {
+        return;
+    }
+    let text = b"the program serves on after tlsplane is gone\n";
+    let Files {
+        dir,
+        server,
+        mut prog,
+    } = files_behind_handoff("handoff-c-outlives", &[("a.txt", text)], 1);
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    assert_eq!(c.get("/a.txt").body, text);
+    let stats = server.stop();
+    assert_eq!(stats.get("handoff_kernel_plane"), 1, "{stats:?}");
+    assert_eq!(
+        stats.get("handoff_kernel_released_receiver_gone"),
+        0,
+        "{stats:?}"
+    );
+    assert_eq!(c.get("/a.txt").body, text, "after tlsplane stopped");
+    c.send_close_notify().unwrap();
+    let (rest, end) = c.read_to_end();
+    assert!(rest.is_empty());
+    assert!(matches!(end, End::CloseNotify), "the end was {end:?}");
+    let lines = lines_of(&mut prog, 1, Duration::from_secs(20));
+    let _ = prog.wait();
+    assert!(lines[0].contains("requests 2 end EOF"), "{lines:?}");
     let _ = std::fs::remove_dir_all(dir);
 }

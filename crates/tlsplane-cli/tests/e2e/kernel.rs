@@ -8,7 +8,7 @@ use std::io;
 
 use crate::support::client::{assert_file_body, End, Response, Tls, TlsClient, BOTH};
 use crate::support::fixtures::{self, sha256, SIZE_1M7};
-use crate::support::{get_request, info_message, kernel_only, mode, Mode, Server};
+use crate::support::{get_request, kernel_only, kernel_rekeys, mode, Mode, Server};
 
 enum Outcome {
     Responded(Response),
@@ -31,14 +31,6 @@ fn response_or_clean_close(c: &mut TlsClient) -> Outcome {
 }
 
 /// What the server said at start-up: whether this kernel can re-key TLS 1.3 (Linux >= 6.14).
-fn kernel_rekeys(server: &Server) -> bool {
-    server
-        .stderr_lines()
-        .iter()
-        .filter_map(|l| info_message(l))
-        .any(|m| m.starts_with("data plane:") && m.contains("TLS 1.3 rekey yes"))
-}
-
 #[test]
 fn client_key_update() {
     let fx = fixtures::get();

@@ -78,6 +78,15 @@ pub fn kernel_only(what: &str) -> bool {
     false
 }
 
+/// Whether the server said at start-up that this kernel can re-key TLS 1.3 (Linux >= 6.14).
+pub fn kernel_rekeys(server: &Server) -> bool {
+    server
+        .stderr_lines()
+        .iter()
+        .filter_map(|l| info_message(l))
+        .any(|m| m.starts_with("data plane:") && m.contains("TLS 1.3 rekey yes"))
+}
+
 /// The server's exit counters (`tlsplane-stats {json}`).
 #[derive(Debug, Clone)]
 pub struct Stats(pub BTreeMap<String, u64>);
