@@ -651,7 +651,6 @@ impl Product for Handoff {
             ("handoff_program_errors", h.program_errors.load(Relaxed)),
             ("handoff_idle_timeouts", h.idle_timeouts.load(Relaxed)),
             ("handoff_kernel_relayed", h.kernel_relayed.load(Relaxed)),
-            ("handoff_kernel_kept", h.kernel.kept.load(Relaxed)),
             (
                 "handoff_kernel_key_updates",
                 h.kernel.key_updates.load(Relaxed),
@@ -673,6 +672,14 @@ impl Product for Handoff {
             ("handoff_relayed_bytes_to_program", to_program),
             ("handoff_relayed_bytes_to_client", to_client),
         ]
+    }
+
+    fn gauges(h: &HandoffStats) -> Vec<(&'static str, &'static str, i64)> {
+        vec![(
+            "handoff_kernel_kept",
+            "Kernel-plane connections handed off whose socket duplicate and keys tlsplane keeps",
+            h.kernel.kept.load(Relaxed) as i64,
+        )]
     }
 
     fn describe(_args: &HandoffArgs, sites: &Sites) {

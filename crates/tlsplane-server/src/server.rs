@@ -209,6 +209,11 @@ pub trait Product: Handler + Sized {
     fn descriptors_per_connection(_args: &Self::Args, _kernel_plane: bool) -> usize {
         1
     }
+    /// The product's gauges (values that go down as well as up), as (name, help, value):
+    /// `/metrics` exposes them as gauges and `--stats` prints them with the counters.
+    fn gauges(_stats: &Self::Stats) -> Vec<(&'static str, &'static str, i64)> {
+        Vec::new()
+    }
     /// The product hands the socket itself to another program: handshakes must leave the
     /// client's first application data in it (`ServerOptions::exact_handshake_reads`).
     const HANDS_OFF_SOCKETS: bool = false;
@@ -366,6 +371,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         let (s, r) = (stats.clone(), runtime_stats.clone());
         let open = runtime_stats.open.clone();
         let runtime = runtime_stats.clone();
+        let product = stats.clone();
         registry.register_collector(Box::new(crate::admin::SnapshotCollector::new(
             move || counters::<P>(&s, &r),
             move || {
@@ -388,6 +394,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
                     ),
                 ];
                 gauges.extend(runtime.limits.gauges());
+                gauges.extend(P::gauges(&product));
                 gauges
             },
         )));
@@ -455,6 +462,8 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
             runtime_stats
                 .limits
                 .gauges()
+                .into_iter()
+                .chain(P::gauges(&stats))
                 .map(|(name, _, v)| (name, v.max(0) as u64)),
         );
         eprintln!("tlsplane-stats {}", tlsplane::stats::to_json(&pairs));
