@@ -5,11 +5,12 @@
 //! the descriptor and the connection's traffic secrets, to serve the program's KEY_UPDATE
 //! (install the next keys on the shared socket) and CLOSE (send close_notify), and to send
 //! close_notify itself when the program's receiver connection ends. A duplicate is let go
-//! when the program asks (CLOSE, after a lingering close), when its receiver goes, or when the
-//! client's end of the connection is seen (its FIN or a reset: nothing more can come that
-//! would need a key, and a program that closed its descriptor without a CLOSE must not leave
-//! the connection open through ours). So tlsplane holds at most one descriptor per client
-//! connection still open, whatever the program does.
+//! when the program asks (CLOSE, after a lingering close), when its receiver goes, or 30 s
+//! after the client's end of the connection was seen (its FIN or a reset: nothing more can
+//! come that would need a key, and a program that closed its descriptor without a CLOSE
+//! must not leave the connection open through ours). So tlsplane holds at most one
+//! descriptor per client connection still open (or ended less than 30 s ago), whatever the
+//! program does.
 //!
 //! One thread watches every kept socket with an epoll set that asks for the peer's end only
 //! (`EPOLLRDHUP`), so that the program's traffic never wakes it; sockets in a lingering close
@@ -33,6 +34,13 @@ use tlsplane_sys::PeerEndWatch;
 /// `lingering_timeout`, so that input the client still sends does not turn the close into a
 /// reset that destroys the response in flight.
 const LINGER: Duration = Duration::from_secs(5);
+
+/// How long a kept socket whose client has ended (FIN or reset) waits for the program's
+/// CLOSE before tlsplane lets its duplicate go: a client that half-closes after its request
+/// still gets its response and close_notify from a program that answers within it, while a
+/// program that closed its descriptor without a CLOSE leaves the connection open through
+/// tlsplane's duplicate no longer than this after the client went.
+const PEER_END_GRACE: Duration = Duration::from_secs(30);
 
 /// Kernel-plane counters (kept with the product's across reloads).
 #[derive(Default)]
@@ -59,12 +67,10 @@ struct Kept {
 }
 
 enum Entry {
-    Kept(Arc<Kept>),
+    /// `peer_ended`: when the client's end (FIN or reset) was seen.
+    Kept(Arc<Kept>, Option<Instant>),
     /// close_notify sent and our side shut down: input is drained until the client closes.
-    Lingering {
-        socket: TcpStream,
-        until: Instant,
-    },
+    Lingering { socket: TcpStream, until: Instant },
 }
 
 /// Every kernel-plane hand-off of the process (kept across reloads, like the sockets).
@@ -117,7 +123,7 @@ impl Keeper {
         });
         // In the table before the program can ask about it, and watched after: an end
         // already seen is reported at once.
-        self.entries().insert(id, Entry::Kept(kept.clone()));
+        self.entries().insert(id, Entry::Kept(kept.clone(), None));
         if let Err(e) = self.watch.watch(kept.socket.as_fd(), id, false) {
             self.entries().remove(&id);
             return Err(e);
@@ -181,7 +187,7 @@ impl Keeper {
             .entries()
             .iter()
             .filter_map(|(id, e)| match e {
-                Entry::Kept(k) if k.receiver == receiver => Some(*id),
+                Entry::Kept(k, _) if k.receiver == receiver => Some(*id),
                 _ => None,
             })
             .collect();
@@ -201,8 +207,8 @@ impl Keeper {
 
     fn kept(&self, receiver: u64, id: u64) -> Result<Arc<Kept>, Status> {
         match self.entries().get(&id) {
-            Some(Entry::Kept(k)) if k.receiver == receiver => Ok(k.clone()),
-            Some(Entry::Kept(_)) => Err(Status::Refused),
+            Some(Entry::Kept(k, _)) if k.receiver == receiver => Ok(k.clone()),
+            Some(Entry::Kept(..)) => Err(Status::Refused),
             _ => Err(Status::UnknownConnection),
         }
     }
@@ -210,7 +216,7 @@ impl Keeper {
     /// Stops keeping connection `id`: with `close_notify`, sends it, shuts our side and
     /// lingers; without, just lets our duplicate go. False if it was not kept.
     fn end(&self, id: u64, close_notify: bool) -> bool {
-        let Some(Entry::Kept(kept)) = self.entries().remove(&id) else {
+        let Some(Entry::Kept(kept, _)) = self.entries().remove(&id) else {
             return false;
         };
         let _ = self.watch.forget(kept.socket.as_fd());
@@ -259,20 +265,19 @@ impl Keeper {
         true
     }
 
-    /// An event on `id`: a kept socket's client ended (let go), or a lingering one has input
-    /// or its end (drained; closed at the end).
+    /// An event on `id`: a kept socket's client ended (noted: let go after
+    /// [`PEER_END_GRACE`]), or a lingering one has input or its end (drained; closed at the
+    /// end).
     fn on_event(&self, id: u64) {
-        let lingering = match self.entries().get(&id) {
-            Some(Entry::Kept(_)) => false,
+        let lingering = match self.entries().get_mut(&id) {
+            Some(Entry::Kept(_, ended)) => {
+                ended.get_or_insert_with(Instant::now);
+                false
+            }
             Some(Entry::Lingering { .. }) => true,
             None => return,
         };
         if !lingering {
-            if self.end(id, false) {
-                self.count(|s| {
-                    s.released_peer_end.fetch_add(1, Relaxed);
-                });
-            }
             return;
         }
         let done = match self.entries().get(&id) {
@@ -282,6 +287,17 @@ impl Keeper {
         if done {
             self.forget_lingering(id);
         }
+    }
+
+    /// Kept sockets whose client ended more than [`PEER_END_GRACE`] ago, without a CLOSE.
+    fn abandoned(&self, now: Instant) -> Vec<u64> {
+        self.entries()
+            .iter()
+            .filter_map(|(id, e)| match e {
+                Entry::Kept(_, Some(at)) if now.duration_since(*at) >= PEER_END_GRACE => Some(*id),
+                _ => None,
+            })
+            .collect()
     }
 
     fn forget_lingering(&self, id: u64) {
@@ -344,8 +360,16 @@ fn watch_loop(keeper: &Weak<Keeper>) {
         for &id in &ready {
             k.on_event(id);
         }
-        for id in k.expired(Instant::now()) {
+        let now = Instant::now();
+        for id in k.expired(now) {
             k.forget_lingering(id);
+        }
+        for id in k.abandoned(now) {
+            if k.end(id, false) {
+                k.count(|s| {
+                    s.released_peer_end.fetch_add(1, Relaxed);
+                });
+            }
         }
     }
 }
