@@ -245,7 +245,7 @@ async fn http_loop(
                             request: Some(RequestLine {
                                 method: request.method.as_str(),
                                 target: &request.target,
-                                minor_version: request.minor_version,
+                                protocol: access_log::http1(request.minor_version),
                             }),
                             status: Some(resp.status),
                             bytes: if sent.is_ok() { body_len(&resp) } else { 0 },
