@@ -45,7 +45,7 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
                             gids: vec![],
                         },
                     },
-                    Alpn::new(None, &[], false),
+                    Alpn::new(None, &[], None),
                 )
             }
         }
@@ -56,7 +56,7 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
                 errors.push(format!("{e:#}"));
                 (
                     SiteNeeds::Backends { default: vec![] },
-                    Alpn::new(None, &[], false),
+                    Alpn::new(None, &[], None),
                 )
             }
         }
@@ -64,7 +64,11 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
         let options = server_options_of::<crate::serve::ServeArgs>(&file, &|_| false, Vec::new());
         let alpn = match &options {
             Ok(o) => crate::serve::Serve::alpn(o),
-            Err(_) => Alpn::new(None, &tlsplane_server::server::HTTP1_ALPN, true),
+            Err(_) => Alpn::new(
+                None,
+                &tlsplane_server::server::HTTP1_ALPN,
+                Some(&tlsplane_server::server::SERVE_ALPN),
+            ),
         };
         let needs = SiteNeeds::Root {
             allow_symlinks_outside: match options {

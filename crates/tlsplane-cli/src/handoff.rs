@@ -525,7 +525,7 @@ impl Product for Handoff {
 
     /// The program decides what it speaks: no ALPN unless told (as the proxy's TCP mode).
     fn alpn(args: &HandoffArgs) -> tlsplane_server::server::Alpn {
-        tlsplane_server::server::Alpn::new(args.server.alpn.as_deref(), &[], false)
+        tlsplane_server::server::Alpn::new(args.server.alpn.as_deref(), &[], None)
     }
 
     fn check_args(args: &HandoffArgs, with_config: bool) -> anyhow::Result<()> {

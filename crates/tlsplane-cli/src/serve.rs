@@ -3,7 +3,10 @@
 //! Listeners, handshakes and workers are the shared runtime's (`tlsplane_server::runtime`);
 //! this module is the handler it runs on each established connection. HTTP/1.1 is parsed by
 //! `tlsplane-http`; responses are written here so that file bodies can follow the headers by
-//! `sendfile(2)`.
+//! `sendfile(2)`. A client that chose `h2` by ALPN (offered only when the operator named it)
+//! is served by [`http2`], with the same response planning.
+
+mod http2;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -81,6 +84,18 @@ pub struct Parked {
     responded: bool,
 }
 
+impl Parked {
+    /// Nothing read yet, no buffer held.
+    fn empty() -> Self {
+        Parked {
+            buf: Vec::new(),
+            used: 0,
+            deadline: None,
+            responded: false,
+        }
+    }
+}
+
 impl Product for Serve {
     type Args = ServeArgs;
     type Stats = HttpStats;
@@ -109,7 +124,7 @@ impl Product for Serve {
         tlsplane_server::server::Alpn::new(
             args.server.alpn.as_deref(),
             &tlsplane_server::server::HTTP1_ALPN,
-            true,
+            Some(&tlsplane_server::server::SERVE_ALPN),
         )
     }
 
@@ -173,6 +188,18 @@ impl Handler for Serve {
         phase: Phase<Parked>,
         mut ctx: ConnContext,
     ) -> Served<Parked> {
+        if tls.info().alpn.as_deref() == Some(b"h2".as_slice()) {
+            let Phase::Moved(_) = phase else {
+                // Long-lived and multiplexed: served on a connection loop from the start.
+                return Served::Park(tls, Parked::empty());
+            };
+            // Boxed: HTTP/1.1 connections' futures do not carry h2's state.
+            if let Err(e) = Box::pin(http2::serve(tls, peer, &self, &mut ctx)).await {
+                self.stats.io_errors.fetch_add(1, Relaxed);
+                tracing::debug!(%peer, error = %e, "h2 connection ended with error");
+            }
+            return Served::Done;
+        }
         match http_loop(tls, peer, &self, phase, &mut ctx).await {
             Ok(served) => served,
             Err(e) => {
@@ -245,7 +272,7 @@ async fn http_loop(
                             request: Some(RequestLine {
                                 method: request.method.as_str(),
                                 target: &request.target,
-                                minor_version: request.minor_version,
+                                protocol: access_log::http1(request.minor_version),
                             }),
                             status: Some(resp.status),
                             bytes: if sent.is_ok() { body_len(&resp) } else { 0 },

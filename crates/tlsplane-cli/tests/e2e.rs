@@ -42,6 +42,8 @@ mod handoff_preload;
 mod hello_records;
 #[path = "e2e/http.rs"]
 mod http;
+#[path = "e2e/http2.rs"]
+mod http2;
 #[path = "e2e/kernel.rs"]
 mod kernel;
 #[path = "e2e/keyd.rs"]

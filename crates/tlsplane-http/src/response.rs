@@ -38,6 +38,28 @@ pub struct Response {
     pub keep_alive: bool,
 }
 
+impl Response {
+    /// The header fields of [`Response::head`], in order, as (name, value): what the same
+    /// response carries over HTTP/2, where the status is a pseudo-header and `Connection`
+    /// (hop-by-hop, which HTTP/2 forbids: RFC 9113 §8.2.2) has no place, so it is left out.
+    /// One planning for both protocols: HTTP/2 renders these fields, HTTP/1.1 sends `head`.
+    pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        // `head` is ours (see `Head`): a status line, then `Name: value` lines, each ending
+        // in CRLF, then an empty line. Nothing here is the client's.
+        self.head
+            .split(|&b| b == b'\n')
+            .skip(1)
+            .map(|line| line.strip_suffix(b"\r").unwrap_or(line))
+            .take_while(|line| !line.is_empty())
+            .filter_map(|line| {
+                let colon = line.iter().position(|&b| b == b':')?;
+                let (name, value) = (&line[..colon], &line[colon + 1..]);
+                Some((name, value.strip_prefix(b" ").unwrap_or(value)))
+            })
+            .filter(|(name, _)| !name.eq_ignore_ascii_case(b"connection"))
+    }
+}
+
 /// The reason phrase for `status` ("Unknown" for codes this server never sends).
 pub fn reason_phrase(status: u16) -> &'static str {
     match status {
@@ -528,6 +550,36 @@ mod tests {
             Some(0)
         ));
         assert!(!if_range_allows(Some("garbage"), etag, Some(0)));
+    }
+
+    #[test]
+    fn fields_are_the_head_without_status_line_and_connection() {
+        let now = UNIX_EPOCH;
+        let resp = error_response_at(405, true, now);
+        let fields: Vec<(String, String)> = resp
+            .fields()
+            .map(|(n, v)| {
+                (
+                    String::from_utf8_lossy(n).into_owned(),
+                    String::from_utf8_lossy(v).into_owned(),
+                )
+            })
+            .collect();
+        let names: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            ["Server", "Date", "Allow", "Content-Type", "Content-Length"]
+        );
+        assert_eq!(fields[1].1, "Thu, 01 Jan 1970 00:00:00 GMT");
+        assert_eq!(fields[2].1, "GET, HEAD");
+        assert_eq!(fields[4].1, "23");
+        let redirect = redirect(b"/dir/", false, now);
+        assert!(redirect
+            .fields()
+            .any(|(n, v)| n == b"Location" && v == b"/dir/"));
+        assert!(!redirect
+            .fields()
+            .any(|(n, _)| n.eq_ignore_ascii_case(b"connection")));
     }
 
     #[test]

@@ -92,8 +92,8 @@ impl<'a> Entry<'a> {
 pub struct RequestLine<'a> {
     pub method: &'a str,
     pub target: &'a str,
-    /// 0 for HTTP/1.0, 1 for HTTP/1.1.
-    pub minor_version: u8,
+    /// As logged: `HTTP/1.0`, `HTTP/1.1` (see [`http1`]) or `HTTP/2.0`.
+    pub protocol: &'static str,
 }
 
 impl AccessLog {
@@ -129,7 +129,7 @@ impl AccessLog {
                     host = %Lossy(e.host),
                     method = %request.map_or("-", |r| r.method),
                     target = %request.map_or("-", |r| r.target),
-                    protocol = %request.map_or("-", |r| protocol(r.minor_version)),
+                    protocol = %request.map_or("-", |r| r.protocol),
                     status = e.status.unwrap_or(0),
                     bytes = e.bytes,
                     duration = e.duration.as_secs_f64(),
@@ -177,7 +177,9 @@ fn open_append(path: &Path) -> anyhow::Result<File> {
         .with_context(|| format!("cannot open the access log {}", path.display()))
 }
 
-fn protocol(minor_version: u8) -> &'static str {
+/// The protocol of an HTTP/1 request, as logged: 0 for HTTP/1.0, else HTTP/1.1 (later minor
+/// versions are served as 1.1).
+pub fn http1(minor_version: u8) -> &'static str {
     if minor_version == 0 {
         "HTTP/1.0"
     } else {
@@ -225,7 +227,7 @@ fn text(e: &Entry<'_>, now: SystemTime) -> String {
         dash_or_escaped(e.host),
         request.map_or("-".into(), |r| escape(r.method.as_bytes())),
         request.map_or("-".into(), |r| escape(r.target.as_bytes())),
-        request.map_or("-", |r| protocol(r.minor_version)),
+        request.map_or("-", |r| r.protocol),
         e.status.map_or("-".into(), |s| s.to_string()),
         e.bytes,
         e.duration.as_secs_f64(),
@@ -243,9 +245,7 @@ fn text(e: &Entry<'_>, now: SystemTime) -> String {
 /// "$http_referer" "$http_user_agent"` (time in UTC).
 fn combined(e: &Entry<'_>, now: SystemTime) -> String {
     let request = match &e.request {
-        Some(r) => {
-            escape(format!("{} {} {}", r.method, r.target, protocol(r.minor_version)).as_bytes())
-        }
+        Some(r) => escape(format!("{} {} {}", r.method, r.target, r.protocol).as_bytes()),
         None => "-".into(),
     };
     format!(
@@ -269,7 +269,7 @@ fn json(e: &Entry<'_>, now: SystemTime) -> String {
         "host": lossy(e.host),
         "method": request.map(|r| r.method),
         "target": request.map(|r| r.target),
-        "protocol": request.map(|r| protocol(r.minor_version)),
+        "protocol": request.map(|r| r.protocol),
         "status": e.status,
         "bytes": e.bytes,
         "duration": e.duration.as_secs_f64(),

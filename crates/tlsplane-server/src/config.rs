@@ -329,23 +329,32 @@ pub fn alpn_ids(list: &[String]) -> Vec<Vec<u8>> {
 pub struct Alpn {
     /// For sites without an `alpn` key.
     pub default: Vec<Vec<u8>>,
-    /// The product speaks HTTP/1 only: any other id (`h2`) would have clients speak a
-    /// protocol it cannot read, so it is refused at load.
-    pub http1_only: bool,
+    /// The ids the product can speak, when it knows what it carries (`None`: anything, as
+    /// the TCP proxy and hand-off, which do not read the protocol). Any other id would have
+    /// clients speak a protocol it cannot read, so it is refused at load.
+    pub speaks: Option<&'static [&'static [u8]]>,
 }
 
 /// The ALPN ids of HTTP/1 (RFC 7301): what serve and HTTP mode speak, most preferred first.
 pub const HTTP1_ALPN: [&[u8]; 2] = [b"http/1.1", b"http/1.0"];
 
+/// What `serve` can speak: HTTP/1, and HTTP/2 (`h2`) for those who opt in (it is offered
+/// only when `--alpn` or a site's `alpn` names it; docs/HTTP2.md).
+pub const SERVE_ALPN: [&[u8]; 3] = [b"h2", b"http/1.1", b"http/1.0"];
+
 impl Alpn {
     /// `--alpn` if given (checked), else `default`.
-    pub fn new(flag: Option<&[String]>, default: &[&[u8]], http1_only: bool) -> Self {
+    pub fn new(
+        flag: Option<&[String]>,
+        default: &[&[u8]],
+        speaks: Option<&'static [&'static [u8]]>,
+    ) -> Self {
         Self {
             default: match flag {
                 Some(list) => alpn_ids(list),
                 None => default.iter().map(|p| p.to_vec()).collect(),
             },
-            http1_only,
+            speaks,
         }
     }
 }
@@ -359,11 +368,18 @@ pub fn check_alpn(ids: &[Vec<u8>], alpn: &Alpn) -> Result<(), String> {
                 String::from_utf8_lossy(id)
             ));
         }
-        if alpn.http1_only && !HTTP1_ALPN.contains(&id.as_slice()) {
-            return Err(format!(
-                "ALPN id {:?}: this server speaks HTTP/1 only (http/1.1, http/1.0)",
-                String::from_utf8_lossy(id)
-            ));
+        if let Some(speaks) = alpn.speaks {
+            if !speaks.contains(&id.as_slice()) {
+                let what = if speaks.contains(&b"h2".as_slice()) {
+                    "HTTP/2 and HTTP/1 only (h2, http/1.1, http/1.0)"
+                } else {
+                    "HTTP/1 only (http/1.1, http/1.0)"
+                };
+                return Err(format!(
+                    "ALPN id {:?}: this server speaks {what}",
+                    String::from_utf8_lossy(id)
+                ));
+            }
         }
     }
     Ok(())

@@ -13,7 +13,7 @@ use clap::Args;
 use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions};
 
 // Alpn and HTTP1_ALPN live with the configuration that checks them; products name them here.
-pub use crate::config::{Alpn, HTTP1_ALPN};
+pub use crate::config::{Alpn, HTTP1_ALPN, SERVE_ALPN};
 use crate::config::{ConfigFile, Origin, SiteNeeds, Sites};
 use crate::keys::Keys;
 use crate::runtime::{self, Generation, Handler, RuntimeConfig, RuntimeStats};
@@ -120,7 +120,8 @@ pub struct ServerArgs {
     pub limits: crate::limits::LimitArgs,
     /// ALPN protocols offered, most preferred first (comma list, or `none`), by every site
     /// whose `alpn` key does not say otherwise. Default: `http/1.1,http/1.0` for serve and
-    /// HTTP mode, none in TCP mode (a client offering any ALPN or none is then served).
+    /// HTTP mode, none in TCP mode (a client offering any ALPN or none is then served);
+    /// serve also speaks `h2` when it is named (opt-in, e.g. `h2,http/1.1`).
     /// A client offering only other protocols gets a no_application_protocol alert.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub alpn: Option<Vec<String>>,

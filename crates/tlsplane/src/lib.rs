@@ -29,4 +29,4 @@ pub use error::Error;
 pub use linger::Linger;
 pub use plane::kernel::{HandedKeyError, HandedKeys};
 pub use plane::PlaneKind;
-pub use stream::{DetachedTlsStream, KernelHandoff, Received, Spliced, TlsStream};
+pub use stream::{ConnectionInfo, DetachedTlsStream, KernelHandoff, Received, Spliced, TlsStream};

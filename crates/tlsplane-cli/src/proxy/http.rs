@@ -340,7 +340,7 @@ async fn exchange(
                 request: Some(RequestLine {
                     method: &request.method,
                     target: &request.target,
-                    minor_version: request.minor_version,
+                    protocol: tlsplane_server::access_log::http1(request.minor_version),
                 }),
                 status: Some(status),
                 bytes: bytes.unwrap_or_else(|| error_body_len(status)),

@@ -193,7 +193,12 @@ impl Product for Proxy {
         } else {
             &[]
         };
-        tlsplane_server::server::Alpn::new(args.server.alpn.as_deref(), default, http)
+        let speaks: Option<&'static [&'static [u8]]> = if http {
+            Some(&tlsplane_server::server::HTTP1_ALPN)
+        } else {
+            None
+        };
+        tlsplane_server::server::Alpn::new(args.server.alpn.as_deref(), default, speaks)
     }
 
     fn check_args(args: &ProxyArgs, with_config: bool) -> anyhow::Result<()> {

@@ -104,31 +104,43 @@ fn alpn_flag_sets_what_is_offered_and_http_products_refuse_others() {
         out.describe()
     );
     server.stop();
-    // serve speaks HTTP/1 only: offering h2 would have clients speak what it cannot read.
+    // serve speaks HTTP/1, and h2 when named (docs/HTTP2.md), nothing else: any other id
+    // would have clients speak what it cannot read. HTTP mode of the proxy speaks HTTP/1 only.
     let leaf = fixtures::pki().leaf(CertKind::P256);
-    let out = std::process::Command::new(crate::support::server_bin())
-        .args([
-            "serve",
-            "--keyd",
-            "off",
-            "--listen",
-            "127.0.0.1:0",
-            "--alpn",
+    let start = |product: &[&str], alpn: &str| {
+        std::process::Command::new(crate::support::server_bin())
+            .args(product)
+            .args(["--keyd", "off", "--listen", "127.0.0.1:0", "--alpn", alpn])
+            .arg("--cert")
+            .arg(&leaf.cert_pem)
+            .arg("--key")
+            .arg(&leaf.key_pem)
+            .output()
+            .expect("run")
+    };
+    let www = fixtures::get().www.to_string_lossy().into_owned();
+    for (product, alpn, refused, speaks) in [
+        (
+            vec!["serve", www.as_str()],
+            "h2,spdy/3,http/1.1",
+            "\"spdy/3\"",
+            "HTTP/2 and HTTP/1 only",
+        ),
+        (
+            vec!["proxy", "--mode", "http", "--to", "127.0.0.1:9"],
             "h2,http/1.1",
-        ])
-        .arg("--cert")
-        .arg(&leaf.cert_pem)
-        .arg("--key")
-        .arg(&leaf.key_pem)
-        .arg(&fixtures::get().www)
-        .output()
-        .expect("run");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("\"h2\"") && err.contains("HTTP/1 only"),
-        "{err}"
-    );
+            "\"h2\"",
+            "HTTP/1 only",
+        ),
+    ] {
+        let out = start(&product, alpn);
+        assert!(!out.status.success(), "{product:?} --alpn {alpn} started");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(refused) && err.contains(speaks),
+            "{product:?}: {err}"
+        );
+    }
 }
 
 /// A TCP backend that answers every connection with `banner` and closes.

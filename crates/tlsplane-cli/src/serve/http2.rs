@@ -1,0 +1,421 @@
+//! HTTP/2 for `serve`, for operators who opt in by ALPN (`--alpn h2,http/1.1`, or a site's
+//! `alpn`; docs/HTTP2.md). The first step of issue 22.
+//!
+//! hyperium's `h2` does the framing, HPACK, flow control and the protocol's own hardening.
+//! Requests are planned by `tlsplane-http` exactly as over HTTP/1.1 ([`respond`]: status,
+//! validators, conditionals, ranges, path safety), and the planned header fields are sent as
+//! HTTP/2 fields ([`tlsplane_http::Response::fields`]); nothing of the planning is repeated
+//! here. In this step file bodies go through h2's buffers on both planes; DATA frames carried
+//! by `sendfile` on the kernel plane are the next step.
+//!
+//! `h2` wants an `AsyncRead + AsyncWrite` transport, while [`TlsStream`] has async `read` and
+//! `write_all` over either plane. A pump in the connection's own task moves the bytes between
+//! the two through an in-memory pipe (`tokio::io::duplex`): a copy more each way, which the
+//! next step's measurements weigh (docs/HTTP2.md).
+
+use std::io;
+use std::net::SocketAddr;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use h2::server::SendResponse;
+use h2::{Reason, RecvStream, SendStream};
+use tlsplane::{ConnectionInfo, TlsStream};
+use tlsplane_http::{error_response, respond, Body, Method, Request, Response};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+use tokio::sync::watch;
+
+use super::{body_len, count_status, Serve};
+use tlsplane_server::access_log::{Entry, RequestLine};
+use tlsplane_server::runtime::ConnContext;
+
+/// Streams a client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). RFC 9113 §6.5.2
+/// advises no fewer than 100, so as not to limit parallelism; with at most [`SEND_BUFFER`]
+/// queued per stream, a connection queues at most 100 × 32 KiB of body bytes.
+const MAX_CONCURRENT_STREAMS: u32 = 100;
+/// Largest header list a request may decode to (SETTINGS_MAX_HEADER_LIST_SIZE), checked by
+/// h2 while it decodes, over CONTINUATION frames too (CVE-2024-27316) and whatever the HPACK
+/// encoding (a header list decoding to far more than it costs to send is refused at this
+/// size, not held): HTTP/1.1's head limit (16 KiB) plus RFC 9113's 32 bytes of accounting for
+/// each of its 64 fields. h2's default is 16 MiB.
+const MAX_HEADER_LIST: u32 = 16384 + 64 * 32;
+/// Streams the client reset before they were accepted, queued at once (rapid reset,
+/// CVE-2023-44487); beyond it the connection ends with GOAWAY(ENHANCE_YOUR_CALM). h2's
+/// default, named here so that it cannot change under us with an upgrade.
+const MAX_PENDING_ACCEPT_RESETS: usize = 20;
+/// Streams reset by us for the client's protocol errors before the connection ends with
+/// GOAWAY(ENHANCE_YOUR_CALM). A conformant client causes none; h2's default is 1024.
+const MAX_LOCAL_ERROR_RESETS: usize = 100;
+/// Streams we reset whose state is kept (to ignore their late frames) at once, and how long
+/// (h2's defaults).
+const MAX_CONCURRENT_RESETS: usize = 50;
+const RESET_STREAM_DURATION: Duration = Duration::from_secs(1);
+/// Body bytes h2 queues per stream before it stops granting capacity (h2's default ~400 KB).
+const SEND_BUFFER: usize = 32 * 1024;
+/// Most body bytes read from a file at once for one stream (h2 cuts them into frames of the
+/// client's SETTINGS_MAX_FRAME_SIZE).
+const CHUNK: usize = 16 * 1024;
+/// The in-memory pipe between h2 and the TLS stream, each way.
+const PIPE: usize = 32 * 1024;
+/// What one TLS read or write moves (a record's plaintext).
+const IO_BUF: usize = 16 * 1024;
+
+/// Serves one connection whose client chose `h2`, to its end.
+pub(super) async fn serve(
+    mut tls: TlsStream,
+    peer: SocketAddr,
+    shared: &Serve,
+    ctx: &mut ConnContext,
+) -> io::Result<()> {
+    let info = tls.info().clone();
+    let plane = tls.plane().as_str();
+    // A client that stops taking our bytes, or leaves a stream without window, is given up
+    // after this long without progress.
+    let stall = Duration::from_secs(shared.args.server.idle_timeout.max(1));
+    let (ours, theirs) = tokio::io::duplex(PIPE);
+    let conn = connection(theirs, &info, plane, peer, shared, &mut ctx.stop);
+    let pump = pump(&mut tls, ours, stall);
+    let (conn, pumped) = tokio::join!(conn, pump);
+    if let Err(e) = conn {
+        tracing::debug!(%peer, error = %e, "h2 connection ended with error");
+    }
+    pumped?;
+    Box::pin(tls.close()).await
+}
+
+/// The h2 side: settings, the handshake, then each stream as it comes, until the connection
+/// ends (the client's GOAWAY or end, ours after the idle timeout or at shutdown, an error).
+async fn connection(
+    io: DuplexStream,
+    info: &ConnectionInfo,
+    plane: &'static str,
+    peer: SocketAddr,
+    shared: &Serve,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), h2::Error> {
+    let args = &shared.args;
+    let mut builder = h2::server::Builder::new();
+    builder
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        .max_header_list_size(MAX_HEADER_LIST)
+        .max_pending_accept_reset_streams(MAX_PENDING_ACCEPT_RESETS)
+        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
+        .max_concurrent_reset_streams(MAX_CONCURRENT_RESETS)
+        .reset_stream_duration(RESET_STREAM_DURATION)
+        .max_send_buffer_size(SEND_BUFFER);
+    // The client's preface and SETTINGS are its first request head: the header timeout.
+    let header_timeout = Duration::from_secs(args.header_timeout);
+    let mut conn =
+        match tokio::time::timeout(header_timeout, builder.handshake::<_, Bytes>(io)).await {
+            Ok(c) => c?,
+            Err(_) => {
+                shared.stats.timeouts.fetch_add(1, Relaxed);
+                return Ok(());
+            }
+        };
+    let idle = Duration::from_secs(args.server.idle_timeout);
+    let responded = AtomicBool::new(false);
+    let mut streams = FuturesUnordered::new();
+    let mut idle_since = tokio::time::Instant::now();
+    let mut going_away = false;
+    if *stop.borrow() {
+        conn.graceful_shutdown();
+        going_away = true;
+    }
+    loop {
+        tokio::select! {
+            accepted = conn.accept() => match accepted {
+                Some(Ok((request, send))) => {
+                    let stream = Stream { info, plane, peer, shared, responded: &responded };
+                    streams.push(stream.serve(request, send));
+                }
+                Some(Err(e)) => return Err(e),
+                None => return Ok(()),
+            },
+            Some(()) = streams.next(), if !streams.is_empty() => {
+                if streams.is_empty() {
+                    idle_since = tokio::time::Instant::now();
+                }
+            }
+            // No stream open for the idle timeout: GOAWAY, and the connection ends.
+            _ = tokio::time::sleep_until(idle_since + idle),
+                if streams.is_empty() && !going_away =>
+            {
+                shared.stats.timeouts.fetch_add(1, Relaxed);
+                conn.graceful_shutdown();
+                going_away = true;
+            }
+            // Shutting down: GOAWAY, the streams in flight finish.
+            _ = stop.changed(), if !going_away => {
+                conn.graceful_shutdown();
+                going_away = true;
+            }
+        }
+    }
+}
+
+/// What each stream of a connection shares.
+struct Stream<'a> {
+    info: &'a ConnectionInfo,
+    plane: &'static str,
+    peer: SocketAddr,
+    shared: &'a Serve,
+    /// The connection has had a response (its time to first byte is recorded).
+    responded: &'a AtomicBool,
+}
+
+impl Stream<'_> {
+    async fn serve(self, req: http::Request<RecvStream>, mut send: SendResponse<Bytes>) {
+        let shared = self.shared;
+        shared.stats.requests.fetch_add(1, Relaxed);
+        let started = shared
+            .access_log
+            .as_ref()
+            .map(|_| tokio::time::Instant::now());
+        let request = request(&req);
+        let site = self.info.site;
+        let get_or_head = matches!(request.method, Method::Get | Method::Head);
+        let resp = if get_or_head && !req.body().is_end_stream() {
+            // A GET or HEAD with a body, refused as over HTTP/1.1 (the body is never read).
+            error_response(413, true)
+        } else if request
+            .host_name()
+            .is_some_and(|host| shared.names.lookup(host) != Some(site))
+        {
+            // The authority belongs to another site (or none) than the one the TLS
+            // connection was set up for (RFC 9110 15.5.20).
+            error_response(421, true)
+        } else {
+            respond(&request, &shared.roots[site], SystemTime::now())
+        };
+        count_status(&shared.stats, resp.status);
+        if !self.responded.swap(true, Relaxed) {
+            shared
+                .ttfb
+                .observe(self.info.accepted_at.elapsed().as_secs_f64());
+        }
+        let stall = Duration::from_secs(shared.args.server.idle_timeout.max(1));
+        let sent = send_response(&mut send, &resp, stall).await;
+        if let (Some(log), Some(started)) = (&shared.access_log, started) {
+            let user_agent = field(&req, http::header::USER_AGENT);
+            let referer = field(&req, http::header::REFERER);
+            log.write(&Entry {
+                peer: self.peer,
+                host: request.host.as_deref().map(str::as_bytes),
+                request: Some(RequestLine {
+                    method: request.method.as_str(),
+                    target: &request.target,
+                    protocol: "HTTP/2.0",
+                }),
+                status: Some(resp.status),
+                bytes: if sent { body_len(&resp) } else { 0 },
+                duration: started.elapsed(),
+                user_agent: user_agent.as_deref().map(str::as_bytes),
+                referer: referer.as_deref().map(str::as_bytes),
+                plane: self.plane,
+                server_name: self.info.server_name.as_deref(),
+                backend: None,
+                outcome: None,
+            });
+        }
+    }
+}
+
+/// The request as the HTTP/1.1 planning knows it: the same fields, from HTTP/2's
+/// pseudo-header fields (`:method`, `:path`, `:authority`) and header fields.
+fn request(req: &http::Request<RecvStream>) -> Request {
+    let method = match *req.method() {
+        http::Method::GET => Method::Get,
+        http::Method::HEAD => Method::Head,
+        ref other => Method::Other(other.as_str().to_owned()),
+    };
+    let target = req
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    // RFC 9113 §8.3.1: `:authority`, else `Host`.
+    let host = req
+        .uri()
+        .authority()
+        .map(|a| a.as_str().to_owned())
+        .or_else(|| field(req, http::header::HOST));
+    Request {
+        method,
+        target,
+        minor_version: 1,
+        keep_alive: true,
+        if_none_match: field(req, http::header::IF_NONE_MATCH),
+        if_modified_since: field(req, http::header::IF_MODIFIED_SINCE),
+        range: field(req, http::header::RANGE),
+        if_range: field(req, http::header::IF_RANGE),
+        host,
+    }
+}
+
+/// A field's values joined with `, ` (RFC 9110 §5.3), as the HTTP/1.1 parser joins them.
+fn field<T>(req: &http::Request<T>, name: http::header::HeaderName) -> Option<String> {
+    let mut joined: Option<String> = None;
+    for value in req.headers().get_all(name) {
+        let value = String::from_utf8_lossy(value.as_bytes());
+        match &mut joined {
+            Some(j) => {
+                j.push_str(", ");
+                j.push_str(&value);
+            }
+            None => joined = Some(value.into_owned()),
+        }
+    }
+    joined
+}
+
+/// Sends the planned response on its stream; true when all of it was handed to h2.
+async fn send_response(send: &mut SendResponse<Bytes>, resp: &Response, stall: Duration) -> bool {
+    let mut head = http::Response::new(());
+    *head.status_mut() =
+        http::StatusCode::from_u16(resp.status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+    let fields = head.headers_mut();
+    for (name, value) in resp.fields() {
+        // Our own fields, all valid; one that were not would be left out, never a panic.
+        if let (Ok(name), Ok(value)) = (
+            http::header::HeaderName::from_bytes(name),
+            http::header::HeaderValue::from_bytes(value),
+        ) {
+            fields.append(name, value);
+        }
+    }
+    let end = matches!(resp.body, Body::Empty);
+    let mut stream = match send.send_response(head, end) {
+        Ok(s) => s,
+        Err(_) => return false, // the client reset the stream, or the connection is gone
+    };
+    let sent = match &resp.body {
+        Body::Empty => Ok(()),
+        Body::Bytes(b) => {
+            let b = Bytes::copy_from_slice(b);
+            send_data(&mut stream, b.len() as u64, stall, |at, n| {
+                let at = at as usize;
+                Ok(b.slice(at..at + n))
+            })
+            .await
+        }
+        Body::File { file, offset, len } => {
+            send_data(&mut stream, *len, stall, |at, n| {
+                let mut chunk = vec![0u8; n];
+                file.read_exact_at(&mut chunk, offset + at)?;
+                Ok(Bytes::from(chunk))
+            })
+            .await
+        }
+    };
+    match sent {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(error = %e, "h2 stream ended early");
+            false
+        }
+    }
+}
+
+/// Sends `len` bytes, `chunk(at, n)` giving `n` of them from `at`, within the stream's
+/// flow-control window: never more than h2 has granted, so nothing queues beyond
+/// [`SEND_BUFFER`]. A stream granted no window for `stall` is reset (a zero-window reader
+/// cannot hold it forever).
+async fn send_data(
+    stream: &mut SendStream<Bytes>,
+    len: u64,
+    stall: Duration,
+    mut chunk: impl FnMut(u64, usize) -> io::Result<Bytes>,
+) -> io::Result<()> {
+    let mut at = 0u64;
+    while at < len {
+        let want = (len - at).min(CHUNK as u64) as usize;
+        stream.reserve_capacity(want);
+        let granted = loop {
+            let capacity = stream.capacity();
+            if capacity > 0 {
+                break capacity.min(want);
+            }
+            let grant = std::future::poll_fn(|cx| stream.poll_capacity(cx));
+            match tokio::time::timeout(stall, grant).await {
+                Ok(Some(Ok(_))) => {}
+                Ok(Some(Err(e))) => return Err(io::Error::other(e)),
+                Ok(None) => return Err(io::Error::other("stream closed")),
+                Err(_) => {
+                    stream.send_reset(Reason::CANCEL);
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "no flow-control window granted",
+                    ));
+                }
+            }
+        };
+        let data = match chunk(at, granted) {
+            Ok(d) => d,
+            Err(e) => {
+                // The file changed under us (truncated): the client must not take a short
+                // body for a whole one.
+                stream.send_reset(Reason::INTERNAL_ERROR);
+                return Err(e);
+            }
+        };
+        at += granted as u64;
+        stream
+            .send_data(data, at == len)
+            .map_err(io::Error::other)?;
+    }
+    Ok(())
+}
+
+/// Moves bytes between the client (`tls`) and h2 (`io`) until h2 is done with the
+/// connection; reads from the client never wait on writes to it, nor the other way round,
+/// so neither direction can stop the other. A client that takes none of our bytes for
+/// `stall` ends the connection.
+async fn pump(tls: &mut TlsStream, io: DuplexStream, stall: Duration) -> io::Result<()> {
+    let (mut from_h2, mut to_h2) = tokio::io::split(io);
+    // Read into `inbound`; what is read waits in `pending` until h2 takes it.
+    let mut inbound = vec![0u8; IO_BUF];
+    let mut pending = vec![0u8; IO_BUF];
+    let (mut taken, mut held) = (0usize, 0usize);
+    let mut outbound = vec![0u8; IO_BUF];
+    // The client's input ended, or h2 takes no more of it.
+    let mut input_done = false;
+    loop {
+        tokio::select! {
+            read = tls.read(&mut inbound), if taken == held && !input_done => match read? {
+                0 => {
+                    input_done = true;
+                    // h2 sees the end of the client's input.
+                    let _ = to_h2.shutdown().await;
+                }
+                n => {
+                    std::mem::swap(&mut inbound, &mut pending);
+                    (taken, held) = (0, n);
+                }
+            },
+            wrote = to_h2.write(&pending[taken..held]), if taken < held => match wrote {
+                Ok(n) if n > 0 => taken += n,
+                // h2 is finished with the connection: drop the rest, send what it wrote.
+                _ => {
+                    (taken, held) = (0, 0);
+                    input_done = true;
+                }
+            },
+            read = from_h2.read(&mut outbound) => match read? {
+                0 => return Ok(()),
+                n => match tokio::time::timeout(stall, tls.write_all(&outbound[..n])).await {
+                    Ok(wrote) => wrote?,
+                    Err(_) => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "the client took none of our bytes",
+                        ))
+                    }
+                },
+            },
+        }
+    }
+}

@@ -1,0 +1,304 @@
+//! HTTP/2 on `serve`, opt-in (issue 22, first step): h2 only when the operator names it in
+//! `--alpn`; then files byte-exact, conditional and range requests, errors and path safety
+//! over h2, with the same planning as HTTP/1.1. The client is curl (`--http2`, built with
+//! nghttp2), which checks the framing itself.
+
+use std::time::Duration;
+
+use crate::support::fixtures::{self, sha256};
+use crate::support::tools::{self, require};
+use crate::support::Server;
+
+/// The opt-in: h2 preferred, HTTP/1.1 for clients without it.
+const OPT_IN: &str = "h2,http/1.1";
+
+/// curl over TLS 1.3 offering h2 (and http/1.1), trusting the test CA; `-w` prints the HTTP
+/// version of each transfer on stdout.
+fn curl_h2(port: u16) -> std::process::Command {
+    require("curl");
+    let mut c = std::process::Command::new("curl");
+    c.args([
+        "-sS",
+        "--http2",
+        "--connect-timeout",
+        "10",
+        "--max-time",
+        "60",
+    ])
+    .arg("--cacert")
+    .arg(&fixtures::pki().ca_pem)
+    .args(["--resolve", &format!("localhost:{port}:127.0.0.1")]);
+    c
+}
+
+fn url(port: u16, path: &str) -> String {
+    format!("https://localhost:{port}{path}")
+}
+
+fn h2_server() -> Server {
+    Server::builder().arg("--alpn").arg(OPT_IN).start()
+}
+
+/// One request: (HTTP version as curl names it, status, header fields lowercased, body).
+fn exchange(
+    port: u16,
+    path: &str,
+    extra: &[&str],
+) -> (String, u16, Vec<(String, String)>, Vec<u8>) {
+    let dir = tempdir();
+    let headers = dir.join("headers");
+    let body = dir.join("body");
+    let mut c = curl_h2(port);
+    c.args(extra)
+        .arg("-D")
+        .arg(&headers)
+        .arg("-o")
+        .arg(&body)
+        .args(["-w", "%{http_version} %{http_code}"])
+        .arg(url(port, path));
+    let out = tools::run(c, b"", Duration::from_secs(60));
+    assert!(out.status.success(), "curl {path}: {}", out.describe());
+    let text = out.stdout_text();
+    let (version, status) = text.split_once(' ').expect("version and status");
+    let status: u16 = status.trim().parse().expect("a status");
+    let head = std::fs::read_to_string(&headers).unwrap_or_default();
+    let fields = head
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let body = std::fs::read(&body).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    (version.to_string(), status, fields, body)
+}
+
+fn tempdir() -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let dir = fixtures::get()
+        .base
+        .join(format!("h2-{}", N.fetch_add(1, Ordering::Relaxed)));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn field<'a>(fields: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    tools::header(fields, name)
+}
+
+#[test]
+fn h2_is_offered_only_when_the_operator_opts_in() {
+    let fx = fixtures::get();
+    // Default: HTTP/1.1 only, whatever the client prefers.
+    let server = Server::start();
+    let (version, status, _, body) = exchange(server.port(), &fx.hello.url, &[]);
+    assert_eq!((version.as_str(), status), ("1.1", 200));
+    assert_eq!(body, fixtures::HELLO);
+    server.stop();
+    // Opted in: h2 for a client that offers it, HTTP/1.1 still for one that does not.
+    let server = Server::builder()
+        .arg("--alpn")
+        .arg(OPT_IN)
+        .arg("--access-log")
+        .start();
+    let (version, status, _, body) = exchange(server.port(), &fx.hello.url, &[]);
+    assert_eq!((version.as_str(), status), ("2", 200));
+    assert_eq!(body, fixtures::HELLO);
+    let (version, status, _, body) = exchange(server.port(), &fx.hello.url, &["--http1.1"]);
+    assert_eq!((version.as_str(), status), ("1.1", 200));
+    assert_eq!(body, fixtures::HELLO);
+    // The access log names the protocol of each request.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let logged = |proto: &str| {
+        server
+            .stderr_lines()
+            .iter()
+            .any(|l| l.contains(proto) && l.contains(&fx.hello.url))
+    };
+    while !(logged("HTTP/2.0") && logged("HTTP/1.1")) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        logged("HTTP/2.0") && logged("HTTP/1.1"),
+        "{}",
+        server.stderr_lines().join("\n")
+    );
+    let stats = server.stop();
+    assert_eq!(stats.get("http_requests"), 2);
+}
+
+#[test]
+fn files_over_h2_are_byte_exact_one_after_another_and_multiplexed() {
+    let fx = fixtures::get();
+    let server = h2_server();
+    let port = server.port();
+    let files: Vec<_> = fx.files.iter().collect();
+    for parallel in [false, true] {
+        // All files over one connection: in turn, then at once (curl -Z multiplexes them as
+        // concurrent streams).
+        let dir = tempdir();
+        let mut c = curl_h2(port);
+        if parallel {
+            c.args(["-Z", "--parallel-max", "16"]);
+        }
+        c.args(["-w", "%{http_version} %{http_code} %{num_connects}\\n"]);
+        for (i, f) in files.iter().enumerate() {
+            c.arg("-o")
+                .arg(dir.join(i.to_string()))
+                .arg(url(port, &f.url));
+        }
+        let out = tools::run(c, b"", Duration::from_secs(120));
+        assert!(out.status.success(), "curl: {}", out.describe());
+        let lines = out.stdout_text();
+        let lines: Vec<&str> = lines.lines().collect();
+        assert_eq!(lines.len(), files.len(), "{}", out.describe());
+        let connects: u32 = lines
+            .iter()
+            .map(|l| {
+                let mut w = l.split(' ');
+                assert_eq!(w.next(), Some("2"), "not over h2: {l}");
+                assert_eq!(w.next(), Some("200"), "{l}");
+                w.next().and_then(|n| n.parse::<u32>().ok()).unwrap_or(0)
+            })
+            .sum();
+        // One connection carries them all (curl reuses it; -Z waits for it to multiplex).
+        assert_eq!(connects, 1, "{}", out.describe());
+        for (i, f) in files.iter().enumerate() {
+            let got = std::fs::read(dir.join(i.to_string())).expect("downloaded file");
+            assert_eq!(got.len() as u64, f.size, "{} (parallel: {parallel})", f.url);
+            assert!(
+                sha256(&got) == f.sha256,
+                "{} differs (parallel: {parallel})",
+                f.url
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let stats = server.stop();
+    assert_eq!(stats.get("http_responses_2xx"), 2 * files.len() as u64);
+}
+
+#[test]
+fn conditional_range_and_errors_over_h2_are_planned_as_over_http1() {
+    let fx = fixtures::get();
+    let server = h2_server();
+    let port = server.port();
+    let hello = &fx.hello.url;
+
+    // HEAD: the fields of a GET, no body.
+    let (v, status, head_fields, body) = exchange(port, hello, &["-I"]);
+    assert_eq!((v.as_str(), status), ("2", 200));
+    // (curl -I writes the head where the body would go.)
+    let shown = String::from_utf8_lossy(&body);
+    assert!(
+        shown.starts_with("HTTP/2 200") && !shown.contains("hello from"),
+        "{shown}"
+    );
+    let etag = field(&head_fields, "etag").expect("ETag").to_string();
+    let last_modified = field(&head_fields, "last-modified").expect("Last-Modified");
+    assert_eq!(
+        field(&head_fields, "content-length"),
+        Some(fixtures::HELLO.len().to_string().as_str())
+    );
+    assert_eq!(
+        field(&head_fields, "content-type"),
+        Some("text/plain; charset=utf-8")
+    );
+    assert!(field(&head_fields, "connection").is_none());
+
+    // The same validators as HTTP/1.1 gives.
+    let (v, status, h1_fields, _) = exchange(port, hello, &["--http1.1", "-I"]);
+    assert_eq!((v.as_str(), status), ("1.1", 200));
+    assert_eq!(field(&h1_fields, "etag"), Some(etag.as_str()));
+    assert_eq!(field(&h1_fields, "last-modified"), Some(last_modified));
+
+    // 304 by If-None-Match and by If-Modified-Since.
+    let inm = format!("If-None-Match: {etag}");
+    let (v, status, fields, body) = exchange(port, hello, &["-H", &inm]);
+    assert_eq!((v.as_str(), status), ("2", 304));
+    assert!(body.is_empty());
+    assert_eq!(field(&fields, "etag"), Some(etag.as_str()));
+    let ims = format!("If-Modified-Since: {last_modified}");
+    let (_, status, _, _) = exchange(port, hello, &["-H", &ims]);
+    assert_eq!(status, 304);
+
+    // 206 for one range, with If-Range too; 416 past the end.
+    let (v, status, fields, body) = exchange(port, hello, &["-r", "6-9"]);
+    assert_eq!((v.as_str(), status), ("2", 206));
+    assert_eq!(body, &fixtures::HELLO[6..10]);
+    let range = format!("bytes 6-9/{}", fixtures::HELLO.len());
+    assert_eq!(field(&fields, "content-range"), Some(range.as_str()));
+    let if_range = format!("If-Range: {etag}");
+    let (_, status, _, body) = exchange(port, hello, &["-r", "0-4", "-H", &if_range]);
+    assert_eq!((status, body.as_slice()), (206, &fixtures::HELLO[..5]));
+    let big = fx.file(fixtures::SIZE_1M7);
+    let (_, status, _, body) = exchange(port, &big.url, &["-r", "-100"]);
+    let whole = std::fs::read(&big.path).expect("fixture");
+    assert_eq!(
+        (status, body.as_slice()),
+        (206, &whole[whole.len() - 100..])
+    );
+    let past = format!("{}-", fixtures::HELLO.len() + 10);
+    let (_, status, fields, _) = exchange(port, hello, &["-r", &past]);
+    assert_eq!(status, 416);
+    let unsatisfiable = format!("bytes */{}", fixtures::HELLO.len());
+    assert_eq!(
+        field(&fields, "content-range"),
+        Some(unsatisfiable.as_str())
+    );
+
+    // 404, 405 with Allow, a directory without its slash → 301, path safety.
+    let (v, status, _, body) = exchange(port, "/no-such-file", &[]);
+    assert_eq!(
+        (v.as_str(), status, body.as_slice()),
+        ("2", 404, b"404 Not Found\n".as_slice())
+    );
+    let (_, status, fields, _) = exchange(port, hello, &["-X", "DELETE"]);
+    assert_eq!(status, 405);
+    assert_eq!(field(&fields, "allow"), Some("GET, HEAD"));
+    let (_, status, fields, _) = exchange(port, "/sub", &[]);
+    assert_eq!(status, 301);
+    assert_eq!(field(&fields, "location"), Some("/sub/"));
+    for target in [
+        "/../secret.txt",
+        "/%2e%2e/secret.txt",
+        "/sub/../../secret.txt",
+    ] {
+        let (v, status, _, body) = exchange(port, target, &["--path-as-is"]);
+        assert_eq!(v, "2");
+        assert!((400..500).contains(&status), "{target}: {status}");
+        let text = String::from_utf8_lossy(&body);
+        assert!(!text.contains(fx.secret_marker), "{target}: leaked");
+    }
+    let stats = server.stop();
+    assert!(stats.get("http_responses_3xx") >= 3, "{:?}", stats.0);
+    assert!(stats.get("http_responses_4xx") >= 6, "{:?}", stats.0);
+}
+
+#[test]
+fn h2load_many_streams_on_few_connections_when_installed() {
+    // Not required (Debian's nghttp2-client); curl covers the rest when it is absent.
+    if tools::find_in_path("h2load").is_none() {
+        eprintln!("SKIPPED: h2load is not installed (Debian nghttp2-client)");
+        return;
+    }
+    let fx = fixtures::get();
+    let server = h2_server();
+    let mut c = std::process::Command::new("h2load");
+    c.args(["-n", "2000", "-c", "4", "-m", "20"]).arg(format!(
+        "https://127.0.0.1:{}{}",
+        server.port(),
+        fx.text.url
+    ));
+    let out = tools::run(c, b"", Duration::from_secs(120));
+    let text = out.stdout_text();
+    assert!(out.status.success(), "{}", out.describe());
+    assert!(text.contains("Application protocol: h2"), "{text}");
+    assert!(
+        text.contains("2000 succeeded, 0 failed, 0 errored, 0 timeout"),
+        "{text}"
+    );
+    assert!(text.contains("status codes: 2000 2xx"), "{text}");
+    let stats = server.stop();
+    assert_eq!(stats.get("http_requests"), 2000);
+}
