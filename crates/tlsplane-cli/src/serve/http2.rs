@@ -25,10 +25,10 @@ use h2::server::SendResponse;
 use h2::{Reason, RecvStream, SendStream};
 use tlsplane::{ConnectionInfo, TlsStream};
 use tlsplane_http::{error_response, respond, Body, Method, Request, Response};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 use tokio::sync::watch;
 
 use super::{body_len, count_status, Serve};
+use crate::h2_transport::{self, H2Io};
 use tlsplane_server::access_log::{Entry, RequestLine};
 use tlsplane_server::runtime::ConnContext;
 
@@ -58,10 +58,6 @@ const SEND_BUFFER: usize = 32 * 1024;
 /// Most body bytes read from a file at once for one stream (h2 cuts them into frames of the
 /// client's SETTINGS_MAX_FRAME_SIZE).
 const CHUNK: usize = 16 * 1024;
-/// The in-memory pipe between h2 and the TLS stream, each way.
-const PIPE: usize = 32 * 1024;
-/// What one TLS read or write moves (a record's plaintext).
-const IO_BUF: usize = 16 * 1024;
 
 /// Serves one connection whose client chose `h2`, to its end.
 pub(super) async fn serve(
@@ -75,10 +71,11 @@ pub(super) async fn serve(
     // A client that stops taking our bytes, or leaves a stream without window, is given up
     // after this long without progress.
     let stall = Duration::from_secs(shared.args.server.idle_timeout.max(1));
-    let (ours, theirs) = tokio::io::duplex(PIPE);
-    let conn = connection(theirs, &info, plane, peer, shared, &mut ctx.stop);
-    let pump = pump(&mut tls, ours, stall);
-    let (conn, pumped) = tokio::join!(conn, pump);
+    let stop = &mut ctx.stop;
+    let (conn, pumped) = h2_transport::run(&mut tls, stall, |io| {
+        connection(io, &info, plane, peer, shared, stop)
+    })
+    .await;
     if let Err(e) = conn {
         tracing::debug!(%peer, error = %e, "h2 connection ended with error");
     }
@@ -89,7 +86,7 @@ pub(super) async fn serve(
 /// The h2 side: settings, the handshake, then each stream as it comes, until the connection
 /// ends (the client's GOAWAY or end, ours after the idle timeout or at shutdown, an error).
 async fn connection(
-    io: DuplexStream,
+    io: H2Io,
     info: &ConnectionInfo,
     plane: &'static str,
     peer: SocketAddr,
@@ -368,54 +365,4 @@ async fn send_data(
             .map_err(io::Error::other)?;
     }
     Ok(())
-}
-
-/// Moves bytes between the client (`tls`) and h2 (`io`) until h2 is done with the
-/// connection; reads from the client never wait on writes to it, nor the other way round,
-/// so neither direction can stop the other. A client that takes none of our bytes for
-/// `stall` ends the connection.
-async fn pump(tls: &mut TlsStream, io: DuplexStream, stall: Duration) -> io::Result<()> {
-    let (mut from_h2, mut to_h2) = tokio::io::split(io);
-    // Read into `inbound`; what is read waits in `pending` until h2 takes it.
-    let mut inbound = vec![0u8; IO_BUF];
-    let mut pending = vec![0u8; IO_BUF];
-    let (mut taken, mut held) = (0usize, 0usize);
-    let mut outbound = vec![0u8; IO_BUF];
-    // The client's input ended, or h2 takes no more of it.
-    let mut input_done = false;
-    loop {
-        tokio::select! {
-            read = tls.read(&mut inbound), if taken == held && !input_done => match read? {
-                0 => {
-                    input_done = true;
-                    // h2 sees the end of the client's input.
-                    let _ = to_h2.shutdown().await;
-                }
-                n => {
-                    std::mem::swap(&mut inbound, &mut pending);
-                    (taken, held) = (0, n);
-                }
-            },
-            wrote = to_h2.write(&pending[taken..held]), if taken < held => match wrote {
-                Ok(n) if n > 0 => taken += n,
-                // h2 is finished with the connection: drop the rest, send what it wrote.
-                _ => {
-                    (taken, held) = (0, 0);
-                    input_done = true;
-                }
-            },
-            read = from_h2.read(&mut outbound) => match read? {
-                0 => return Ok(()),
-                n => match tokio::time::timeout(stall, tls.write_all(&outbound[..n])).await {
-                    Ok(wrote) => wrote?,
-                    Err(_) => {
-                        return Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            "the client took none of our bytes",
-                        ))
-                    }
-                },
-            },
-        }
-    }
 }
