@@ -4,8 +4,9 @@
 //! `h2` wants an `AsyncRead + AsyncWrite` transport, while [`TlsStream`] has async `read`,
 //! `write_all` and `write_file`. [`run`] runs h2's side and a pump in the connection's own
 //! task:
-//! - inbound, the pump reads the client's bytes and hands them to h2 through an in-memory
-//!   pipe;
+//! - inbound, the pump reads the client's bytes into a buffer it hands over to h2 whole, and
+//!   reads again once h2 took all of it; an idle connection holds no buffer (the pump waits for
+//!   readiness before it allocates one);
 //! - outbound, what h2 writes is queued in an [`Outbox`] the pump drains to the client. The
 //!   outbox follows h2's frames as they are written (every frame starts with a 9-byte header
 //!   that gives its length, type and stream). The payload of a DATA frame on a stream whose body
@@ -34,12 +35,8 @@ use std::time::Duration;
 use bytes::{Buf, Bytes};
 use tlsplane::stats::Counter;
 use tlsplane::{PlaneKind, TlsStream};
-use tokio::io::{
-    AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, SimplexStream, WriteHalf,
-};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-/// The in-memory pipe from the client to h2.
-const PIPE: usize = 32 * 1024;
 /// What one TLS read moves (a record's plaintext).
 const IO_BUF: usize = 16 * 1024;
 /// Bytes h2 may have queued in the outbox before its writes wait for the pump: a few full
@@ -159,8 +156,16 @@ struct Frames {
     file_stream: Option<u32>,
 }
 
-/// What h2 wrote and the pump has not sent yet, and the state both sides share.
+/// The queues between h2 and the pump: what h2 wrote and the pump has not sent yet, and the
+/// client's bytes h2 has not read yet.
 struct Outbox {
+    /// The client's bytes read last, and how far h2 has read them (empty: the pump may read).
+    inbound: Vec<u8>,
+    inbound_at: usize,
+    /// The client's input ended (or the pump is gone): h2 reads its end.
+    inbound_end: bool,
+    /// h2, waiting for the client's bytes.
+    reader: Option<Waker>,
     pieces: VecDeque<Piece>,
     /// Bytes (of both kinds) queued.
     queued: usize,
@@ -175,11 +180,29 @@ struct Outbox {
     broken: bool,
     /// h2, waiting for room.
     writer: Option<Waker>,
-    /// The pump, waiting for pieces.
+    /// The pump, waiting for pieces or for h2 to take the inbound bytes.
     pump: Option<Waker>,
 }
 
 impl Outbox {
+    fn new(sendfile: bool) -> Self {
+        Outbox {
+            inbound: Vec::new(),
+            inbound_at: 0,
+            inbound_end: false,
+            reader: None,
+            pieces: VecDeque::new(),
+            queued: 0,
+            frames: Frames::default(),
+            files: HashMap::new(),
+            sendfile,
+            shut: false,
+            broken: false,
+            writer: None,
+            pump: None,
+        }
+    }
+
     fn push_bytes(&mut self, bytes: &[u8]) {
         if let Some(Piece::Bytes(last)) = self.pieces.back_mut() {
             last.extend_from_slice(bytes);
@@ -334,7 +357,6 @@ impl FileBodies {
 
 /// What h2 reads the client's bytes from and writes its own to.
 pub(crate) struct H2Io {
-    inbound: ReadHalf<SimplexStream>,
     outbox: Arc<Mutex<Outbox>>,
 }
 
@@ -392,11 +414,32 @@ impl Drop for H2Io {
 
 impl AsyncRead for H2Io {
     fn poll_read(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inbound).poll_read(cx, buf)
+        let mut outbox = lock(&self.outbox);
+        let at = outbox.inbound_at;
+        let held = &outbox.inbound[at..];
+        if held.is_empty() {
+            if outbox.inbound_end {
+                return Poll::Ready(Ok(()));
+            }
+            outbox.reader = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let n = held.len().min(buf.remaining());
+        buf.put_slice(&held[..n]);
+        outbox.inbound_at += n;
+        if outbox.inbound_at == outbox.inbound.len() {
+            // All taken: the buffer goes, the pump may read again.
+            outbox.inbound = Vec::new();
+            outbox.inbound_at = 0;
+            if let Some(pump) = outbox.pump.take() {
+                pump.wake();
+            }
+        }
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -441,23 +484,11 @@ where
     F: FnOnce(H2Io) -> Fut,
     Fut: Future,
 {
-    let (reader, writer) = tokio::io::simplex(PIPE);
-    let outbox = Arc::new(Mutex::new(Outbox {
-        pieces: VecDeque::new(),
-        queued: 0,
-        frames: Frames::default(),
-        files: HashMap::new(),
-        sendfile: tls.plane() == PlaneKind::Kernel,
-        shut: false,
-        broken: false,
-        writer: None,
-        pump: None,
-    }));
+    let outbox = Arc::new(Mutex::new(Outbox::new(tls.plane() == PlaneKind::Kernel)));
     let io = H2Io {
-        inbound: reader,
         outbox: outbox.clone(),
     };
-    tokio::join!(conn(io), pump(tls, writer, &outbox, stall))
+    tokio::join!(conn(io), pump(tls, &outbox, stall))
 }
 
 /// Marks the outbox broken when the pump ends, however it ends, so that h2 is not left
@@ -468,49 +499,38 @@ impl Drop for PumpGone<'_> {
     fn drop(&mut self) {
         let mut outbox = lock(self.0);
         outbox.broken = true;
+        outbox.inbound_end = true;
         outbox.pieces.clear();
         outbox.files.clear();
         if let Some(writer) = outbox.writer.take() {
             writer.wake();
         }
+        if let Some(reader) = outbox.reader.take() {
+            reader.wake();
+        }
     }
 }
 
 /// Moves bytes between the client (`tls`) and h2 until h2 is done with the connection:
-/// the client's into the pipe h2 reads, the outbox's to the client. A client that takes
-/// none of our bytes for `stall` ends the connection.
-async fn pump(
-    tls: &mut TlsStream,
-    mut to_h2: WriteHalf<SimplexStream>,
-    outbox: &Mutex<Outbox>,
-    stall: Duration,
-) -> io::Result<()> {
+/// the client's to h2, the outbox's to the client. A client that takes none of our bytes for
+/// `stall` ends the connection.
+async fn pump(tls: &mut TlsStream, outbox: &Mutex<Outbox>, stall: Duration) -> io::Result<()> {
     let _gone = PumpGone(outbox);
-    // Read into `inbound`; what is read waits in `pending` until h2 takes it.
-    let mut inbound = vec![0u8; IO_BUF];
-    let mut pending = vec![0u8; IO_BUF];
-    let (mut taken, mut held) = (0usize, 0usize);
-    // The client's input ended, or h2 takes no more of it.
+    // The client's input ended.
     let mut input_done = false;
     loop {
         tokio::select! {
-            read = tls.read(&mut inbound), if taken == held && !input_done => match read? {
-                0 => {
+            read = read_for_h2(tls, outbox), if !input_done => {
+                let read = read?;
+                let mut shared = lock(outbox);
+                if read.is_empty() {
                     input_done = true;
-                    // h2 sees the end of the client's input.
-                    let _ = to_h2.shutdown().await;
+                    shared.inbound_end = true;
+                } else {
+                    shared.inbound = read;
                 }
-                n => {
-                    std::mem::swap(&mut inbound, &mut pending);
-                    (taken, held) = (0, n);
-                }
-            },
-            wrote = to_h2.write(&pending[taken..held]), if taken < held => match wrote {
-                Ok(n) if n > 0 => taken += n,
-                // h2 is finished with the connection: drop the rest, send what it wrote.
-                _ => {
-                    (taken, held) = (0, 0);
-                    input_done = true;
+                if let Some(reader) = shared.reader.take() {
+                    reader.wake();
                 }
             },
             pieces = std::future::poll_fn(|cx| next_pieces(outbox, cx)) => {
@@ -527,6 +547,27 @@ async fn pump(
             },
         }
     }
+}
+
+/// Once h2 has taken the bytes read last, the client's next bytes (empty at its end). The
+/// buffer is allocated only once the client has sent something: an idle connection holds
+/// none. Cancel-safe: waiting and [`TlsStream::read`] are.
+async fn read_for_h2(tls: &mut TlsStream, outbox: &Mutex<Outbox>) -> io::Result<Vec<u8>> {
+    std::future::poll_fn(|cx| {
+        let mut shared = lock(outbox);
+        if shared.inbound.is_empty() {
+            Poll::Ready(())
+        } else {
+            shared.pump = Some(cx.waker().clone());
+            Poll::Pending
+        }
+    })
+    .await;
+    tls.readable().await?;
+    let mut buf = vec![0u8; IO_BUF];
+    let n = tls.read(&mut buf).await?;
+    buf.truncate(n);
+    Ok(buf)
 }
 
 /// The pieces queued, when there are some; `None` when h2 is done and all was sent.
@@ -577,17 +618,7 @@ mod tests {
     }
 
     fn outbox(sendfile: bool) -> Outbox {
-        Outbox {
-            pieces: VecDeque::new(),
-            queued: 0,
-            frames: Frames::default(),
-            files: HashMap::new(),
-            sendfile,
-            shut: false,
-            broken: false,
-            writer: None,
-            pump: None,
-        }
+        Outbox::new(sendfile)
     }
 
     /// What the client would receive: bytes as they are, file ranges read.
