@@ -66,16 +66,20 @@ pub(crate) struct H2Stats {
     /// Streams reset, or connections ended, because the client granted no window or took
     /// none of our bytes for the stall timeout.
     pub stalls: Counter,
+    /// Idle connections (no stream open) sent GOAWAY to make room for a new connection under
+    /// --max-connections.
+    pub evictions: Counter,
 }
 
 impl H2Stats {
-    pub(crate) fn counters(&self) -> [(&'static str, u64); 5] {
+    pub(crate) fn counters(&self) -> [(&'static str, u64); 6] {
         [
             ("h2_connections", self.connections.load(Relaxed)),
             ("h2_streams", self.streams.load(Relaxed)),
             ("h2_goaway_calm", self.goaway_calm.load(Relaxed)),
             ("h2_goaway_protocol", self.goaway_protocol.load(Relaxed)),
             ("h2_stalls", self.stalls.load(Relaxed)),
+            ("h2_evictions", self.evictions.load(Relaxed)),
         ]
     }
 

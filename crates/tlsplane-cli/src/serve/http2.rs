@@ -30,7 +30,7 @@ use tokio::sync::watch;
 use super::{body_len, count_status, Serve};
 use crate::h2_transport::{self, FileBodies, H2Body, H2Io};
 use tlsplane_server::access_log::{Entry, RequestLine};
-use tlsplane_server::runtime::ConnContext;
+use tlsplane_server::runtime::{ConnContext, Idle};
 
 /// Streams a client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). RFC 9113 §6.5.2
 /// advises no fewer than 100, so as not to limit parallelism; with at most [`SEND_BUFFER`]
@@ -53,6 +53,9 @@ const MAX_LOCAL_ERROR_RESETS: usize = 100;
 /// (h2's defaults).
 const MAX_CONCURRENT_RESETS: usize = 50;
 const RESET_STREAM_DURATION: Duration = Duration::from_secs(1);
+/// After our GOAWAY, how long a connection with no stream left waits for the client to close
+/// it (h2's graceful shutdown waits for a PING's answer first) before we close it ourselves.
+const GOAWAY_GRACE: Duration = Duration::from_secs(5);
 /// Body bytes h2 queues per stream before it stops granting capacity (h2's default ~400 KB).
 const SEND_BUFFER: usize = 32 * 1024;
 /// Most body bytes read from a file at once for one stream (h2 cuts them into frames of the
@@ -71,9 +74,9 @@ pub(super) async fn serve(
     // A client that stops taking our bytes, or leaves a stream without window, is given up
     // after this long without progress.
     let stall = Duration::from_secs(shared.args.server.idle_timeout.max(1));
-    let stop = &mut ctx.stop;
+    let (stop, idle) = (&mut ctx.stop, &ctx.idle);
     let (conn, pumped) = h2_transport::run(&mut tls, stall, |io| {
-        connection(io, &info, plane, peer, shared, stop)
+        connection(io, &info, plane, peer, shared, stop, idle)
     })
     .await;
     if let Err(e) = conn {
@@ -97,6 +100,7 @@ async fn connection(
     peer: SocketAddr,
     shared: &Serve,
     stop: &mut watch::Receiver<bool>,
+    idle: &Idle,
 ) -> Result<(), h2::Error> {
     let args = &shared.args;
     let mut builder = h2::server::Builder::new();
@@ -120,56 +124,86 @@ async fn connection(
                 return Ok(());
             }
         };
-    let idle = Duration::from_secs(args.server.idle_timeout);
+    let idle_timeout = Duration::from_secs(args.server.idle_timeout);
     let responded = AtomicBool::new(false);
     let mut streams = FuturesUnordered::new();
     let mut idle_since = tokio::time::Instant::now();
-    let mut going_away = false;
+    // When we sent GOAWAY (None: not yet).
+    let mut going_away: Option<tokio::time::Instant> = None;
     if *stop.borrow() {
         conn.graceful_shutdown();
-        going_away = true;
+        going_away = Some(tokio::time::Instant::now());
     }
     loop {
-        tokio::select! {
-            accepted = conn.accept() => match accepted {
-                Some(Ok((request, send))) => {
-                    shared.stats.h2.streams.fetch_add(1, Relaxed);
-                    let stream = Stream {
-                        info,
-                        plane,
-                        peer,
-                        shared,
-                        files: &files,
-                        responded: &responded,
-                    };
-                    streams.push(stream.serve(request, send));
+        let quiet = streams.is_empty();
+        let step = async {
+            tokio::select! {
+                accepted = conn.accept() => Step::Accepted(accepted),
+                Some(()) = streams.next(), if !streams.is_empty() => Step::StreamDone,
+                // No stream open for the idle timeout: GOAWAY, and the connection ends.
+                _ = tokio::time::sleep_until(idle_since + idle_timeout), if quiet && going_away.is_none() => {
+                    Step::IdleTimeout
                 }
-                Some(Err(e)) => {
-                    shared.stats.h2.count_end(&e);
-                    return Err(e);
-                }
-                None => return Ok(()),
-            },
-            Some(()) = streams.next(), if !streams.is_empty() => {
+                // Shutting down: GOAWAY, the streams in flight finish.
+                _ = stop.changed(), if going_away.is_none() => Step::Stop,
+                // GOAWAY sent and no stream left, but the client keeps the connection: ours
+                // to end.
+                _ = tokio::time::sleep_until(going_away.unwrap_or(idle_since) + GOAWAY_GRACE),
+                    if quiet && going_away.is_some() => Step::GoneQuiet,
+            }
+        };
+        // With no stream open the connection is idle, as a keep-alive HTTP/1.1 connection
+        // between requests: the first to go when a new one needs room under
+        // --max-connections.
+        let step = if quiet && going_away.is_none() {
+            idle.wait(step).await.unwrap_or(Step::Evicted)
+        } else {
+            step.await
+        };
+        match step {
+            Step::Accepted(Some(Ok((request, send)))) => {
+                shared.stats.h2.streams.fetch_add(1, Relaxed);
+                let stream = Stream {
+                    info,
+                    plane,
+                    peer,
+                    shared,
+                    files: &files,
+                    responded: &responded,
+                };
+                streams.push(stream.serve(request, send));
+            }
+            Step::Accepted(Some(Err(e))) => {
+                shared.stats.h2.count_end(&e);
+                return Err(e);
+            }
+            Step::Accepted(None) | Step::GoneQuiet => return Ok(()),
+            Step::StreamDone => {
                 if streams.is_empty() {
                     idle_since = tokio::time::Instant::now();
                 }
             }
-            // No stream open for the idle timeout: GOAWAY, and the connection ends.
-            _ = tokio::time::sleep_until(idle_since + idle),
-                if streams.is_empty() && !going_away =>
-            {
-                shared.stats.timeouts.fetch_add(1, Relaxed);
+            Step::IdleTimeout | Step::Stop | Step::Evicted => {
+                match step {
+                    Step::IdleTimeout => shared.stats.timeouts.fetch_add(1, Relaxed),
+                    Step::Evicted => shared.stats.h2.evictions.fetch_add(1, Relaxed),
+                    _ => {}
+                }
                 conn.graceful_shutdown();
-                going_away = true;
-            }
-            // Shutting down: GOAWAY, the streams in flight finish.
-            _ = stop.changed(), if !going_away => {
-                conn.graceful_shutdown();
-                going_away = true;
+                going_away = Some(tokio::time::Instant::now());
             }
         }
     }
+}
+
+/// What ended one wait of a connection's loop.
+enum Step<T> {
+    Accepted(Option<Result<T, h2::Error>>),
+    StreamDone,
+    IdleTimeout,
+    Stop,
+    Evicted,
+    GoneQuiet,
 }
 
 /// What each stream of a connection shares.

@@ -314,3 +314,79 @@ fn h2load_many_streams_on_few_connections_when_installed() {
     let stats = server.stop();
     assert_eq!(stats.get("http_requests"), 2000);
 }
+
+/// Opens h2 connections (preface and SETTINGS, no stream) with Python's ssl: at
+/// --max-connections 2 a third client is admitted by sending the oldest idle one GOAWAY, as
+/// an idle keep-alive HTTP/1.1 connection would be closed; the newer one stays.
+#[test]
+fn an_idle_h2_connection_makes_room_under_max_connections() {
+    if !tools::require("python3") {
+        return; // the kernel-plane guest has no Python
+    }
+    let server = Server::builder()
+        .arg("--alpn")
+        .arg(OPT_IN)
+        .arg("--max-connections")
+        .arg("2")
+        .start();
+    let script = r#"
+import socket, ssl, struct, sys, time
+port, ca = int(sys.argv[1]), sys.argv[2]
+ctx = ssl.create_default_context(cafile=ca)
+ctx.set_alpn_protocols(["h2"])
+def frame(t, f, sid, p=b""):
+    return struct.pack(">I", len(p))[1:] + bytes([t, f]) + struct.pack(">I", sid) + p
+def connect():
+    s = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="localhost")
+    assert s.selected_alpn_protocol() == "h2", s.selected_alpn_protocol()
+    s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0))
+    return s
+def types(s, seconds):
+    # Frame types the server sends within `seconds` (or until it closes); answers PINGs.
+    s.settimeout(0.2)
+    buf, seen, end = b"", [], time.time() + seconds
+    while time.time() < end:
+        try:
+            data = s.recv(65536)
+        except socket.timeout:
+            continue
+        except (ssl.SSLError, OSError):
+            break
+        if not data:
+            break
+        buf += data
+        while len(buf) >= 9:
+            n = int.from_bytes(buf[:3], "big")
+            if len(buf) < 9 + n:
+                break
+            t, f, payload = buf[3], buf[4], buf[9:9 + n]
+            buf = buf[9 + n:]
+            seen.append(t)
+            if t == 4 and not f & 1:
+                s.sendall(frame(4, 1, 0))
+            if t == 6 and not f & 1:
+                s.sendall(frame(6, 1, 0, payload))
+    return seen
+oldest = connect(); time.sleep(0.3)
+newer = connect(); time.sleep(0.3)
+third = connect()
+print("third", 4 in types(third, 1.0))
+print("oldest", 7 in types(oldest, 3.0))
+print("newer", 7 in types(newer, 0.5))
+"#;
+    let mut cmd = std::process::Command::new("python3");
+    cmd.arg("-c")
+        .arg(script)
+        .arg(server.port().to_string())
+        .arg(&fixtures::pki().ca_pem);
+    let out = tools::run(cmd, b"", Duration::from_secs(30));
+    assert!(out.status.success(), "{}", out.describe());
+    assert_eq!(
+        out.stdout_text().lines().collect::<Vec<_>>(),
+        ["third True", "oldest True", "newer False"],
+        "the third client admitted, the oldest idle h2 connection sent GOAWAY, the newer kept: {}",
+        out.describe()
+    );
+    let stats = server.stop();
+    assert_eq!(stats.get("h2_evictions"), 1);
+}
