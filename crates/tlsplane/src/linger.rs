@@ -162,3 +162,43 @@ async fn peer_closed(sock: &TcpStream) -> io::Result<()> {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Counts the receives a linger makes when the client's last bytes and its FIN are both
+    /// in, and the readiness has seen the FIN.
+    async fn receives(byte_stream: bool) -> usize {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        socket2::SockRef::from(&server)
+            .shutdown(std::net::Shutdown::Write)
+            .unwrap();
+        io::Write::write_all(&mut client, &[0x17; 24]).unwrap();
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        while !server
+            .ready(Interest::READABLE)
+            .await
+            .unwrap()
+            .is_read_closed()
+        {
+            tokio::task::yield_now().await;
+        }
+        let mut calls = 0;
+        discard_input(&server, &DEFAULT_LINGER, byte_stream, &mut |buf| {
+            calls += 1;
+            io::Read::read(&mut &*socket2::SockRef::from(&server), buf)
+        })
+        .await;
+        calls
+    }
+
+    #[tokio::test]
+    async fn a_short_read_after_the_fin_ends_the_linger() {
+        assert_eq!(receives(true).await, 1);
+        // One record at a time (the kernel plane): the end must be read.
+        assert_eq!(receives(false).await, 2);
+    }
+}
