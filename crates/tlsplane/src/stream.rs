@@ -734,12 +734,12 @@ impl TlsStream {
                 u.release_buffers();
                 let mut recv =
                     |buf: &mut [u8]| io::Read::read(&mut &*socket2::SockRef::from(sock), buf);
-                linger::discard_input(sock, &self.linger, &mut recv).await;
+                linger::discard_input(sock, &self.linger, true, &mut recv).await;
             }
             Plane::Kernel(k) => {
                 let fd = std::os::fd::AsFd::as_fd(sock);
                 let mut recv = |buf: &mut [u8]| k.discard_record(fd, buf);
-                linger::discard_input(sock, &self.linger, &mut recv).await;
+                linger::discard_input(sock, &self.linger, false, &mut recv).await;
             }
         }
         self.read_ended = true;
