@@ -162,32 +162,14 @@ fn run_browser(mut cmd: Command, dir: &Path) -> (bool, String, String) {
     (status.is_some_and(|s| s.success()), stdout, stderr)
 }
 
-/// The net log's events with their type names. A log cut short (Chromium killed) still has
-/// one event per line, so it is read line by line if it does not parse whole.
+/// The net log's events with their type names (Chromium exited, so the log is whole JSON:
+/// `{"constants": {...}, "events": [...]}`).
 fn net_log_events(path: &Path) -> Vec<(String, serde_json::Value)> {
     let text = fs::read_to_string(path).expect("chromium's net log");
-    let (constants, events): (serde_json::Value, Vec<serde_json::Value>) =
-        match serde_json::from_str::<serde_json::Value>(&text) {
-            Ok(v) => (
-                v["constants"].clone(),
-                v["events"].as_array().cloned().unwrap_or_default(),
-            ),
-            Err(_) => {
-                let first = text.lines().next().unwrap_or_default();
-                let constants: serde_json::Value = serde_json::from_str(
-                    first
-                        .trim_start_matches("{\"constants\":")
-                        .trim_end_matches(','),
-                )
-                .expect("net log constants");
-                let events = text
-                    .lines()
-                    .skip(1)
-                    .filter_map(|l| serde_json::from_str(l.trim_end_matches(',')).ok())
-                    .collect();
-                (constants, events)
-            }
-        };
+    let log: serde_json::Value = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()));
+    let constants = &log["constants"];
+    let events = log["events"].as_array().cloned().unwrap_or_default();
     let names: BTreeMap<u64, String> = constants["logEventTypes"]
         .as_object()
         .expect("logEventTypes in the net log")
