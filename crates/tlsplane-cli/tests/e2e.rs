@@ -44,6 +44,8 @@ mod hello_records;
 mod http;
 #[path = "e2e/http2.rs"]
 mod http2;
+#[path = "e2e/http2_browser.rs"]
+mod http2_browser;
 #[path = "e2e/kernel.rs"]
 mod kernel;
 #[path = "e2e/keyd.rs"]
