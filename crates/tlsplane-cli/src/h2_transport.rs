@@ -211,9 +211,23 @@ impl Outbox {
         if let Some(Piece::Bytes(last)) = self.pieces.back_mut() {
             last.extend_from_slice(bytes);
         } else {
-            self.pieces.push_back(Piece::Bytes(bytes.to_vec()));
+            let piece = Self::new_piece(self.sendfile, bytes);
+            self.pieces.push_back(Piece::Bytes(piece));
         }
         self.queued += bytes.len();
+    }
+
+    /// A new run of bytes, starting with `first`. On the user plane, where file payloads are
+    /// read into it too, sized for a whole batch at once: growing it frame by frame copied
+    /// the queue over and over.
+    fn new_piece(sendfile: bool, first: &[u8]) -> Vec<u8> {
+        let mut v = if sendfile {
+            Vec::with_capacity(first.len().max(64))
+        } else {
+            Vec::with_capacity(OUTBOX + PLACEHOLDER.len() + FRAME_HEADER)
+        };
+        v.extend_from_slice(first);
+        v
     }
 
     /// Takes `n` bytes of the file body of `stream` in place of `n` placeholder bytes.
@@ -250,8 +264,8 @@ impl Outbox {
                 let at = match self.pieces.back_mut() {
                     Some(Piece::Bytes(last)) => last,
                     _ => {
-                        self.pieces
-                            .push_back(Piece::Bytes(Vec::with_capacity(take + 64)));
+                        let piece = Self::new_piece(self.sendfile, &[]);
+                        self.pieces.push_back(Piece::Bytes(piece));
                         match self.pieces.back_mut() {
                             Some(Piece::Bytes(v)) => v,
                             _ => unreachable!("just pushed"),

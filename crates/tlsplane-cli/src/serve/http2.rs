@@ -33,8 +33,7 @@ use tlsplane_server::access_log::{Entry, RequestLine};
 use tlsplane_server::runtime::{ConnContext, Idle};
 
 /// Streams a client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). RFC 9113 §6.5.2
-/// advises no fewer than 100, so as not to limit parallelism; with at most [`SEND_BUFFER`]
-/// queued per stream, a connection queues at most 100 × 32 KiB of body bytes.
+/// advises no fewer than 100, so as not to limit parallelism.
 const MAX_CONCURRENT_STREAMS: u32 = 100;
 /// Largest header list a request may decode to (SETTINGS_MAX_HEADER_LIST_SIZE), checked by
 /// h2 while it decodes, over CONTINUATION frames too (CVE-2024-27316) and whatever the HPACK
@@ -57,10 +56,13 @@ const RESET_STREAM_DURATION: Duration = Duration::from_secs(1);
 /// it (h2's graceful shutdown waits for a PING's answer first) before we close it ourselves.
 const GOAWAY_GRACE: Duration = Duration::from_secs(5);
 /// Body bytes h2 queues per stream before it stops granting capacity (h2's default ~400 KB).
-const SEND_BUFFER: usize = 32 * 1024;
-/// Most body bytes read from a file at once for one stream (h2 cuts them into frames of the
-/// client's SETTINGS_MAX_FRAME_SIZE).
-const CHUNK: usize = 16 * 1024;
+/// File bodies are queued as placeholders that hold no memory (h2_transport), and other
+/// bodies are small planned texts, so this bounds how far ahead of the client h2 schedules,
+/// not memory: a larger queue means fewer wake-ups per byte.
+const SEND_BUFFER: usize = 1024 * 1024;
+/// Most body bytes handed to h2 at once for one stream (h2 cuts them into frames of the
+/// client's SETTINGS_MAX_FRAME_SIZE, within the flow-control windows).
+const CHUNK: usize = 256 * 1024;
 
 /// Serves one connection whose client chose `h2`, to its end.
 pub(super) async fn serve(
