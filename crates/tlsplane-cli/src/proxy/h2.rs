@@ -218,8 +218,8 @@ impl Shared<'_> {
                 .iter()
                 .any(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
             match proxy.args.backend_protocol {
-                BackendProtocol::Http1 => self.to_http1(&request, body, &mut send).await,
-                BackendProtocol::H2c => self.to_h2c(&request, te_trailers, body, &mut send).await,
+                BackendProtocol::Http1 => self.via_http1(&request, body, &mut send).await,
+                BackendProtocol::H2c => self.via_h2c(&request, te_trailers, body, &mut send).await,
             }
         };
         self.log(&parts, Some(&request), started, outcome);
@@ -267,7 +267,7 @@ impl Shared<'_> {
 
     /// Forwards one stream's request to an HTTP/1.1 backend, with a retry on a new connection
     /// when a reused one turns out closed (as HTTP/1.1 clients' requests are).
-    async fn to_http1(
+    async fn via_http1(
         &self,
         request: &RequestHead,
         mut body: RecvStream,
@@ -634,7 +634,7 @@ impl Shared<'_> {
     /// it comes, within both sides' flow-control windows, and trailers both ways (gRPC's
     /// `grpc-status`). A connection h2 finds dead before the request went is left and the
     /// request tried once more on another.
-    async fn to_h2c(
+    async fn via_h2c(
         &self,
         request: &RequestHead,
         te_trailers: bool,

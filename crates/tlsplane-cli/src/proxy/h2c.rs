@@ -36,10 +36,12 @@ struct ConnState {
     last_used: Mutex<Instant>,
 }
 
+/// One backend's h2c connections in one thread.
+type Conns = Vec<(SendRequest<Bytes>, Arc<ConnState>)>;
+
 thread_local! {
     /// This thread's h2c connections, by (pool, backend).
-    static CONNS: RefCell<HashMap<(u64, usize), Vec<(SendRequest<Bytes>, Arc<ConnState>)>>> =
-        RefCell::new(HashMap::new());
+    static CONNS: RefCell<HashMap<(u64, usize), Conns>> = RefCell::new(HashMap::new());
 }
 
 /// One stream's use of an h2c connection; counted until dropped.
