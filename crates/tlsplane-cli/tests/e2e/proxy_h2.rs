@@ -132,9 +132,10 @@ except grpc.RpcError as e:
     print("fail", e.code().name, e.details(), dict(e.trailing_metadata() or ()).get("x-why"))
 "#;
 
-/// Runs a Python program that prints the port it listens on first; the process and port.
-fn python_server(program: &str) -> (Child, u16) {
-    let mut child = Command::new("python3")
+/// Runs a Python program that prints the port it listens on first; the process (killed when
+/// dropped, so that a failed assertion leaves no server behind) and port.
+fn python_server(python: &str, program: &str) -> (Killed, u16) {
+    let mut child = Command::new(python)
         .args(["-c", program])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -150,26 +151,36 @@ fn python_server(program: &str) -> (Child, u16) {
         assert!(Instant::now() < until, "nothing listening on {port}");
         std::thread::sleep(Duration::from_millis(50));
     }
-    (child, port)
+    (Killed(child), port)
 }
 
-/// Python with grpcio, or why the test cannot run.
-fn grpcio() -> Result<(), String> {
-    if !require("python3") {
-        return Err("python3 missing".into());
+/// A child process killed when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
-    let out = Command::new("python3")
-        .args(["-c", "import grpc"])
-        .output()
-        .map_err(|e| e.to_string())?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "python3-grpcio is not importable: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+}
+
+/// A Python that imports grpcio (`python3` first, then Debian's own, which python3-grpcio
+/// installs into when another `python3` comes first in PATH), or why the test cannot run.
+fn grpcio() -> Result<&'static str, String> {
+    let mut why = String::from("python3 missing");
+    for python in ["python3", "/usr/bin/python3"] {
+        match Command::new(python).args(["-c", "import grpc"]).output() {
+            Ok(out) if out.status.success() => return Ok(python),
+            Ok(out) => {
+                why = format!(
+                    "python3-grpcio is not importable by {python}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )
+            }
+            Err(e) => why = format!("{python}: {e}"),
+        }
     }
+    Err(why)
 }
 
 fn curl_h2(port: u16) -> Command {
@@ -263,7 +274,7 @@ fn h2_clients_reach_an_http1_backend_one_request_per_stream() {
     if !require("python3") || !require("curl") {
         return;
     }
-    let (mut py, port) = python_server(HTTP_BACKEND);
+    let (py, port) = python_server("python3", HTTP_BACKEND);
     let server = h2_proxy(&format!("127.0.0.1:{port}")).start();
     let p = server.port();
 
@@ -364,8 +375,7 @@ fn h2_clients_reach_an_http1_backend_one_request_per_stream() {
         "20 × 300 ms took {took:?}: not concurrent"
     );
 
-    let _ = py.kill();
-    let _ = py.wait();
+    drop(py);
     assert_no_panic(&server);
     let stats = server.stop();
     assert_eq!(stats["proxy_http_requests"], 24, "{stats:?}");
@@ -419,11 +429,14 @@ fn a_backend_that_is_down_gives_502_on_that_stream() {
 
 #[test]
 fn grpc_unary_streaming_and_status_end_to_end_over_h2c() {
-    if let Err(why) = grpcio() {
-        eprintln!("skipped: {why}");
-        return;
-    }
-    let (mut backend, port) = python_server(GRPC_BACKEND);
+    let python = match grpcio() {
+        Ok(p) => p,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let (backend, port) = python_server(python, GRPC_BACKEND);
     let server = Server::builder()
         .proxy(&[format!("127.0.0.1:{port}")])
         .arg("--mode")
@@ -431,13 +444,12 @@ fn grpc_unary_streaming_and_status_end_to_end_over_h2c() {
         .arg("--backend-protocol")
         .arg("h2c")
         .start();
-    let mut c = Command::new("python3");
+    let mut c = Command::new(python);
     c.args(["-c", GRPC_CLIENT])
         .arg(server.port().to_string())
         .arg(&fixtures::pki().ca_pem);
     let out = tools::run(c, b"", Duration::from_secs(120));
-    let _ = backend.kill();
-    let _ = backend.wait();
+    drop(backend);
     assert!(out.status.success(), "grpc client: {}", out.describe());
     let want_chat: Vec<String> = (0..20).map(|i| format!("got:m{i}")).collect();
     assert_eq!(
