@@ -64,6 +64,8 @@ mod operations;
 mod panics;
 #[path = "e2e/proxy.rs"]
 mod proxy;
+#[path = "e2e/proxy_h2.rs"]
+mod proxy_h2;
 #[path = "e2e/proxy_http.rs"]
 mod proxy_http;
 #[path = "e2e/reload.rs"]

@@ -81,6 +81,11 @@ impl Pool {
         })
     }
 
+    /// Tells this pool from those a reload replaced (keys per-thread connection lists).
+    pub(super) fn id(&self) -> u64 {
+        self.id
+    }
+
     /// TCP backend `i`'s addresses, in the order to try them: the one that took the last
     /// connection first.
     pub(super) fn addrs(&self, i: usize) -> impl Iterator<Item = (usize, SocketAddr)> + '_ {
@@ -526,6 +531,12 @@ impl BackendConn {
             io,
             _slot: Some(slot),
         }
+    }
+
+    /// The socket and its place under --backend-max-connections, for a connection another
+    /// protocol runs over (an h2c backend connection, driven by h2).
+    pub(super) fn into_parts(self) -> (Io, Option<Slot>) {
+        (self.io, self._slot)
     }
 
     /// A connection outside any backend pool: `tlsplane handoff` relays a TLS connection to

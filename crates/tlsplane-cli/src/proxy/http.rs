@@ -28,13 +28,13 @@ use tlsplane_server::access_log::{Entry, RequestLine};
 use tlsplane_server::runtime::ConnContext;
 
 /// Largest response head accepted from a backend.
-const MAX_RESPONSE_HEAD: usize = 65536;
-const MAX_RESPONSE_FIELDS: usize = 128;
+pub(super) const MAX_RESPONSE_HEAD: usize = 65536;
+pub(super) const MAX_RESPONSE_FIELDS: usize = 128;
 
 /// Bytes read from one side and not yet used: `data[start..end]`. Allocated when bytes
 /// come, grown (to `limit`) when they fill it, given back when empty between requests: an
 /// idle keep-alive connection holds no buffer.
-struct Buf {
+pub(super) struct Buf {
     data: Vec<u8>,
     start: usize,
     end: usize,
@@ -43,7 +43,7 @@ struct Buf {
 }
 
 impl Buf {
-    fn new(initial: usize, limit: usize) -> Self {
+    pub(super) fn new(initial: usize, limit: usize) -> Self {
         Self {
             data: Vec::new(),
             start: 0,
@@ -67,15 +67,15 @@ impl Buf {
         }
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub(super) fn bytes(&self) -> &[u8] {
         &self.data[self.start..self.end]
     }
 
-    fn is_empty(&self) -> bool {
+    pub(super) fn is_empty(&self) -> bool {
         self.start == self.end
     }
 
-    fn consume(&mut self, n: usize) {
+    pub(super) fn consume(&mut self, n: usize) {
         self.start += n;
         if self.start >= self.end {
             self.start = 0;
@@ -90,7 +90,7 @@ impl Buf {
 
     /// Room to read into; the held bytes move to the front when the tail is full, and the
     /// buffer grows when they fill it.
-    fn spare(&mut self) -> &mut [u8] {
+    pub(super) fn spare(&mut self) -> &mut [u8] {
         if self.data.is_empty() {
             self.data.resize(self.initial, 0);
         }
@@ -105,13 +105,13 @@ impl Buf {
         &mut self.data[self.end..]
     }
 
-    fn filled(&mut self, n: usize) {
+    pub(super) fn filled(&mut self, n: usize) {
         self.end += n;
     }
 }
 
 /// Why an exchange with the backend stopped.
-enum Fail {
+pub(super) enum Fail {
     /// The backend connection failed before any byte of the response: worth one retry on a
     /// new connection when it was a reused one.
     Stale,
@@ -132,7 +132,7 @@ enum Fail {
 
 /// How far a request got, for what to do at its --request-timeout.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Progress {
+pub(super) enum Progress {
     /// The proxy was waiting for more of the client's body (408).
     Receiving,
     /// The request was with the backend, no response yet (504).
@@ -358,6 +358,17 @@ async fn exchange(
         let name = host_name(h);
         proxy.names.lookup(name) != Some(site)
     });
+    if proxy.args.backend_protocol == super::BackendProtocol::H2c {
+        // h2c backends are for h2 clients (docs/HTTP2.md, "Proxy"): the request is not
+        // forwarded, and its body, if any, is not read.
+        proxy.stats.http_refused.fetch_add(1, Relaxed);
+        let sent = answer(tls, 505, keep_alive && !has_body).await;
+        log(tls, 505, "-", None);
+        return match sent {
+            Ok(()) if keep_alive && !has_body => Next::KeepAlive,
+            _ => Next::End(Ended::Closed),
+        };
+    }
     if misdirected {
         // The Host belongs to another site than the one the TLS connection was set up for
         // (RFC 9110 §15.5.20). The body, if any, was not read: close after.
@@ -555,7 +566,7 @@ async fn exchange(
 }
 
 /// Body bytes of the error page the proxy sends for `status`.
-fn error_body_len(status: u16) -> u64 {
+pub(super) fn error_body_len(status: u16) -> u64 {
     match error_response(status, false).body {
         Body::Bytes(b) => b.len() as u64,
         _ => 0,
@@ -563,7 +574,7 @@ fn error_body_len(status: u16) -> u64 {
 }
 
 /// The host name of a `Host` value (no port, no IPv6 brackets).
-fn host_name(host: &str) -> &str {
+pub(super) fn host_name(host: &str) -> &str {
     if let Some(rest) = host.strip_prefix('[') {
         return rest.split_once(']').map_or(rest, |(ip, _)| ip);
     }
@@ -809,7 +820,7 @@ fn backend_answered(
     }
 }
 
-async fn read_response_head(
+pub(super) async fn read_response_head(
     conn: &BackendConn,
     backend: &mut Buf,
     request: &RequestHead,

@@ -7,6 +7,8 @@
 //! close_notify to the client, and a reset on either side resets the other.
 
 pub(crate) mod backend;
+mod h2;
+mod h2c;
 mod http;
 pub mod proxy_protocol;
 pub(crate) mod tcp;
@@ -38,6 +40,13 @@ pub struct ProxyArgs {
     /// reverse proxy (heads parsed and rewritten, keep-alive to clients and backends).
     #[arg(long, value_enum, default_value_t = Mode::Tcp)]
     pub mode: Mode,
+    /// HTTP mode: what the proxy speaks to backends. http1: HTTP/1.1 (keep-alive pool), for
+    /// HTTP/1.1 and h2 clients alike. h2c: cleartext HTTP/2 (prior knowledge), many streams on
+    /// one connection per backend, trailers relayed: gRPC end to end. h2c is for h2 clients
+    /// only: the ALPN offered becomes `h2` unless --alpn says otherwise, and an HTTP/1.1
+    /// request gets 505.
+    #[arg(long, value_enum, default_value_t = BackendProtocol::Http1)]
+    pub backend_protocol: BackendProtocol,
     /// HTTP mode: the client's own Forwarded / X-Forwarded-For / X-Forwarded-Proto fields are
     /// replaced by the proxy's (replace; X-Real-IP, X-Forwarded-Host, X-Forwarded-Port and the
     /// spellings with `_` such as X_Forwarded_For are dropped too), kept with the proxy's added
@@ -96,6 +105,17 @@ pub enum Mode {
     Tcp,
     Http,
 }
+
+/// `--backend-protocol`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendProtocol {
+    Http1,
+    H2c,
+}
+
+/// ALPN of `--backend-protocol h2c` when --alpn does not say: its backends are reached by h2
+/// clients only.
+const H2_ONLY_ALPN: [&[u8]; 1] = [b"h2"];
 
 /// `--forwarded`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,6 +177,13 @@ pub struct ProxyStats {
     backend_retries: Counter,
     /// HTTP mode: connections switched to TCP mode by `101 Switching Protocols`.
     upgrades: Counter,
+    /// HTTP mode: client connections that chose h2 (by ALPN).
+    h2_connections: Counter,
+    /// HTTP mode: h2 streams reset by the proxy after their response had begun (the
+    /// backend failed or timed out midway; the h2 form of HTTP/1.1's connection reset).
+    h2_streams_reset: Counter,
+    /// h2c backend connections opened (each carries many streams).
+    h2c_connections: Counter,
 }
 
 /// The `proxy` product under one configuration.
@@ -184,17 +211,19 @@ impl Product for Proxy {
         site_needs(args)
     }
 
-    /// HTTP mode speaks HTTP/1; TCP mode does not know what it carries, so it offers no ALPN
-    /// unless told (a client offering any, or none, is served).
+    /// HTTP mode speaks HTTP/1, and h2 when the operator names it in --alpn (or a site's
+    /// `alpn`), as `serve` does; with h2c backends, h2 by default. TCP mode does not know what
+    /// it carries, so it offers no ALPN unless told (a client offering any, or none, is
+    /// served).
     fn alpn(args: &ProxyArgs) -> tlsplane_server::server::Alpn {
         let http = args.mode == Mode::Http;
-        let default: &[&[u8]] = if http {
-            &tlsplane_server::server::HTTP1_ALPN
-        } else {
-            &[]
+        let default: &[&[u8]] = match (http, args.backend_protocol) {
+            (false, _) => &[],
+            (true, BackendProtocol::Http1) => &tlsplane_server::server::HTTP1_ALPN,
+            (true, BackendProtocol::H2c) => &H2_ONLY_ALPN,
         };
         let speaks: Option<&'static [&'static [u8]]> = if http {
-            Some(&tlsplane_server::server::HTTP1_ALPN)
+            Some(&tlsplane_server::server::SERVE_ALPN)
         } else {
             None
         };
@@ -209,6 +238,11 @@ impl Product for Proxy {
             // Backend connections are reused across clients in HTTP mode: a PROXY header
             // names one client per connection. Forwarded / X-Forwarded-For name each.
             anyhow::bail!("--proxy-protocol is for --mode tcp; HTTP mode sends the client address in Forwarded and X-Forwarded-For");
+        }
+        if args.mode != Mode::Http && args.backend_protocol != BackendProtocol::Http1 {
+            anyhow::bail!(
+                "--backend-protocol is for --mode http (TCP mode forwards bytes unchanged)"
+            );
         }
         Ok(())
     }
@@ -304,6 +338,9 @@ impl Product for Proxy {
             ("proxy_backend_reused", p.backend_reused.load(Relaxed)),
             ("proxy_backend_retries", p.backend_retries.load(Relaxed)),
             ("proxy_upgrades", p.upgrades.load(Relaxed)),
+            ("proxy_h2_connections", p.h2_connections.load(Relaxed)),
+            ("proxy_h2_streams_reset", p.h2_streams_reset.load(Relaxed)),
+            ("proxy_h2c_connections", p.h2c_connections.load(Relaxed)),
         ]
     }
 
@@ -317,9 +354,10 @@ impl Product for Proxy {
         all.dedup();
         tracing::info!(
             "proxy: {} to {}{}",
-            match args.mode {
-                Mode::Tcp => "TCP",
-                Mode::Http => "HTTP/1.1",
+            match (args.mode, args.backend_protocol) {
+                (Mode::Tcp, _) => "TCP",
+                (Mode::Http, BackendProtocol::Http1) => "HTTP/1.1",
+                (Mode::Http, BackendProtocol::H2c) => "h2c",
             },
             all.join(", "),
             match args.proxy_protocol {
@@ -370,6 +408,12 @@ impl Handler for Proxy {
                         outcome: Some(&outcome),
                     });
                 }
+            }
+            Mode::Http if tls.info().alpn.as_deref() == Some(b"h2".as_slice()) => {
+                self.stats.h2_connections.fetch_add(1, Relaxed);
+                // One access-log line per stream (h2.rs). Boxed: HTTP/1.1 connections'
+                // futures do not carry h2's state.
+                let _ = Box::pin(h2::serve(&self, tls, peer, &mut ctx)).await;
             }
             Mode::Http => {
                 // One access-log line per request (http.rs).

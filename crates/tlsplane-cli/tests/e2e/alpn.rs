@@ -105,7 +105,7 @@ fn alpn_flag_sets_what_is_offered_and_http_products_refuse_others() {
     );
     server.stop();
     // serve speaks HTTP/1, and h2 when named (docs/HTTP2.md), nothing else: any other id
-    // would have clients speak what it cannot read. HTTP mode of the proxy speaks HTTP/1 only.
+    // would have clients speak what it cannot read. HTTP mode of the proxy too.
     let leaf = fixtures::pki().leaf(CertKind::P256);
     let start = |product: &[&str], alpn: &str| {
         std::process::Command::new(crate::support::server_bin())
@@ -128,9 +128,9 @@ fn alpn_flag_sets_what_is_offered_and_http_products_refuse_others() {
         ),
         (
             vec!["proxy", "--mode", "http", "--to", "127.0.0.1:9"],
-            "h2,http/1.1",
-            "\"h2\"",
-            "HTTP/1 only",
+            "h2,http/1.1,spdy/3",
+            "\"spdy/3\"",
+            "HTTP/2 and HTTP/1 only",
         ),
     ] {
         let out = start(&product, alpn);

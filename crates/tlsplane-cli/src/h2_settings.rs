@@ -1,0 +1,67 @@
+//! HTTP/2 settings shared by every product that speaks h2 (docs/HTTP2.md), each with its
+//! reason: the server side clients talk to (`serve`, `proxy --mode http`), and the client
+//! side the HTTP proxy talks to h2c backends with.
+//!
+//! The values are those `serve` has used since its first step (serve/http2.rs names them
+//! there too, until it builds its server from [`server`]).
+
+use std::time::Duration;
+
+/// Streams a client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). RFC 9113 §6.5.2
+/// advises no fewer than 100, so as not to limit parallelism; with at most [`SEND_BUFFER`]
+/// queued per stream, a connection queues at most 100 × 32 KiB of body bytes.
+pub(crate) const MAX_CONCURRENT_STREAMS: u32 = 100;
+/// Largest header list a request may decode to (SETTINGS_MAX_HEADER_LIST_SIZE), checked by
+/// h2 while it decodes, over CONTINUATION frames too (CVE-2024-27316) and whatever the HPACK
+/// encoding: HTTP/1.1's head limit (16 KiB) plus RFC 9113's 32 bytes of accounting for each
+/// of its 64 fields. h2's default is 16 MiB.
+pub(crate) const MAX_HEADER_LIST: u32 = 16384 + 64 * 32;
+/// Streams the client reset before they were accepted, queued at once (rapid reset,
+/// CVE-2023-44487); beyond it the connection ends with GOAWAY(ENHANCE_YOUR_CALM). h2's
+/// default, named here so that it cannot change under us with an upgrade.
+pub(crate) const MAX_PENDING_ACCEPT_RESETS: usize = 20;
+/// Streams reset by us for the client's protocol errors before the connection ends with
+/// GOAWAY(ENHANCE_YOUR_CALM). A conformant client causes none; h2's default is 1024.
+pub(crate) const MAX_LOCAL_ERROR_RESETS: usize = 100;
+/// Streams we reset whose state is kept (to ignore their late frames) at once, and how long
+/// (h2's defaults).
+pub(crate) const MAX_CONCURRENT_RESETS: usize = 50;
+pub(crate) const RESET_STREAM_DURATION: Duration = Duration::from_secs(1);
+/// Body bytes h2 queues per stream before it stops granting capacity (h2's default ~400 KB).
+pub(crate) const SEND_BUFFER: usize = 32 * 1024;
+
+/// The server side, as clients see it.
+pub(crate) fn server() -> h2::server::Builder {
+    let mut builder = h2::server::Builder::new();
+    builder
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        .max_header_list_size(MAX_HEADER_LIST)
+        .max_pending_accept_reset_streams(MAX_PENDING_ACCEPT_RESETS)
+        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
+        .max_concurrent_reset_streams(MAX_CONCURRENT_RESETS)
+        .reset_stream_duration(RESET_STREAM_DURATION)
+        .max_send_buffer_size(SEND_BUFFER);
+    builder
+}
+
+/// Largest response header list (and trailer list) accepted from an h2c backend: the HTTP/1.1
+/// proxy's limit on a backend's response head (64 KiB).
+pub(crate) const MAX_BACKEND_HEADER_LIST: u32 = 65536;
+/// Streams the proxy opens at once on one h2c backend connection; more go on another
+/// connection (within --backend-max-connections). A backend's own
+/// SETTINGS_MAX_CONCURRENT_STREAMS, when lower, is honoured by h2 (streams wait for a place).
+pub(crate) const MAX_BACKEND_STREAMS: usize = 100;
+
+/// The client side, towards h2c backends.
+pub(crate) fn client() -> h2::client::Builder {
+    let mut builder = h2::client::Builder::new();
+    builder
+        // The backend pushes nothing the proxy could forward (clients of the proxy get no
+        // PUSH_PROMISE either).
+        .enable_push(false)
+        .max_header_list_size(MAX_BACKEND_HEADER_LIST)
+        .max_concurrent_reset_streams(MAX_CONCURRENT_RESETS)
+        .reset_stream_duration(RESET_STREAM_DURATION)
+        .max_send_buffer_size(SEND_BUFFER);
+    builder
+}

@@ -1,0 +1,1255 @@
+//! HTTP mode for clients that chose h2 (ALPN): each stream is one request, forwarded as
+//! HTTP/1.1 over the backend keep-alive pool (as nginx does), or, with
+//! `--backend-protocol h2c`, as a stream of an h2c connection to the backend (gRPC).
+//!
+//! The forwarding rules are HTTP/1.1's, not a copy of them: a stream's head is written as an
+//! HTTP/1.1 head (`Host` from `:authority`, RFC 9113 §8.3.1; `Cookie` fields joined with `; `,
+//! §8.2.3; `Transfer-Encoding: chunked` when a body comes without `Content-Length`) and read
+//! by [`forward::parse_request_head`], so hop-by-hop fields, `Forwarded`/`X-Forwarded-*`,
+//! smuggling shapes and limits are exactly the HTTP/1.1 path's. Responses come back through
+//! [`forward::parse_response_head`] and [`forward::BodyFraming`] as there, and go to the client
+//! without the connection-specific fields h2 forbids (RFC 9113 §8.2.2).
+//!
+//! Failures touch one stream only: 502 when the backend fails or answers with what is not
+//! HTTP, 504 when it does not answer within --backend-timeout, 503 when every backend is at
+//! its connection limit; once the response has begun, a reset of that stream
+//! (RST_STREAM(INTERNAL_ERROR)) so that a truncated body is never taken for a whole one.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use h2::server::SendResponse;
+use h2::{Reason, RecvStream, SendStream};
+use tlsplane::{ConnectionInfo, TlsStream};
+use tlsplane_http::forward::{self, BodyFraming, Framing, Head, Origin, RequestHead};
+use tlsplane_http::{error_response, Body, Limits};
+use tokio::sync::watch;
+use tokio::time::{timeout, timeout_at, Instant};
+
+use super::http::MAX_RESPONSE_HEAD;
+use super::http::{error_body_len, host_name, read_response_head, Buf, Fail, Progress};
+use super::{BackendProtocol, Ended, Proxy, Unavailable};
+use crate::h2_transport::{self, H2Io};
+use tlsplane_server::access_log::{Entry, RequestLine};
+use tlsplane_server::runtime::ConnContext;
+
+/// Fields HTTP/2 forbids (RFC 9113 §8.2.2), dropped from what a backend sends; `TE` is
+/// forbidden but for `trailers`, which only requests carry.
+const CONNECTION_SPECIFIC: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "upgrade",
+    "te",
+];
+
+/// Serves one client connection that chose h2, to its end.
+pub(super) async fn serve(
+    proxy: &Proxy,
+    mut tls: TlsStream,
+    peer: SocketAddr,
+    ctx: &mut ConnContext,
+) -> Ended {
+    let info = tls.info().clone();
+    let plane = tls.plane().as_str();
+    // A client that stops taking our bytes, or leaves a stream without window, is given up
+    // after this long without progress.
+    let stall = Duration::from_secs(proxy.args.server.idle_timeout.max(1));
+    let stop = &mut ctx.stop;
+    let (conn, pumped) = h2_transport::run(&mut tls, stall, |io| {
+        connection(io, &info, plane, peer, proxy, stop)
+    })
+    .await;
+    if let Err(e) = conn {
+        tracing::debug!(%peer, error = %e, "h2 connection ended with error");
+    }
+    if let Err(e) = pumped {
+        tracing::debug!(%peer, error = %e, "h2 client connection failed");
+        proxy.stats.client_errors.fetch_add(1, Relaxed);
+        return Ended::ClientError;
+    }
+    let _ = Box::pin(tls.close()).await;
+    Ended::Closed
+}
+
+/// The h2 side: settings, the handshake, then each stream as it comes, until the connection
+/// ends (the client's GOAWAY or end, ours after the idle timeout or at shutdown, an error).
+async fn connection(
+    io: H2Io,
+    info: &ConnectionInfo,
+    plane: &'static str,
+    peer: SocketAddr,
+    proxy: &Proxy,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), h2::Error> {
+    let args = &proxy.args;
+    // The client's preface and SETTINGS are its first request head: the header timeout.
+    let header_timeout = Duration::from_secs(args.header_timeout);
+    let handshake = crate::h2_settings::server().handshake::<_, Bytes>(io);
+    let mut conn = match timeout(header_timeout, handshake).await {
+        Ok(c) => c?,
+        Err(_) => {
+            proxy.stats.http_refused.fetch_add(1, Relaxed);
+            return Ok(());
+        }
+    };
+    let idle = Duration::from_secs(args.server.idle_timeout);
+    let mut streams = FuturesUnordered::new();
+    let mut idle_since = Instant::now();
+    let mut going_away = false;
+    if *stop.borrow() {
+        conn.graceful_shutdown();
+        going_away = true;
+    }
+    let shared = Shared {
+        proxy,
+        info,
+        plane,
+        peer,
+    };
+    loop {
+        tokio::select! {
+            accepted = conn.accept() => match accepted {
+                Some(Ok((request, send))) => streams.push(shared.stream(request, send)),
+                Some(Err(e)) => return Err(e),
+                None => return Ok(()),
+            },
+            Some(()) = streams.next(), if !streams.is_empty() => {
+                if streams.is_empty() {
+                    idle_since = Instant::now();
+                }
+            }
+            // No stream open for the idle timeout: GOAWAY, and the connection ends.
+            _ = tokio::time::sleep_until(idle_since + idle),
+                if streams.is_empty() && !going_away =>
+            {
+                proxy.stats.idle_timeouts.fetch_add(1, Relaxed);
+                conn.graceful_shutdown();
+                going_away = true;
+            }
+            // Shutting down: GOAWAY, the streams in flight finish.
+            _ = stop.changed(), if !going_away => {
+                conn.graceful_shutdown();
+                going_away = true;
+            }
+        }
+    }
+}
+
+/// What every stream of a connection shares.
+#[derive(Clone, Copy)]
+struct Shared<'a> {
+    proxy: &'a Proxy,
+    info: &'a ConnectionInfo,
+    plane: &'static str,
+    peer: SocketAddr,
+}
+
+/// How a stream ended, for the access log.
+struct Outcome {
+    /// The status sent, if a response began.
+    status: Option<u16>,
+    /// Body bytes relayed (or of the proxy's own error page).
+    bytes: u64,
+    /// The backend that answered.
+    backend: Option<String>,
+}
+
+impl Outcome {
+    /// The proxy answered `status` itself.
+    fn own(status: u16, sent: bool) -> Self {
+        Self {
+            status: Some(status),
+            bytes: if sent { error_body_len(status) } else { 0 },
+            backend: None,
+        }
+    }
+}
+
+impl Shared<'_> {
+    async fn stream(self, req: http::Request<RecvStream>, mut send: SendResponse<Bytes>) {
+        let proxy = self.proxy;
+        proxy.stats.http_requests.fetch_add(1, Relaxed);
+        // Only with the access log: no clock read per request otherwise.
+        let started = proxy.access_log.as_ref().map(|_| Instant::now());
+        let (parts, body) = req.into_parts();
+        let head = http1_head(&parts, !body.is_end_stream());
+        let request = match forward::parse_request_head(&head, &Limits::default(), proxy.forwarded)
+        {
+            Ok(Head::Complete(request, _)) => request,
+            // Not reached: the head ends with its empty line, or is too large (an error).
+            Ok(Head::Incomplete) => {
+                proxy.stats.http_refused.fetch_add(1, Relaxed);
+                let sent = answer(&mut send, 400);
+                self.log(&parts, None, started, Outcome::own(400, sent));
+                return;
+            }
+            Err(e) => {
+                proxy.stats.http_refused.fetch_add(1, Relaxed);
+                let sent = answer(&mut send, e.status());
+                self.log(&parts, None, started, Outcome::own(e.status(), sent));
+                return;
+            }
+        };
+        let site = self.info.site;
+        let misdirected = request
+            .host
+            .as_deref()
+            .is_some_and(|h| proxy.names.lookup(host_name(h)) != Some(site));
+        let outcome = if misdirected {
+            // The authority belongs to another site than the one the TLS connection was set
+            // up for (RFC 9110 §15.5.20).
+            proxy.stats.http_refused.fetch_add(1, Relaxed);
+            Outcome::own(421, answer(&mut send, 421))
+        } else {
+            if request.expect_continue && request.framing != Framing::Empty {
+                // The proxy answers the expectation itself, as over HTTP/1.1.
+                let mut interim = http::Response::new(());
+                *interim.status_mut() = http::StatusCode::CONTINUE;
+                let _ = send.send_informational(interim);
+            }
+            let te_trailers = parts
+                .headers
+                .get_all(http::header::TE)
+                .iter()
+                .any(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
+            match proxy.args.backend_protocol {
+                BackendProtocol::Http1 => self.via_http1(&request, body, &mut send).await,
+                BackendProtocol::H2c => self.via_h2c(&request, te_trailers, body, &mut send).await,
+            }
+        };
+        self.log(&parts, Some(&request), started, outcome);
+    }
+
+    fn log(
+        &self,
+        parts: &http::request::Parts,
+        request: Option<&RequestHead>,
+        started: Option<Instant>,
+        outcome: Outcome,
+    ) {
+        let (Some(log), Some(started)) = (&self.proxy.access_log, started) else {
+            return;
+        };
+        let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let host = request
+            .and_then(|r| r.host.as_deref())
+            .or_else(|| parts.uri.authority().map(|a| a.as_str()));
+        let field = |name| {
+            parts
+                .headers
+                .get(name)
+                .map(|v: &http::HeaderValue| v.as_bytes())
+        };
+        log.write(&Entry {
+            peer: self.peer,
+            host: host.map(str::as_bytes),
+            request: Some(RequestLine {
+                method: parts.method.as_str(),
+                target,
+                protocol: "HTTP/2.0",
+            }),
+            status: outcome.status,
+            bytes: outcome.bytes,
+            duration: started.elapsed(),
+            user_agent: field(http::header::USER_AGENT),
+            referer: field(http::header::REFERER),
+            plane: self.plane,
+            server_name: self.info.server_name.as_deref(),
+            backend: outcome.backend.as_deref(),
+            outcome: None,
+        });
+    }
+
+    /// Forwards one stream's request to an HTTP/1.1 backend, with a retry on a new connection
+    /// when a reused one turns out closed (as HTTP/1.1 clients' requests are).
+    async fn via_http1(
+        &self,
+        request: &RequestHead,
+        mut body: RecvStream,
+        send: &mut SendResponse<Bytes>,
+    ) -> Outcome {
+        let proxy = self.proxy;
+        let site = self.info.site;
+        let mut head = Vec::with_capacity(1024);
+        let origin = Origin {
+            client: self.peer.ip(),
+            proto: "https",
+        };
+        request.encode(origin, proxy.forwarded, &mut head);
+        let deadline = (proxy.args.request_timeout > 0)
+            .then(|| Instant::now() + Duration::from_secs(proxy.args.request_timeout));
+        let capacity = (proxy.args.buffer as usize).max(Limits::default().max_head_bytes);
+        let mut retried = false;
+        let (fail, label) = loop {
+            let (conn, which, reused) = match proxy.backend_for(site, !retried).await {
+                Ok(c) => c,
+                Err(why) => return self.unavailable(why, send),
+            };
+            proxy.stats.forwarded.fetch_add(1, Relaxed);
+            if reused {
+                proxy.stats.backend_reused.fetch_add(1, Relaxed);
+            }
+            let label = proxy.pools[site].backends[which].to_string();
+            let mut backend = Buf::new(capacity, capacity.max(MAX_RESPONSE_HEAD));
+            let progress = Step::new(Progress::Waiting);
+            let forwarded = self.forward_http1(
+                request,
+                &head,
+                &mut body,
+                send,
+                &conn,
+                &mut backend,
+                &progress,
+            );
+            let outcome = match deadline {
+                None => forwarded.await,
+                Some(at) => match timeout_at(at, forwarded).await {
+                    Ok(r) => r,
+                    Err(_) => Err(Fail::Deadline(progress.get())),
+                },
+            };
+            match outcome {
+                Ok(done) => {
+                    if done.reusable {
+                        proxy.pools[site].put_idle(
+                            which,
+                            conn,
+                            proxy.args.backend_keepalive,
+                            Duration::from_secs(proxy.args.backend_idle_timeout),
+                        );
+                    }
+                    return Outcome {
+                        status: Some(done.status),
+                        bytes: done.bytes,
+                        backend: Some(label),
+                    };
+                }
+                Err(Fail::Stale) if reused && !retried && request.is_retryable() => {
+                    // The backend closed an idle connection as we reused it: once more on a
+                    // new one.
+                    proxy.stats.backend_retries.fetch_add(1, Relaxed);
+                    retried = true;
+                }
+                Err(Fail::Stale) => {
+                    break (
+                        Fail::BadGateway(format!("{label}: closed before a response")),
+                        label,
+                    )
+                }
+                Err(Fail::Timeout) => {
+                    proxy.pools[site]
+                        .mark_down(which, Duration::from_secs(proxy.args.backend_down_time));
+                    break (Fail::Timeout, label);
+                }
+                Err(Fail::BadGateway(why)) => {
+                    break (Fail::BadGateway(format!("{label}: {why}")), label)
+                }
+                Err(other) => {
+                    // The backend has part of a request or of a response (a deadline, the
+                    // client's side failed, the backend failed midway): it cannot be reused,
+                    // and must not take what it got for a whole request.
+                    conn.reset_on_close();
+                    break (other, label);
+                }
+            }
+        };
+        self.failed(fail, Some(label), send)
+    }
+
+    /// No backend would take the request: 503 when all are at their connection limit, 502
+    /// when none could be reached.
+    fn unavailable(&self, why: Unavailable, send: &mut SendResponse<Bytes>) -> Outcome {
+        let stats = &self.proxy.stats;
+        stats.no_backend.fetch_add(1, Relaxed);
+        let status = match why {
+            Unavailable::Full => 503,
+            Unavailable::Down => {
+                stats.http_502.fetch_add(1, Relaxed);
+                502
+            }
+        };
+        Outcome::own(status, answer(send, status))
+    }
+
+    /// Answers a failed exchange on its stream only, and counts it by its side, as the
+    /// HTTP/1.1 path does.
+    fn failed(
+        &self,
+        fail: Fail,
+        backend: Option<String>,
+        send: &mut SendResponse<Bytes>,
+    ) -> Outcome {
+        let stats = &self.proxy.stats;
+        let peer = self.peer;
+        if let Fail::Deadline(progress) = &fail {
+            stats.request_timeouts.fetch_add(1, Relaxed);
+            tracing::debug!(%peer, ?progress, "request past --request-timeout");
+        }
+        let mut outcome = match fail {
+            Fail::BadGateway(why) => {
+                tracing::warn!(%peer, error = %why, "bad gateway");
+                stats.backend_errors.fetch_add(1, Relaxed);
+                stats.http_502.fetch_add(1, Relaxed);
+                Outcome::own(502, answer(send, 502))
+            }
+            Fail::Timeout | Fail::Deadline(Progress::Waiting) => {
+                stats.http_504.fetch_add(1, Relaxed);
+                Outcome::own(504, answer(send, 504))
+            }
+            Fail::BadBody => {
+                stats.http_refused.fetch_add(1, Relaxed);
+                Outcome::own(400, answer(send, 400))
+            }
+            Fail::Deadline(Progress::Receiving) => {
+                stats.http_refused.fetch_add(1, Relaxed);
+                Outcome::own(408, answer(send, 408))
+            }
+            Fail::Midway(why) => {
+                tracing::warn!(%peer, error = %why, "backend failed in the middle of a response");
+                stats.backend_errors.fetch_add(1, Relaxed);
+                stats.h2_streams_reset.fetch_add(1, Relaxed);
+                // Part of the response is out: only a reset says it is not whole.
+                send.send_reset(Reason::INTERNAL_ERROR);
+                Outcome {
+                    status: None,
+                    bytes: 0,
+                    backend: None,
+                }
+            }
+            Fail::Deadline(Progress::Responding) => {
+                stats.h2_streams_reset.fetch_add(1, Relaxed);
+                send.send_reset(Reason::INTERNAL_ERROR);
+                Outcome {
+                    status: None,
+                    bytes: 0,
+                    backend: None,
+                }
+            }
+            Fail::Client | Fail::Stale => {
+                stats.client_errors.fetch_add(1, Relaxed);
+                send.send_reset(Reason::CANCEL);
+                Outcome {
+                    status: None,
+                    bytes: 0,
+                    backend: None,
+                }
+            }
+        };
+        if outcome.status.is_some_and(|s| s != 408) {
+            outcome.backend = backend;
+        }
+        outcome
+    }
+
+    /// Sends the request head and body to an HTTP/1.1 backend, and relays its response.
+    #[allow(clippy::too_many_arguments)]
+    async fn forward_http1(
+        &self,
+        request: &RequestHead,
+        head: &[u8],
+        body: &mut RecvStream,
+        send: &mut SendResponse<Bytes>,
+        conn: &super::backend::BackendConn,
+        backend: &mut Buf,
+        progress: &Step,
+    ) -> Result<Relayed, Fail> {
+        let proxy = self.proxy;
+        let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
+        progress.set(Progress::Waiting);
+        match timeout(backend_timeout, conn.write_all(head)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(Fail::Stale),
+            Err(_) => return Err(Fail::Timeout),
+        }
+        proxy
+            .stats
+            .bytes_to_backend_copied
+            .fetch_add(head.len() as u64, Relaxed);
+        // The body and the response head at once: a backend may answer before it has the
+        // whole body (413, 401, a redirect), and the body then stops.
+        let answered_early;
+        let response = {
+            let chunked = request.framing == Framing::Chunked;
+            let sending = self.body_to_http1(body, conn, chunked, progress);
+            let reading = async {
+                loop {
+                    let r = read_response_head(conn, backend, request, backend_timeout).await?;
+                    // 100 Continue was the proxy's to send; other interim responses are not
+                    // forwarded.
+                    if !r.is_interim() {
+                        return Ok::<_, Fail>(r);
+                    }
+                }
+            };
+            tokio::pin!(sending, reading);
+            let mut body_done = request.framing == Framing::Empty;
+            let mut body_failed = None;
+            loop {
+                tokio::select! {
+                    sent = &mut sending, if !body_done => {
+                        body_done = true;
+                        progress.set(Progress::Waiting);
+                        match sent {
+                            Ok(()) => {}
+                            // The backend may have answered, and reset what it would not
+                            // read: its answer, if it comes, is the response.
+                            Err(Fail::BadGateway(why)) => body_failed = Some(why),
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    head = &mut reading => {
+                        answered_early = !body_done || body_failed.is_some();
+                        let head = match (head, body_failed) {
+                            (Ok(h), _) => h,
+                            (Err(_), Some(why)) => return Err(Fail::BadGateway(why)),
+                            (Err(e), None) => return Err(e),
+                        };
+                        break head;
+                    }
+                }
+            }
+        };
+        if answered_early {
+            proxy.stats.early_responses.fetch_add(1, Relaxed);
+        }
+        if response.status == 101 {
+            // No request over h2 asks for an upgrade (h2 carries no `Upgrade`).
+            return Err(Fail::BadGateway(
+                "101 to a request that asked for no upgrade".into(),
+            ));
+        }
+        let mut framing = BodyFraming::new(response.framing);
+        // Nothing has reached the client yet: broken framing here is still a 502.
+        let n = framing
+            .advance(backend.bytes())
+            .map_err(|e| Fail::BadGateway(e.to_string()))?;
+        let mut encoded = Vec::with_capacity(512);
+        response.encode(1, true, &mut encoded);
+        let h2_head = response_head(response.status, &encoded);
+        let end = response.framing == Framing::Empty;
+        let mut stream = send.send_response(h2_head, end).map_err(|_| Fail::Client)?;
+        progress.set(Progress::Responding);
+        let stall = Duration::from_secs(proxy.args.server.idle_timeout.max(1));
+        let mut dechunk = Dechunk::new(response.framing == Framing::Chunked);
+        let mut sent = 0u64;
+        let mut content = Vec::new();
+        dechunk.content(&backend.bytes()[..n], &mut content);
+        backend.consume(n);
+        sent += send_all(&mut stream, &mut content, stall, &proxy.stats).await?;
+        while !framing.is_done() {
+            match timeout(backend_timeout, conn.read(backend.spare())).await {
+                Ok(Ok(0)) if framing.until_close() => break,
+                Ok(Ok(0)) => return Err(Fail::Midway("closed in the middle of the body".into())),
+                Ok(Ok(n)) => backend.filled(n),
+                Ok(Err(e)) => return Err(Fail::Midway(e.to_string())),
+                Err(_) => return Err(Fail::Midway("timed out in the middle of the body".into())),
+            }
+            let n = framing
+                .advance(backend.bytes())
+                .map_err(|e| Fail::Midway(e.to_string()))?;
+            dechunk.content(&backend.bytes()[..n], &mut content);
+            backend.consume(n);
+            sent += send_all(&mut stream, &mut content, stall, &proxy.stats).await?;
+        }
+        if !end {
+            stream
+                .send_data(Bytes::new(), true)
+                .map_err(|_| Fail::Client)?;
+        }
+        Ok(Relayed {
+            status: response.status,
+            bytes: sent,
+            reusable: response.keep_alive
+                && !answered_early
+                && response.framing != Framing::UntilClose
+                && backend.is_empty(),
+        })
+    }
+
+    /// Moves the request body from the client's stream to an HTTP/1.1 backend (chunked when
+    /// the client gave no length), releasing the client's flow-control window only as the
+    /// backend takes the bytes: a slow backend slows the client down, nothing piles up here.
+    /// Request trailers are not forwarded to HTTP/1.1 backends.
+    async fn body_to_http1(
+        &self,
+        body: &mut RecvStream,
+        conn: &super::backend::BackendConn,
+        chunked: bool,
+        progress: &Step,
+    ) -> Result<(), Fail> {
+        let proxy = self.proxy;
+        let idle = Duration::from_secs(proxy.args.server.idle_timeout);
+        let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
+        let write = |bytes: &[u8]| {
+            let bytes = bytes.to_vec();
+            async move {
+                match timeout(backend_timeout, conn.write_all(&bytes)).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(Fail::BadGateway(format!("writing the request body: {e}"))),
+                    Err(_) => Err(Fail::Timeout),
+                }
+            }
+        };
+        loop {
+            progress.set(Progress::Receiving);
+            let data = match timeout(idle, body.data()).await {
+                Ok(None) => break,
+                Ok(Some(Ok(d))) => d,
+                Ok(Some(Err(_))) | Err(_) => return Err(Fail::Client),
+            };
+            progress.set(Progress::Waiting);
+            let n = data.len();
+            if n == 0 {
+                continue;
+            }
+            if chunked {
+                let mut framed = Vec::with_capacity(n + 20);
+                framed.extend_from_slice(format!("{n:x}\r\n").as_bytes());
+                framed.extend_from_slice(&data);
+                framed.extend_from_slice(b"\r\n");
+                write(&framed).await?;
+            } else {
+                write(&data).await?;
+            }
+            let _ = body.flow_control().release_capacity(n);
+            proxy
+                .stats
+                .bytes_to_backend_copied
+                .fetch_add(n as u64, Relaxed);
+        }
+        if chunked {
+            write(b"0\r\n\r\n").await?;
+        }
+        Ok(())
+    }
+}
+
+impl Shared<'_> {
+    /// Forwards one stream to an h2c backend as a stream of its own: the body both ways as
+    /// it comes, within both sides' flow-control windows, and trailers both ways (gRPC's
+    /// `grpc-status`). A connection h2 finds dead before the request went is left and the
+    /// request tried once more on another.
+    async fn via_h2c(
+        &self,
+        request: &RequestHead,
+        te_trailers: bool,
+        mut body: RecvStream,
+        send: &mut SendResponse<Bytes>,
+    ) -> Outcome {
+        let proxy = self.proxy;
+        let site = self.info.site;
+        let mut encoded = Vec::with_capacity(1024);
+        let origin = Origin {
+            client: self.peer.ip(),
+            proto: "https",
+        };
+        request.encode(origin, proxy.forwarded, &mut encoded);
+        if h2c_request(&encoded, request, te_trailers).is_none() {
+            proxy.stats.http_refused.fetch_add(1, Relaxed);
+            return Outcome::own(400, answer(send, 400));
+        }
+        let deadline = (proxy.args.request_timeout > 0)
+            .then(|| Instant::now() + Duration::from_secs(proxy.args.request_timeout));
+        let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
+        let ended = body.is_end_stream();
+        let mut retried = false;
+        let (lease, label, response, upstream) = loop {
+            let lease = match proxy.h2c_backend(site).await {
+                Ok(l) => l,
+                Err(why) => return self.unavailable(why, send),
+            };
+            proxy.stats.forwarded.fetch_add(1, Relaxed);
+            if lease.reused {
+                proxy.stats.backend_reused.fetch_add(1, Relaxed);
+            }
+            let label = proxy.pools[site].backends[lease.which].to_string();
+            let Some(req) = h2c_request(&encoded, request, te_trailers) else {
+                return Outcome::own(400, answer(send, 400));
+            };
+            let sent = match timeout(backend_timeout, lease.send.clone().ready()).await {
+                Err(_) => return self.failed(Fail::Timeout, Some(label), send),
+                Ok(Ok(mut ready)) => ready.send_request(req, ended),
+                Ok(Err(e)) => Err(e),
+            };
+            match sent {
+                Ok((response, upstream)) => break (lease, label, response, upstream),
+                Err(e) => {
+                    lease.close();
+                    if retried {
+                        let why = format!("{label}: {e}");
+                        return self.failed(Fail::BadGateway(why), Some(label), send);
+                    }
+                    proxy.stats.backend_retries.fetch_add(1, Relaxed);
+                    retried = true;
+                }
+            }
+        };
+        let progress = Step::new(Progress::Waiting);
+        let exchange = self.exchange_h2c(&mut body, upstream, response, send, &progress, ended);
+        let outcome = match deadline {
+            None => exchange.await,
+            Some(at) => match timeout_at(at, exchange).await {
+                Ok(r) => r,
+                Err(_) => Err(Fail::Deadline(progress.get())),
+            },
+        };
+        match outcome {
+            Ok(done) => Outcome {
+                status: Some(done.status),
+                bytes: done.bytes,
+                backend: Some(label),
+            },
+            Err(fail) => {
+                if matches!(fail, Fail::BadGateway(_) | Fail::Midway(_)) {
+                    // The stream failed; the connection may have too (h2 says so to the
+                    // next stream, which then takes another).
+                    drop(lease);
+                }
+                self.failed(fail, Some(label), send)
+            }
+        }
+    }
+
+    /// The two halves of an h2c exchange at once: the request body to the backend, and its
+    /// response to the client. Ends when the response has ended (a backend may end it before
+    /// the request's end: a gRPC status while the client still streams), or fails.
+    async fn exchange_h2c(
+        &self,
+        body: &mut RecvStream,
+        mut upstream: SendStream<Bytes>,
+        response: h2::client::ResponseFuture,
+        send: &mut SendResponse<Bytes>,
+        progress: &Step,
+        ended: bool,
+    ) -> Result<Relayed, Fail> {
+        let proxy = self.proxy;
+        let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
+        let stall = Duration::from_secs(proxy.args.server.idle_timeout.max(1));
+        let sending = self.body_to_h2c(body, &mut upstream, ended);
+        let relaying = async {
+            let response = match timeout(backend_timeout, response).await {
+                Err(_) => return Err(Fail::Timeout),
+                Ok(Err(e)) => return Err(Fail::BadGateway(e.to_string())),
+                Ok(Ok(r)) => r,
+            };
+            let (parts, mut from) = response.into_parts();
+            let status = parts.status.as_u16();
+            // h2 has refused any connection-specific field from the backend already.
+            let head = http::Response::from_parts(parts, ());
+            let end = from.is_end_stream();
+            let mut to = send.send_response(head, end).map_err(|_| Fail::Client)?;
+            progress.set(Progress::Responding);
+            let mut bytes = 0u64;
+            if end {
+                return Ok(Relayed {
+                    status,
+                    bytes,
+                    reusable: true,
+                });
+            }
+            loop {
+                let mut data = match timeout(backend_timeout, from.data()).await {
+                    Err(_) => {
+                        return Err(Fail::Midway("timed out in the middle of the body".into()))
+                    }
+                    Ok(None) => break,
+                    Ok(Some(Err(e))) => return Err(Fail::Midway(e.to_string())),
+                    Ok(Some(Ok(d))) => d,
+                };
+                let n = data.len();
+                while !data.is_empty() {
+                    let granted = grant(&mut to, data.len(), stall).await?;
+                    to.send_data(data.split_to(granted), false)
+                        .map_err(|_| Fail::Client)?;
+                }
+                // The backend may send more only as the client takes it.
+                let _ = from.flow_control().release_capacity(n);
+                proxy
+                    .stats
+                    .bytes_to_client_copied
+                    .fetch_add(n as u64, Relaxed);
+                bytes += n as u64;
+            }
+            match timeout(backend_timeout, from.trailers()).await {
+                Err(_) => return Err(Fail::Midway("timed out before the trailers".into())),
+                Ok(Err(e)) => return Err(Fail::Midway(e.to_string())),
+                Ok(Ok(Some(trailers))) => to.send_trailers(trailers).map_err(|_| Fail::Client)?,
+                Ok(Ok(None)) => to.send_data(Bytes::new(), true).map_err(|_| Fail::Client)?,
+            }
+            Ok(Relayed {
+                status,
+                bytes,
+                reusable: true,
+            })
+        };
+        tokio::pin!(sending, relaying);
+        let mut body_done = ended;
+        loop {
+            tokio::select! {
+                sent = &mut sending, if !body_done => {
+                    body_done = true;
+                    match sent {
+                        Ok(()) => progress.set(match progress.get() {
+                            Progress::Receiving => Progress::Waiting,
+                            p => p,
+                        }),
+                        Err(Side::Client) => return Err(Fail::Client),
+                        // The backend stopped taking the body: its response says why.
+                        Err(Side::Backend) => {}
+                    }
+                }
+                relayed = &mut relaying => return relayed,
+            }
+        }
+    }
+
+    /// Moves the request body and trailers from the client's stream to the backend's,
+    /// releasing the client's window only as the backend's window takes the bytes.
+    async fn body_to_h2c(
+        &self,
+        body: &mut RecvStream,
+        upstream: &mut SendStream<Bytes>,
+        ended: bool,
+    ) -> Result<(), Side> {
+        if ended {
+            return Ok(());
+        }
+        let proxy = self.proxy;
+        let idle = Duration::from_secs(proxy.args.server.idle_timeout);
+        let stall = Duration::from_secs(proxy.args.backend_timeout.max(1));
+        loop {
+            let mut data = match timeout(idle, body.data()).await {
+                Ok(None) => break,
+                Ok(Some(Ok(d))) => d,
+                Ok(Some(Err(_))) | Err(_) => return Err(Side::Client),
+            };
+            let n = data.len();
+            while !data.is_empty() {
+                let granted = grant(upstream, data.len(), stall)
+                    .await
+                    .map_err(|_| Side::Backend)?;
+                upstream
+                    .send_data(data.split_to(granted), false)
+                    .map_err(|_| Side::Backend)?;
+            }
+            let _ = body.flow_control().release_capacity(n);
+            proxy
+                .stats
+                .bytes_to_backend_copied
+                .fetch_add(n as u64, Relaxed);
+        }
+        match timeout(idle, body.trailers()).await {
+            Ok(Ok(Some(trailers))) => upstream.send_trailers(trailers),
+            Ok(Ok(None)) => upstream.send_data(Bytes::new(), true),
+            Ok(Err(_)) | Err(_) => return Err(Side::Client),
+        }
+        .map_err(|_| Side::Backend)
+    }
+}
+
+/// Which side of an exchange failed.
+enum Side {
+    Client,
+    Backend,
+}
+
+/// The h2 request for an h2c backend: the HTTP/1.1 head the proxy wrote ([`RequestHead::encode`],
+/// so the forwarding rules are the HTTP/1.1 path's) as h2 fields: `Host` as `:authority`,
+/// without the connection-specific fields, and `TE: trailers` again when the client sent it
+/// (gRPC servers want it; it is the only `TE` h2 allows).
+fn h2c_request(
+    encoded: &[u8],
+    request: &RequestHead,
+    te_trailers: bool,
+) -> Option<http::Request<()>> {
+    let host = request.host.as_deref()?;
+    let uri = if request.method == "CONNECT" {
+        http::Uri::builder().authority(host).build()
+    } else {
+        http::Uri::builder()
+            .scheme("http")
+            .authority(host)
+            .path_and_query(request.target.as_str())
+            .build()
+    }
+    .ok()?;
+    let method = http::Method::from_bytes(request.method.as_bytes()).ok()?;
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(uri)
+        .body(())
+        .ok()?;
+    let fields = req.headers_mut();
+    for (name, value) in encoded_fields(encoded) {
+        if is_connection_specific(name) || name.eq_ignore_ascii_case(b"host") {
+            continue;
+        }
+        if let (Ok(name), Ok(value)) = (
+            http::header::HeaderName::from_bytes(name),
+            http::header::HeaderValue::from_bytes(value),
+        ) {
+            fields.append(name, value);
+        }
+    }
+    if te_trailers {
+        fields.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+    }
+    Some(req)
+}
+
+/// How far a stream's exchange got ([`Progress`]), readable when a deadline cuts it off.
+struct Step(AtomicU8);
+
+impl Step {
+    fn new(p: Progress) -> Self {
+        let s = Self(AtomicU8::new(0));
+        s.set(p);
+        s
+    }
+
+    fn set(&self, p: Progress) {
+        self.0.store(
+            match p {
+                Progress::Receiving => 0,
+                Progress::Waiting => 1,
+                Progress::Responding => 2,
+            },
+            Relaxed,
+        );
+    }
+
+    fn get(&self) -> Progress {
+        match self.0.load(Relaxed) {
+            0 => Progress::Receiving,
+            1 => Progress::Waiting,
+            _ => Progress::Responding,
+        }
+    }
+}
+
+/// A response relayed whole.
+pub(super) struct Relayed {
+    pub(super) status: u16,
+    pub(super) bytes: u64,
+    /// The backend connection may carry another request.
+    pub(super) reusable: bool,
+}
+
+/// Sends `content` (emptied) on the client's stream within its flow-control window: never
+/// more than h2 has granted, so nothing queues beyond the send buffer. A stream granted no
+/// window for `stall` is reset (a zero-window reader cannot hold it, nor the backend
+/// connection behind it, forever).
+async fn send_all(
+    stream: &mut SendStream<Bytes>,
+    content: &mut Vec<u8>,
+    stall: Duration,
+    stats: &super::ProxyStats,
+) -> Result<u64, Fail> {
+    if content.is_empty() {
+        return Ok(0);
+    }
+    let mut data = Bytes::from(std::mem::take(content));
+    let n = data.len() as u64;
+    while !data.is_empty() {
+        let granted = grant(stream, data.len(), stall).await?;
+        stream
+            .send_data(data.split_to(granted), false)
+            .map_err(|_| Fail::Client)?;
+    }
+    stats.bytes_to_client_copied.fetch_add(n, Relaxed);
+    Ok(n)
+}
+
+/// Waits until `stream` may send some of `want` bytes; how many.
+pub(super) async fn grant(
+    stream: &mut SendStream<Bytes>,
+    want: usize,
+    stall: Duration,
+) -> Result<usize, Fail> {
+    stream.reserve_capacity(want);
+    loop {
+        let capacity = stream.capacity();
+        if capacity > 0 {
+            return Ok(capacity.min(want));
+        }
+        let granted = std::future::poll_fn(|cx| stream.poll_capacity(cx));
+        match timeout(stall, granted).await {
+            Ok(Some(Ok(_))) => {}
+            Ok(Some(Err(_))) | Ok(None) => return Err(Fail::Client),
+            Err(_) => {
+                stream.send_reset(Reason::CANCEL);
+                return Err(Fail::Client);
+            }
+        }
+    }
+}
+
+/// The HTTP/1.1 head of an h2 request, for the HTTP/1.1 rules to read: `Host` from
+/// `:authority` (RFC 9113 §8.3.1: it wins over a `Host` field), `Cookie` fields joined
+/// (§8.2.3), and `Transfer-Encoding: chunked` when a body follows without `Content-Length`
+/// (h2 itself checks a `Content-Length` against the DATA that comes).
+fn http1_head(parts: &http::request::Parts, body_follows: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(512);
+    out.extend_from_slice(parts.method.as_str().as_bytes());
+    out.push(b' ');
+    let authority = parts.uri.authority().map(|a| a.as_str());
+    if parts.method == http::Method::CONNECT {
+        out.extend_from_slice(authority.unwrap_or("").as_bytes());
+    } else {
+        let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        out.extend_from_slice(target.as_bytes());
+    }
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    let mut field = |name: &[u8], value: &[u8]| {
+        out.extend_from_slice(name);
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    };
+    if let Some(a) = authority {
+        field(b"host", a.as_bytes());
+    }
+    let mut cookie: Option<Vec<u8>> = None;
+    for (name, value) in &parts.headers {
+        if *name == http::header::HOST && authority.is_some() {
+            continue;
+        }
+        if *name == http::header::COOKIE {
+            match &mut cookie {
+                Some(c) => {
+                    c.extend_from_slice(b"; ");
+                    c.extend_from_slice(value.as_bytes());
+                }
+                None => cookie = Some(value.as_bytes().to_vec()),
+            }
+            continue;
+        }
+        field(name.as_str().as_bytes(), value.as_bytes());
+    }
+    if let Some(c) = cookie {
+        field(b"cookie", &c);
+    }
+    if body_follows && !parts.headers.contains_key(http::header::CONTENT_LENGTH) {
+        field(b"transfer-encoding", b"chunked");
+    }
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
+/// The fields of a head the proxy encoded itself (`forward::*::encode`: one `Name: value`
+/// line each, CRLF), after its first line.
+pub(super) fn encoded_fields(encoded: &[u8]) -> impl Iterator<Item = (&[u8], &[u8])> {
+    encoded
+        .split(|&b| b == b'\n')
+        .skip(1)
+        .map(|line| line.strip_suffix(b"\r").unwrap_or(line))
+        .filter_map(|line| {
+            let at = line.windows(2).position(|w| w == b": ")?;
+            Some((&line[..at], &line[at + 2..]))
+        })
+}
+
+/// Whether h2 forbids `name` in a message (RFC 9113 §8.2.2).
+pub(super) fn is_connection_specific(name: &[u8]) -> bool {
+    CONNECTION_SPECIFIC
+        .iter()
+        .any(|c| name.eq_ignore_ascii_case(c.as_bytes()))
+}
+
+/// The h2 response head for `status` and the fields of an encoded HTTP/1.1 head, without
+/// the connection-specific ones.
+fn response_head(status: u16, encoded: &[u8]) -> http::Response<()> {
+    let mut head = http::Response::new(());
+    *head.status_mut() =
+        http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::BAD_GATEWAY);
+    let fields = head.headers_mut();
+    for (name, value) in encoded_fields(encoded) {
+        if is_connection_specific(name) {
+            continue;
+        }
+        // Parsed by httparse already; one h2 would not take is left out, never a panic.
+        if let (Ok(name), Ok(value)) = (
+            http::header::HeaderName::from_bytes(name),
+            http::header::HeaderValue::from_bytes(value),
+        ) {
+            fields.append(name, value);
+        }
+    }
+    head
+}
+
+/// Sends a response the proxy makes itself (an error page) on the stream; whether it went.
+pub(super) fn answer(send: &mut SendResponse<Bytes>, status: u16) -> bool {
+    let r = error_response(status, true);
+    let mut head = http::Response::new(());
+    *head.status_mut() =
+        http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::BAD_GATEWAY);
+    for (name, value) in r.fields() {
+        if is_connection_specific(name) {
+            continue;
+        }
+        if let (Ok(name), Ok(value)) = (
+            http::header::HeaderName::from_bytes(name),
+            http::header::HeaderValue::from_bytes(value),
+        ) {
+            head.headers_mut().append(name, value);
+        }
+    }
+    let body = match r.body {
+        Body::Bytes(b) => Bytes::copy_from_slice(&b),
+        _ => Bytes::new(),
+    };
+    let end = body.is_empty();
+    match send.send_response(head, end) {
+        // Small, within any initial window: h2 sends it as the window allows.
+        Ok(mut stream) if !end => stream.send_data(body, true).is_ok(),
+        Ok(_) => true,
+        Err(_) => false,
+    }
+}
+
+/// The content of a chunked body, from bytes [`BodyFraming`] has checked and delimited
+/// (so that nothing here needs to refuse anything): chunk-size lines, extensions, the CRLF
+/// after each chunk and the trailer section are left out. Trailers of an HTTP/1.1 backend's
+/// chunked response are not forwarded.
+struct Dechunk {
+    state: Chunk,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Chunk {
+    /// Not chunked: everything is content.
+    Plain,
+    /// In a chunk-size line: the size so far, and whether past it (in an extension).
+    Size(u64, bool),
+    /// After the size line's CR.
+    SizeLf(u64),
+    Data(u64),
+    /// The CRLF after a chunk's data: bytes of it left.
+    DataEnd(u8),
+    /// In the trailer section: whether at the start of a line.
+    Trailers(bool),
+    Done,
+}
+
+impl Dechunk {
+    fn new(chunked: bool) -> Self {
+        Self {
+            state: if chunked {
+                Chunk::Size(0, false)
+            } else {
+                Chunk::Plain
+            },
+        }
+    }
+
+    /// Appends the content among `buf` (the next bytes of the body) to `out`.
+    fn content(&mut self, mut buf: &[u8], out: &mut Vec<u8>) {
+        if self.state == Chunk::Plain {
+            out.extend_from_slice(buf);
+            return;
+        }
+        while let Some((&b, rest)) = buf.split_first() {
+            self.state = match self.state {
+                Chunk::Data(n) => {
+                    let take = (n.min(buf.len() as u64)) as usize;
+                    out.extend_from_slice(&buf[..take]);
+                    buf = &buf[take..];
+                    self.state = if n == take as u64 {
+                        Chunk::DataEnd(2)
+                    } else {
+                        Chunk::Data(n - take as u64)
+                    };
+                    continue;
+                }
+                Chunk::Size(n, false) if b.is_ascii_hexdigit() => {
+                    let d = (b as char).to_digit(16).unwrap_or(0) as u64;
+                    Chunk::Size(n.wrapping_shl(4) | d, false)
+                }
+                Chunk::Size(n, _) if b == b'\r' => Chunk::SizeLf(n),
+                Chunk::Size(n, _) => Chunk::Size(n, true),
+                Chunk::SizeLf(0) => Chunk::Trailers(true),
+                Chunk::SizeLf(n) => Chunk::Data(n),
+                Chunk::DataEnd(1) => Chunk::Size(0, false),
+                Chunk::DataEnd(k) => Chunk::DataEnd(k - 1),
+                Chunk::Trailers(true) if b == b'\r' => Chunk::Trailers(true),
+                Chunk::Trailers(true) if b == b'\n' => Chunk::Done,
+                Chunk::Trailers(_) => Chunk::Trailers(b == b'\n'),
+                Chunk::Plain | Chunk::Done => Chunk::Done,
+            };
+            buf = rest;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dechunk_leaves_the_content_whatever_the_pieces() {
+        let body =
+            b"5\r\nhello\r\n1a; ext=\"x\"\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nX-Sum: t\r\n\r\n";
+        for step in [1, 2, 3, 7, 100] {
+            let mut d = Dechunk::new(true);
+            let mut out = Vec::new();
+            for piece in body.chunks(step) {
+                d.content(piece, &mut out);
+            }
+            assert_eq!(out, b"helloabcdefghijklmnopqrstuvwxyz", "step {step}");
+            assert_eq!(d.state, Chunk::Done, "step {step}");
+        }
+        let mut d = Dechunk::new(false);
+        let mut out = Vec::new();
+        d.content(b"0\r\n", &mut out);
+        assert_eq!(out, b"0\r\n");
+    }
+
+    #[test]
+    fn the_http1_head_of_an_h2_request_takes_host_from_the_authority() {
+        let req = http::Request::builder()
+            .method("POST")
+            .uri("https://example.com:8443/p?q=1")
+            .header("host", "evil.example")
+            .header("cookie", "a=1")
+            .header("cookie", "b=2")
+            .header("x-forwarded-for", "6.6.6.6")
+            .body(())
+            .unwrap();
+        let (parts, ()) = req.into_parts();
+        let head = http1_head(&parts, true);
+        let Ok(Head::Complete(r, _)) = forward::parse_request_head(
+            &head,
+            &Limits::default(),
+            forward::ForwardedPolicy::Replace,
+        ) else {
+            panic!("{}", String::from_utf8_lossy(&head));
+        };
+        assert_eq!(r.host.as_deref(), Some("example.com:8443"));
+        assert_eq!(r.framing, Framing::Chunked);
+        assert_eq!(r.field("cookie"), Some(&b"a=1; b=2"[..]));
+        let mut out = Vec::new();
+        r.encode(
+            Origin {
+                client: "192.0.2.7".parse().unwrap(),
+                proto: "https",
+            },
+            forward::ForwardedPolicy::Replace,
+            &mut out,
+        );
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.starts_with("POST /p?q=1 HTTP/1.1\r\n"), "{text}");
+        assert!(
+            !text.contains("evil") && !text.contains("6.6.6.6"),
+            "{text}"
+        );
+        assert!(text.contains("X-Forwarded-For: 192.0.2.7\r\n"), "{text}");
+        let fields: Vec<_> = encoded_fields(text.as_bytes()).collect();
+        assert!(fields.contains(&(&b"Transfer-Encoding"[..], &b"chunked"[..])));
+    }
+}

@@ -1,0 +1,471 @@
+//! `tlsplane proxy --mode http` with HTTP/2 clients (issue 22): curl `--http2` through the
+//! proxy to a Python HTTP/1.1 backend (each stream one HTTP/1.1 request on the backend pool),
+//! and gRPC end to end with Python `grpcio` (client over TLS and h2 to the proxy, the proxy
+//! over h2c to a grpcio server): unary, bidirectional streaming in lock step, and a non-OK
+//! status with trailing metadata relayed.
+
+use std::io::{BufRead, BufReader};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::support::fixtures::{self, sha256};
+use crate::support::tools::{self, require};
+use crate::support::Server;
+
+/// A Python HTTP/1.1 backend (keep-alive, threads). `GET /big/N`: N deterministic bytes;
+/// `GET /chunked/N`: the same, chunked in pieces of growing size, with a trailer and
+/// connection options; `GET /head`: the request head it received, as its body; `POST /echo`: the body back;
+/// `GET /slow`: 300 ms, then `slow`.
+const HTTP_BACKEND: &str = r#"
+import sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a): pass
+    def reply(self, body, ctype="application/octet-stream"):
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Backend", "py")
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        if self.path.startswith("/big/"):
+            n = int(self.path[5:])
+            self.reply(bytes((i * 7 % 253) for i in range(n)))
+        elif self.path.startswith("/chunked/"):
+            n = int(self.path[9:])
+            body = bytes((i * 7 % 253) for i in range(n))
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Connection", "keep-alive, X-Hop")
+            self.send_header("X-Hop", "1")
+            self.end_headers()
+            at, k = 0, 1
+            while at < n:
+                piece = body[at:at + k]
+                self.wfile.write(b"%x;ext=1\r\n" % len(piece) + piece + b"\r\n")
+                at, k = at + len(piece), k * 3 + 1
+            self.wfile.write(b"0\r\nX-Trailer: t\r\n\r\n")
+        elif self.path == "/head":
+            head = self.requestline + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
+            self.reply(head.encode(), "text/plain")
+        elif self.path == "/slow":
+            time.sleep(0.3)
+            self.reply(b"slow", "text/plain")
+        else:
+            self.send_error(404)
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length", "0"))
+        self.reply(self.rfile.read(n))
+s = ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"#;
+
+/// A grpcio server on 127.0.0.1 (insecure: h2c), with generic handlers over bytes:
+/// `/t.T/Echo` (unary, `echo:` + request), `/t.T/Chat` (bidirectional, `got:` + each
+/// message), `/t.T/Fail` (PERMISSION_DENIED, `nope`, trailing metadata `x-why: because`).
+const GRPC_BACKEND: &str = r#"
+import grpc
+from concurrent import futures
+def echo(req, ctx):
+    return b"echo:" + req
+def chat(it, ctx):
+    for m in it:
+        yield b"got:" + m
+def fail(req, ctx):
+    ctx.set_trailing_metadata((("x-why", "because"),))
+    ctx.set_code(grpc.StatusCode.PERMISSION_DENIED)
+    ctx.set_details("nope")
+    return b""
+handlers = {
+    "Echo": grpc.unary_unary_rpc_method_handler(echo),
+    "Chat": grpc.stream_stream_rpc_method_handler(chat),
+    "Fail": grpc.unary_unary_rpc_method_handler(fail),
+}
+s = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", handlers),))
+port = s.add_insecure_port("127.0.0.1:0")
+s.start()
+print(port, flush=True)
+s.wait_for_termination()
+"#;
+
+/// The grpcio client: over TLS to the proxy (the test CA as root, `localhost` as the name the
+/// certificate is checked for). Prints one line per check.
+const GRPC_CLIENT: &str = r#"
+import grpc, queue, sys, hashlib
+port, ca = sys.argv[1], sys.argv[2]
+creds = grpc.ssl_channel_credentials(root_certificates=open(ca, "rb").read())
+ch = grpc.secure_channel("127.0.0.1:" + port, creds,
+                         options=(("grpc.ssl_target_name_override", "localhost"),))
+echo = ch.unary_unary("/t.T/Echo")
+print("unary", echo(b"hi", timeout=20).decode())
+big = bytes(i * 7 % 253 for i in range(3 << 20))
+r = echo(big, timeout=60)
+print("big", len(r), hashlib.sha256(r).hexdigest() == hashlib.sha256(b"echo:" + big).hexdigest())
+# Lock step: each message is sent only after the answer to the one before came back, so a
+# proxy that waited for the whole request (or held the responses) would never finish.
+chat = ch.stream_stream("/t.T/Chat")
+q = queue.Queue()
+def requests():
+    while True:
+        m = q.get()
+        if m is None:
+            return
+        yield m
+q.put(b"m0")
+got = []
+for reply in chat(requests(), timeout=30):
+    got.append(reply.decode())
+    if len(got) == 20:
+        q.put(None)
+    else:
+        q.put(b"m%d" % len(got))
+print("chat", ",".join(got))
+try:
+    ch.unary_unary("/t.T/Fail")(b"x", timeout=20)
+    print("fail no error")
+except grpc.RpcError as e:
+    print("fail", e.code().name, e.details(), dict(e.trailing_metadata() or ()).get("x-why"))
+"#;
+
+/// Runs a Python program that prints the port it listens on first; the process (killed when
+/// dropped, so that a failed assertion leaves no server behind) and port.
+fn python_server(python: &str, program: &str) -> (Killed, u16) {
+    let mut child = Command::new(python)
+        .args(["-c", program])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("python3");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("port line");
+    let port: u16 = line.trim().parse().expect("a port");
+    let until = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < until, "nothing listening on {port}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (Killed(child), port)
+}
+
+/// A child process killed when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A Python that imports grpcio (`python3` first, then Debian's own, which python3-grpcio
+/// installs into when another `python3` comes first in PATH), or why the test cannot run.
+fn grpcio() -> Result<&'static str, String> {
+    let mut why = String::from("python3 missing");
+    for python in ["python3", "/usr/bin/python3"] {
+        match Command::new(python).args(["-c", "import grpc"]).output() {
+            Ok(out) if out.status.success() => return Ok(python),
+            Ok(out) => {
+                why = format!(
+                    "python3-grpcio is not importable by {python}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )
+            }
+            Err(e) => why = format!("{python}: {e}"),
+        }
+    }
+    Err(why)
+}
+
+fn curl_h2(port: u16) -> Command {
+    require("curl");
+    let mut c = Command::new("curl");
+    c.args([
+        "-sS",
+        "--http2",
+        "--connect-timeout",
+        "10",
+        "--max-time",
+        "60",
+    ])
+    .arg("--cacert")
+    .arg(&fixtures::pki().ca_pem)
+    .args(["--resolve", &format!("localhost:{port}:127.0.0.1")]);
+    c
+}
+
+fn url(port: u16, path: &str) -> String {
+    format!("https://localhost:{port}{path}")
+}
+
+/// One request over h2: (HTTP version as curl names it, status, fields lowercased, body).
+fn exchange(
+    port: u16,
+    path: &str,
+    extra: &[&str],
+) -> (String, u16, Vec<(String, String)>, Vec<u8>) {
+    let mut c = curl_h2(port);
+    c.args(extra)
+        .args(["-D", "/dev/stderr"])
+        .args(["-w", "\n%{http_version} %{http_code}"])
+        .arg(url(port, path));
+    let out = tools::run(c, b"", Duration::from_secs(60));
+    assert!(out.status.success(), "curl {path}: {}", out.describe());
+    let stdout = out.stdout.clone();
+    let at = stdout.iter().rposition(|&b| b == b'\n').expect("-w line");
+    let (body, tail) = (
+        &stdout[..at],
+        String::from_utf8_lossy(&stdout[at + 1..]).to_string(),
+    );
+    let (version, status) = tail.split_once(' ').expect("version and status");
+    let fields = out
+        .stderr_text()
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    (
+        version.to_string(),
+        status.trim().parse().expect("status"),
+        fields,
+        body.to_vec(),
+    )
+}
+
+fn h2_proxy(to: &str) -> crate::support::ServerBuilder {
+    Server::builder().proxy(&[to.to_string()]).args_h2()
+}
+
+trait H2Args {
+    fn args_h2(self) -> Self;
+}
+
+impl H2Args for crate::support::ServerBuilder {
+    /// HTTP mode, h2 offered first.
+    fn args_h2(self) -> Self {
+        self.arg("--mode")
+            .arg("http")
+            .arg("--alpn")
+            .arg("h2,http/1.1")
+    }
+}
+
+fn assert_no_panic(server: &Server) {
+    let lines = server.stderr_lines();
+    assert!(
+        !lines.iter().any(|l| l.contains("panicked")),
+        "{}",
+        lines.join("\n")
+    );
+}
+
+fn pattern(n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i * 7 % 253) as u8).collect()
+}
+
+#[test]
+fn h2_clients_reach_an_http1_backend_one_request_per_stream() {
+    if !require("python3") || !require("curl") {
+        return;
+    }
+    let (py, port) = python_server("python3", HTTP_BACKEND);
+    let server = h2_proxy(&format!("127.0.0.1:{port}")).start();
+    let p = server.port();
+
+    // A large response, byte-exact, over h2.
+    let n = (5 << 20) + 17;
+    let (version, status, fields, body) = exchange(p, &format!("/big/{n}"), &[]);
+    assert_eq!((version.as_str(), status), ("2", 200));
+    assert!(
+        sha256(&body) == sha256(&pattern(n)),
+        "other bytes ({} of {n})",
+        body.len()
+    );
+    assert_eq!(tools::header(&fields, "x-backend"), Some("py"));
+    assert_eq!(
+        tools::header(&fields, "content-length"),
+        Some(n.to_string().as_str())
+    );
+    // HTTP/1.1's connection fields never reach an h2 client (RFC 9113 §8.2.2).
+    assert_eq!(tools::header(&fields, "connection"), None, "{fields:?}");
+    assert_eq!(tools::header(&fields, "keep-alive"), None, "{fields:?}");
+
+    // A chunked response: its content, without the chunk framing nor the fields h2 forbids.
+    let n = 200_000;
+    let (version, status, fields, body) = exchange(p, &format!("/chunked/{n}"), &[]);
+    assert_eq!((version.as_str(), status), ("2", 200));
+    assert!(body == pattern(n), "chunked: {} bytes of {n}", body.len());
+    for name in ["transfer-encoding", "connection", "x-hop", "x-trailer"] {
+        assert_eq!(tools::header(&fields, name), None, "{name}: {fields:?}");
+    }
+
+    // A POST body, streamed to the backend and back.
+    let data = pattern(300_000);
+    let file = std::env::temp_dir().join(format!("tlsplane-proxy-h2-{}", std::process::id()));
+    std::fs::write(&file, &data).expect("write");
+    let at_file = format!("@{}", file.display());
+    let (version, status, _, body) = exchange(p, "/echo", &["--data-binary", &at_file]);
+    let _ = std::fs::remove_file(&file);
+    assert_eq!((version.as_str(), status), ("2", 200));
+    assert!(
+        body == data,
+        "echo: {} bytes back of {}",
+        body.len(),
+        data.len()
+    );
+
+    // What the backend saw: the HTTP/1.1 path's forwarding rules.
+    let (_, status, _, body) = exchange(
+        p,
+        "/head",
+        &[
+            "-H",
+            "X-Forwarded-For: 6.6.6.6",
+            "-H",
+            "X-Test: yes",
+            "-H",
+            "X-Real-IP: 6.6.6.6",
+            "-H",
+            "Cookie: a=1",
+        ],
+    );
+    assert_eq!(status, 200);
+    let head = String::from_utf8_lossy(&body).to_string();
+    assert!(head.starts_with("GET /head HTTP/1.1\r\n"), "{head}");
+    assert!(head.contains(&format!("host: localhost:{p}\r\n")), "{head}");
+    assert!(head.contains("X-Forwarded-For: 127.0.0.1\r\n"), "{head}");
+    assert!(head.contains("X-Forwarded-Proto: https\r\n"), "{head}");
+    assert!(head.contains("x-test: yes\r\n"), "{head}");
+    assert!(head.contains("cookie: a=1\r\n"), "{head}");
+    assert!(
+        !head.contains("6.6.6.6"),
+        "the client's own forwarding fields went: {head}"
+    );
+
+    // Many streams on one connection at once: 20 requests of 300 ms each, in parallel.
+    let mut c = curl_h2(p);
+    c.args([
+        "-Z",
+        "--parallel-max",
+        "50",
+        "-w",
+        "%{http_version} %{http_code}\n",
+    ]);
+    for _ in 0..20 {
+        c.arg(url(p, "/slow")).args(["-o", "/dev/null"]);
+    }
+    let started = Instant::now();
+    let out = tools::run(c, b"", Duration::from_secs(60));
+    let took = started.elapsed();
+    assert!(out.status.success(), "curl -Z: {}", out.describe());
+    assert_eq!(
+        out.stdout_text(),
+        "2 200\n".repeat(20),
+        "{}",
+        out.describe()
+    );
+    assert!(
+        took < Duration::from_secs(4),
+        "20 × 300 ms took {took:?}: not concurrent"
+    );
+
+    drop(py);
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_requests"], 24, "{stats:?}");
+    assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
+    // curl waits to multiplex: one connection for the 20 parallel transfers.
+    assert_eq!(stats["proxy_h2_connections"], 5, "{stats:?}");
+}
+
+#[test]
+fn a_backend_that_is_down_gives_502_on_that_stream() {
+    if !require("curl") {
+        return;
+    }
+    let port = TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let server = h2_proxy(&format!("127.0.0.1:{port}")).start();
+    let p = server.port();
+    let (version, status, _, body) = exchange(p, "/x", &[]);
+    assert_eq!(
+        (version.as_str(), status),
+        ("2", 502),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    // The same connection serves further streams (a 502 ends no connection).
+    let mut c = curl_h2(p);
+    c.args([
+        "-w",
+        "%{http_version} %{http_code} %{num_connects}\n",
+        "-o",
+        "/dev/null",
+    ])
+    .arg(url(p, "/a"))
+    .args(["-o", "/dev/null"])
+    .arg(url(p, "/b"));
+    let out = tools::run(c, b"", Duration::from_secs(60));
+    assert_eq!(
+        out.stdout_text(),
+        "2 502 1\n2 502 0\n",
+        "{}",
+        out.describe()
+    );
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_502"], 3, "{stats:?}");
+    assert_eq!(stats["proxy_no_backend"], 3, "{stats:?}");
+}
+
+#[test]
+fn grpc_unary_streaming_and_status_end_to_end_over_h2c() {
+    let python = match grpcio() {
+        Ok(p) => p,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let (backend, port) = python_server(python, GRPC_BACKEND);
+    let server = Server::builder()
+        .proxy(&[format!("127.0.0.1:{port}")])
+        .arg("--mode")
+        .arg("http")
+        .arg("--backend-protocol")
+        .arg("h2c")
+        .start();
+    let mut c = Command::new(python);
+    c.args(["-c", GRPC_CLIENT])
+        .arg(server.port().to_string())
+        .arg(&fixtures::pki().ca_pem);
+    let out = tools::run(c, b"", Duration::from_secs(120));
+    drop(backend);
+    assert!(out.status.success(), "grpc client: {}", out.describe());
+    let want_chat: Vec<String> = (0..20).map(|i| format!("got:m{i}")).collect();
+    assert_eq!(
+        out.stdout_text(),
+        format!(
+            "unary echo:hi\nbig {} True\nchat {}\nfail PERMISSION_DENIED nope because\n",
+            (3 << 20) + 5,
+            want_chat.join(",")
+        ),
+        "{}",
+        out.describe()
+    );
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_requests"], 4, "{stats:?}");
+    assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
+    // The four calls shared one h2c connection to the backend.
+    assert_eq!(stats["proxy_h2c_connections"], 1, "{stats:?}");
+}
