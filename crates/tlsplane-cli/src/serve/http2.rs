@@ -58,6 +58,10 @@ const SEND_BUFFER: usize = 32 * 1024;
 /// Most body bytes read from a file at once for one stream (h2 cuts them into frames of the
 /// client's SETTINGS_MAX_FRAME_SIZE).
 const CHUNK: usize = 16 * 1024;
+/// Most request body bytes read (and dropped) before a request whose HEADERS did not end its
+/// stream is answered: serve takes no request bodies, so any byte means 413 (GET, HEAD) or the
+/// planned 405, and a client streaming a body cannot make us read it for long.
+const MAX_DRAINED_BODY: usize = 64 * 1024;
 
 /// Serves one connection whose client chose `h2`, to its end.
 pub(super) async fn serve(
@@ -165,8 +169,14 @@ struct Stream<'a> {
 }
 
 impl Stream<'_> {
-    async fn serve(self, req: http::Request<RecvStream>, mut send: SendResponse<Bytes>) {
+    async fn serve(self, mut req: http::Request<RecvStream>, mut send: SendResponse<Bytes>) {
         let shared = self.shared;
+        let stall = Duration::from_secs(shared.args.server.idle_timeout.max(1));
+        // A request ends with END_STREAM, on its HEADERS or on a DATA frame after them (an
+        // empty one is valid: RFC 9113 §8.1). Answer at its end, not before: answering early
+        // resets the stream (NO_ERROR), after which the client's errors on it go unnoticed
+        // (h2spec's cases that send HEADERS, then a bad frame on the open stream).
+        let had_body = !req.body().is_end_stream() && drain(req.body_mut(), stall).await;
         shared.stats.requests.fetch_add(1, Relaxed);
         let started = shared
             .access_log
@@ -175,7 +185,7 @@ impl Stream<'_> {
         let request = request(&req);
         let site = self.info.site;
         let get_or_head = matches!(request.method, Method::Get | Method::Head);
-        let resp = if get_or_head && !req.body().is_end_stream() {
+        let resp = if get_or_head && had_body {
             // A GET or HEAD with a body, refused as over HTTP/1.1 (the body is never read).
             error_response(413, true)
         } else if request
@@ -194,7 +204,6 @@ impl Stream<'_> {
                 .ttfb
                 .observe(self.info.accepted_at.elapsed().as_secs_f64());
         }
-        let stall = Duration::from_secs(shared.args.server.idle_timeout.max(1));
         let sent = send_response(&mut send, &resp, stall).await;
         if let (Some(log), Some(started)) = (&shared.access_log, started) {
             let user_agent = field(&req, http::header::USER_AGENT);
@@ -219,6 +228,23 @@ impl Stream<'_> {
             });
         }
     }
+}
+
+/// Reads a request body to its end and drops it, for at most `stall` and [`MAX_DRAINED_BODY`]
+/// bytes: true when it had any bytes.
+async fn drain(body: &mut RecvStream, stall: Duration) -> bool {
+    let mut seen = 0usize;
+    let read = async {
+        while let Some(Ok(data)) = body.data().await {
+            seen += data.len();
+            let _ = body.flow_control().release_capacity(data.len());
+            if seen > MAX_DRAINED_BODY {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(stall, read).await;
+    seen > 0
 }
 
 /// The request as the HTTP/1.1 planning knows it: the same fields, from HTTP/2's
