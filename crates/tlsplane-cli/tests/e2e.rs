@@ -40,6 +40,8 @@ mod handoff_c;
 mod handoff_preload;
 #[path = "e2e/hello_records.rs"]
 mod hello_records;
+#[path = "e2e/h2spec.rs"]
+mod h2spec;
 #[path = "e2e/http.rs"]
 mod http;
 #[path = "e2e/http2.rs"]

@@ -186,7 +186,7 @@ impl Stream<'_> {
         let site = self.info.site;
         let get_or_head = matches!(request.method, Method::Get | Method::Head);
         let resp = if get_or_head && had_body {
-            // A GET or HEAD with a body, refused as over HTTP/1.1 (the body is never read).
+            // A GET or HEAD with a body, refused as over HTTP/1.1 (its bytes are dropped).
             error_response(413, true)
         } else if request
             .host_name()
