@@ -1,26 +1,394 @@
 //! The transport `h2` runs on, over a [`TlsStream`] of either plane, shared by every product
-//! that speaks HTTP/2.
+//! that speaks HTTP/2, and the way file bodies reach the client without passing through h2.
 //!
-//! `h2` wants an `AsyncRead + AsyncWrite` transport, while [`TlsStream`] has async `read` and
-//! `write_all`. A pump in the connection's own task moves the bytes between the two through
-//! an in-memory pipe (`tokio::io::duplex`); h2 runs in the same task ([`run`]).
+//! `h2` wants an `AsyncRead + AsyncWrite` transport, while [`TlsStream`] has async `read`,
+//! `write_all` and `write_file`. [`run`] runs h2's side and a pump in the connection's own
+//! task:
+//! - inbound, the pump reads the client's bytes and hands them to h2 through an in-memory
+//!   pipe;
+//! - outbound, what h2 writes is queued in an [`Outbox`] the pump drains to the client. The
+//!   outbox follows h2's frames as they are written (every frame starts with a 9-byte header
+//!   that gives its length, type and stream). The payload of a DATA frame on a stream whose body
+//!   is a file ([`FileBodies::carry`]) is not taken from h2 at all: h2 was given placeholder
+//!   bytes ([`H2Body::file`]), and the outbox puts the file's bytes in their place. On the
+//!   kernel plane it queues the file range itself, and the pump writes the frame header with
+//!   `MSG_MORE` and the payload by `sendfile(2)` (header and payload share a record; the file
+//!   never enters this process); on the user plane it reads the range into the queue, the one
+//!   copy encryption needs.
+//!
+//! So h2 keeps the protocol (framing, flow control, stream states, HPACK, its hardening) and
+//! tlsplane only decides where a DATA payload's bytes come from, in the frame order and
+//! within the flow-control windows h2 decided.
 
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
 use std::future::Future;
-use std::io;
+use std::io::{self, IoSlice};
+use std::os::unix::fs::FileExt;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use tlsplane::TlsStream;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
+use bytes::{Buf, Bytes};
+use tlsplane::stats::Counter;
+use tlsplane::{PlaneKind, TlsStream};
+use tokio::io::{
+    AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, SimplexStream, WriteHalf,
+};
 
-/// The in-memory pipe between h2 and the TLS stream, each way.
+/// The in-memory pipe from the client to h2.
 const PIPE: usize = 32 * 1024;
-/// What one TLS read or write moves (a record's plaintext).
+/// What one TLS read moves (a record's plaintext).
 const IO_BUF: usize = 16 * 1024;
+/// Bytes h2 may have queued in the outbox before its writes wait for the pump: a few full
+/// DATA frames, so the pump always has a batch to write while h2 prepares the next.
+const OUTBOX: usize = 64 * 1024;
+/// The frame header's length (RFC 9113 §4.1).
+const FRAME_HEADER: usize = 9;
+const DATA: u8 = 0x0;
+const PADDED: u8 = 0x8;
+/// What an [`H2Body::file`] placeholder's bytes are taken from (never sent).
+static PLACEHOLDER: [u8; 16 * 1024] = [0; 16 * 1024];
+
+/// HTTP/2 counters, shared by the products that speak it (on /metrics as
+/// `tlsplane_h2_*_total`).
+#[derive(Default)]
+pub(crate) struct H2Stats {
+    /// Connections that chose h2.
+    pub connections: Counter,
+    /// Streams (requests) accepted.
+    pub streams: Counter,
+    /// Connections we ended with GOAWAY(ENHANCE_YOUR_CALM): a flood h2 bounds (rapid reset,
+    /// too many resets we had to send, floods of small frames).
+    pub goaway_calm: Counter,
+    /// Connections we ended with GOAWAY for another protocol error of the client's
+    /// (PROTOCOL_ERROR, COMPRESSION_ERROR, FRAME_SIZE_ERROR, FLOW_CONTROL_ERROR, ...).
+    pub goaway_protocol: Counter,
+    /// Streams reset, or connections ended, because the client granted no window or took
+    /// none of our bytes for the stall timeout.
+    pub stalls: Counter,
+}
+
+impl H2Stats {
+    pub(crate) fn counters(&self) -> [(&'static str, u64); 5] {
+        [
+            ("h2_connections", self.connections.load(Relaxed)),
+            ("h2_streams", self.streams.load(Relaxed)),
+            ("h2_goaway_calm", self.goaway_calm.load(Relaxed)),
+            ("h2_goaway_protocol", self.goaway_protocol.load(Relaxed)),
+            ("h2_stalls", self.stalls.load(Relaxed)),
+        ]
+    }
+
+    /// Counts how h2's side of a connection ended, when it was an error we sent GOAWAY for.
+    pub(crate) fn count_end(&self, e: &h2::Error) {
+        if !e.is_go_away() || e.is_remote() {
+            return;
+        }
+        match e.reason() {
+            Some(h2::Reason::NO_ERROR) | None => {}
+            Some(h2::Reason::ENHANCE_YOUR_CALM) => self.goaway_calm.fetch_add(1, Relaxed),
+            Some(_) => self.goaway_protocol.fetch_add(1, Relaxed),
+        }
+    }
+}
+
+/// A stream's body as h2 carries it: bytes, or the placeholder of a file range whose bytes
+/// the outbox puts in (registered first with [`FileBodies::carry`]).
+pub(crate) enum H2Body {
+    Bytes(Bytes),
+    File { remaining: usize },
+}
+
+impl H2Body {
+    /// `len` bytes of the file range registered for the stream it is sent on.
+    pub(crate) fn file(len: usize) -> Self {
+        H2Body::File { remaining: len }
+    }
+}
+
+impl Buf for H2Body {
+    fn remaining(&self) -> usize {
+        match self {
+            H2Body::Bytes(b) => b.remaining(),
+            H2Body::File { remaining } => *remaining,
+        }
+    }
+    fn chunk(&self) -> &[u8] {
+        match self {
+            H2Body::Bytes(b) => b.chunk(),
+            H2Body::File { remaining } => &PLACEHOLDER[..(*remaining).min(PLACEHOLDER.len())],
+        }
+    }
+    fn advance(&mut self, n: usize) {
+        match self {
+            H2Body::Bytes(b) => b.advance(n),
+            H2Body::File { remaining } => {
+                assert!(n <= *remaining, "advance past the end");
+                *remaining -= n;
+            }
+        }
+    }
+}
+
+/// A file range queued to be sent as DATA payloads.
+struct FileRange {
+    file: Arc<File>,
+    offset: u64,
+    len: u64,
+}
+
+/// One part of the outbound byte stream.
+enum Piece {
+    Bytes(Vec<u8>),
+    /// Kernel plane: sent by `sendfile(2)`.
+    File(FileRange),
+}
+
+/// Where h2's writes stand in its frame sequence.
+#[derive(Default)]
+struct Frames {
+    header: [u8; FRAME_HEADER],
+    /// Header bytes seen of the current frame (the payload follows once all 9 are).
+    header_len: usize,
+    /// Payload bytes of the current frame still to come.
+    payload_left: usize,
+    /// The current frame is DATA on a stream whose body is a file.
+    file_stream: Option<u32>,
+}
+
+/// What h2 wrote and the pump has not sent yet, and the state both sides share.
+struct Outbox {
+    pieces: VecDeque<Piece>,
+    /// Bytes (of both kinds) queued.
+    queued: usize,
+    frames: Frames,
+    /// File ranges by stream, in the order their DATA will be written.
+    files: HashMap<u32, VecDeque<FileRange>>,
+    /// File payloads go as ranges for `sendfile` (kernel plane), not as bytes.
+    sendfile: bool,
+    /// h2 shut its write side down, or dropped the transport: nothing more will come.
+    shut: bool,
+    /// The pump is gone (the client's side failed): h2's writes fail.
+    broken: bool,
+    /// h2, waiting for room.
+    writer: Option<Waker>,
+    /// The pump, waiting for pieces.
+    pump: Option<Waker>,
+}
+
+impl Outbox {
+    fn push_bytes(&mut self, bytes: &[u8]) {
+        if let Some(Piece::Bytes(last)) = self.pieces.back_mut() {
+            last.extend_from_slice(bytes);
+        } else {
+            self.pieces.push_back(Piece::Bytes(bytes.to_vec()));
+        }
+        self.queued += bytes.len();
+    }
+
+    /// Takes `n` bytes of the file body of `stream` in place of `n` placeholder bytes.
+    fn push_file(&mut self, stream: u32, mut n: usize) -> io::Result<()> {
+        let ranges = self.files.get_mut(&stream).ok_or_else(|| missing(stream))?;
+        while n > 0 {
+            let range = ranges.front_mut().ok_or_else(|| missing(stream))?;
+            let take = (range.len.min(n as u64)) as usize;
+            let part = FileRange {
+                file: range.file.clone(),
+                offset: range.offset,
+                len: take as u64,
+            };
+            range.offset += take as u64;
+            range.len -= take as u64;
+            if range.len == 0 {
+                ranges.pop_front();
+            }
+            n -= take;
+            self.queued += take;
+            if self.sendfile {
+                match self.pieces.back_mut() {
+                    // Contiguous with the range queued last (a frame continued over writes).
+                    Some(Piece::File(last))
+                        if Arc::ptr_eq(&last.file, &part.file)
+                            && last.offset + last.len == part.offset =>
+                    {
+                        last.len += part.len;
+                    }
+                    _ => self.pieces.push_back(Piece::File(part)),
+                }
+            } else {
+                // The user plane encrypts from memory: read the bytes here, once.
+                let at = match self.pieces.back_mut() {
+                    Some(Piece::Bytes(last)) => last,
+                    _ => {
+                        self.pieces
+                            .push_back(Piece::Bytes(Vec::with_capacity(take + 64)));
+                        match self.pieces.back_mut() {
+                            Some(Piece::Bytes(v)) => v,
+                            _ => unreachable!("just pushed"),
+                        }
+                    }
+                };
+                let start = at.len();
+                at.resize(start + take, 0);
+                part.file
+                    .read_exact_at(&mut at[start..], part.offset)
+                    .map_err(|e| {
+                        if e.kind() == io::ErrorKind::UnexpectedEof {
+                            io::Error::new(e.kind(), "file shrank while being sent")
+                        } else {
+                            e
+                        }
+                    })?;
+            }
+        }
+        if ranges.is_empty() {
+            self.files.remove(&stream);
+        }
+        Ok(())
+    }
+
+    /// Takes bytes h2 wrote, following its frames; returns how many were taken (all of
+    /// `buf` unless the frame sequence makes no sense, which is an error).
+    fn take(&mut self, mut buf: &[u8]) -> io::Result<usize> {
+        let total = buf.len();
+        while !buf.is_empty() {
+            let f = &mut self.frames;
+            if f.header_len < FRAME_HEADER {
+                let n = (FRAME_HEADER - f.header_len).min(buf.len());
+                f.header[f.header_len..f.header_len + n].copy_from_slice(&buf[..n]);
+                f.header_len += n;
+                let h = f.header;
+                let done = f.header_len == FRAME_HEADER;
+                self.push_bytes(&buf[..n]);
+                buf = &buf[n..];
+                if done {
+                    let len = u32::from_be_bytes([0, h[0], h[1], h[2]]) as usize;
+                    let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+                    let f = &mut self.frames;
+                    f.payload_left = len;
+                    f.file_stream = None;
+                    if h[3] == DATA && self.files.contains_key(&stream) {
+                        if h[4] & PADDED != 0 {
+                            // h2 never pads; the payload would not be the body alone.
+                            return Err(io::Error::other("padded DATA on a file stream"));
+                        }
+                        f.file_stream = Some(stream);
+                    }
+                    if len == 0 {
+                        f.header_len = 0;
+                    }
+                }
+                continue;
+            }
+            let n = f.payload_left.min(buf.len());
+            match f.file_stream {
+                Some(stream) => self.push_file(stream, n)?,
+                None => self.push_bytes(&buf[..n]),
+            }
+            buf = &buf[n..];
+            let f = &mut self.frames;
+            f.payload_left -= n;
+            if f.payload_left == 0 {
+                f.header_len = 0;
+            }
+        }
+        Ok(total)
+    }
+}
+
+fn missing(stream: u32) -> io::Error {
+    io::Error::other(format!("DATA on stream {stream} beyond its file body"))
+}
+
+fn lock(outbox: &Mutex<Outbox>) -> MutexGuard<'_, Outbox> {
+    // A panic while holding it left nothing half-written that matters more than going on.
+    outbox.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Registers file bodies of a connection's streams, for the outbox to send in place of their
+/// placeholders.
+#[derive(Clone)]
+pub(crate) struct FileBodies(Arc<Mutex<Outbox>>);
+
+impl FileBodies {
+    /// The next `len` bytes sent on `stream` as [`H2Body::file`] are `file`'s from `offset`.
+    /// Call before sending them.
+    pub(crate) fn carry(&self, stream: h2::StreamId, file: Arc<File>, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let mut outbox = lock(&self.0);
+        let ranges = outbox.files.entry(stream.into()).or_default();
+        ranges.push_back(FileRange { file, offset, len });
+    }
+
+    /// The stream ended before its body was sent (reset, or the connection failed): h2 sends
+    /// no more of its DATA, forget what is left.
+    pub(crate) fn forget(&self, stream: h2::StreamId) {
+        lock(&self.0).files.remove(&stream.into());
+    }
+}
 
 /// What h2 reads the client's bytes from and writes its own to.
-pub(crate) struct H2Io(DuplexStream);
+pub(crate) struct H2Io {
+    inbound: ReadHalf<SimplexStream>,
+    outbox: Arc<Mutex<Outbox>>,
+}
+
+impl H2Io {
+    pub(crate) fn file_bodies(&self) -> FileBodies {
+        FileBodies(self.outbox.clone())
+    }
+
+    fn take_writes(
+        &mut self,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let mut outbox = lock(&self.outbox);
+        if outbox.broken {
+            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+        }
+        if outbox.queued >= OUTBOX {
+            outbox.writer = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let mut room = OUTBOX - outbox.queued;
+        let mut taken = 0;
+        for buf in bufs {
+            let buf = &buf[..buf.len().min(room)];
+            if buf.is_empty() {
+                continue;
+            }
+            taken += outbox.take(buf)?;
+            room -= buf.len();
+            if room == 0 {
+                break;
+            }
+        }
+        if let Some(pump) = outbox.pump.take() {
+            pump.wake();
+        }
+        Poll::Ready(Ok(taken))
+    }
+
+    fn shut(&self) {
+        let mut outbox = lock(&self.outbox);
+        outbox.shut = true;
+        if let Some(pump) = outbox.pump.take() {
+            pump.wake();
+        }
+    }
+}
+
+impl Drop for H2Io {
+    fn drop(&mut self) {
+        self.shut();
+    }
+}
 
 impl AsyncRead for H2Io {
     fn poll_read(
@@ -28,23 +396,35 @@ impl AsyncRead for H2Io {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.0).poll_read(cx, buf)
+        Pin::new(&mut self.inbound).poll_read(cx, buf)
     }
 }
 
 impl AsyncWrite for H2Io {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write(cx, buf)
+        self.get_mut().take_writes(cx, &[IoSlice::new(buf)])
     }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.0).poll_flush(cx)
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut().take_writes(cx, bufs)
     }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.0).poll_shutdown(cx)
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // The pump sends everything queued without being asked.
+        Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.shut();
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -61,21 +441,55 @@ where
     F: FnOnce(H2Io) -> Fut,
     Fut: Future,
 {
-    let (ours, theirs) = tokio::io::duplex(PIPE);
-    tokio::join!(conn(H2Io(theirs)), pump(tls, ours, stall))
+    let (reader, writer) = tokio::io::simplex(PIPE);
+    let outbox = Arc::new(Mutex::new(Outbox {
+        pieces: VecDeque::new(),
+        queued: 0,
+        frames: Frames::default(),
+        files: HashMap::new(),
+        sendfile: tls.plane() == PlaneKind::Kernel,
+        shut: false,
+        broken: false,
+        writer: None,
+        pump: None,
+    }));
+    let io = H2Io {
+        inbound: reader,
+        outbox: outbox.clone(),
+    };
+    tokio::join!(conn(io), pump(tls, writer, &outbox, stall))
 }
 
-/// Moves bytes between the client (`tls`) and h2 (`io`) until h2 is done with the
-/// connection; reads from the client never wait on writes to it, nor the other way round,
-/// so neither direction can stop the other. A client that takes none of our bytes for
-/// `stall` ends the connection.
-async fn pump(tls: &mut TlsStream, io: DuplexStream, stall: Duration) -> io::Result<()> {
-    let (mut from_h2, mut to_h2) = tokio::io::split(io);
+/// Marks the outbox broken when the pump ends, however it ends, so that h2 is not left
+/// waiting for room that never comes.
+struct PumpGone<'a>(&'a Mutex<Outbox>);
+
+impl Drop for PumpGone<'_> {
+    fn drop(&mut self) {
+        let mut outbox = lock(self.0);
+        outbox.broken = true;
+        outbox.pieces.clear();
+        outbox.files.clear();
+        if let Some(writer) = outbox.writer.take() {
+            writer.wake();
+        }
+    }
+}
+
+/// Moves bytes between the client (`tls`) and h2 until h2 is done with the connection:
+/// the client's into the pipe h2 reads, the outbox's to the client. A client that takes
+/// none of our bytes for `stall` ends the connection.
+async fn pump(
+    tls: &mut TlsStream,
+    mut to_h2: WriteHalf<SimplexStream>,
+    outbox: &Mutex<Outbox>,
+    stall: Duration,
+) -> io::Result<()> {
+    let _gone = PumpGone(outbox);
     // Read into `inbound`; what is read waits in `pending` until h2 takes it.
     let mut inbound = vec![0u8; IO_BUF];
     let mut pending = vec![0u8; IO_BUF];
     let (mut taken, mut held) = (0usize, 0usize);
-    let mut outbound = vec![0u8; IO_BUF];
     // The client's input ended, or h2 takes no more of it.
     let mut input_done = false;
     loop {
@@ -99,18 +513,202 @@ async fn pump(tls: &mut TlsStream, io: DuplexStream, stall: Duration) -> io::Res
                     input_done = true;
                 }
             },
-            read = from_h2.read(&mut outbound) => match read? {
-                0 => return Ok(()),
-                n => match tokio::time::timeout(stall, tls.write_all(&outbound[..n])).await {
-                    Ok(wrote) => wrote?,
+            pieces = std::future::poll_fn(|cx| next_pieces(outbox, cx)) => {
+                let Some(pieces) = pieces else { return Ok(()) };
+                match tokio::time::timeout(stall, send(tls, pieces)).await {
+                    Ok(sent) => sent?,
                     Err(_) => {
                         return Err(io::Error::new(
                             io::ErrorKind::TimedOut,
                             "the client took none of our bytes",
                         ))
                     }
-                },
+                }
             },
         }
+    }
+}
+
+/// The pieces queued, when there are some; `None` when h2 is done and all was sent.
+fn next_pieces(outbox: &Mutex<Outbox>, cx: &mut Context<'_>) -> Poll<Option<VecDeque<Piece>>> {
+    let mut outbox = lock(outbox);
+    if outbox.pieces.is_empty() {
+        if outbox.shut {
+            return Poll::Ready(None);
+        }
+        outbox.pump = Some(cx.waker().clone());
+        return Poll::Pending;
+    }
+    outbox.queued = 0;
+    let pieces = std::mem::take(&mut outbox.pieces);
+    if let Some(writer) = outbox.writer.take() {
+        writer.wake();
+    }
+    Poll::Ready(Some(pieces))
+}
+
+/// Writes queued pieces in order: bytes ahead of a file range go with `MSG_MORE`, so the
+/// frame header shares a record with the payload that `sendfile` sends.
+async fn send(tls: &mut TlsStream, mut pieces: VecDeque<Piece>) -> io::Result<()> {
+    while let Some(piece) = pieces.pop_front() {
+        match piece {
+            Piece::Bytes(bytes) => match pieces.pop_front() {
+                Some(Piece::File(r)) => tls.write_file(&bytes, &r.file, r.offset, r.len).await?,
+                Some(Piece::Bytes(_)) => unreachable!("adjacent bytes are merged"),
+                None => tls.write_all(&bytes).await?,
+            },
+            Piece::File(r) => tls.write_file(&[], &r.file, r.offset, r.len).await?,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(typ: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let len = payload.len() as u32;
+        let mut f = len.to_be_bytes()[1..].to_vec();
+        f.extend_from_slice(&[typ, flags]);
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    fn outbox(sendfile: bool) -> Outbox {
+        Outbox {
+            pieces: VecDeque::new(),
+            queued: 0,
+            frames: Frames::default(),
+            files: HashMap::new(),
+            sendfile,
+            shut: false,
+            broken: false,
+            writer: None,
+            pump: None,
+        }
+    }
+
+    /// What the client would receive: bytes as they are, file ranges read.
+    fn sent(outbox: &mut Outbox) -> Vec<u8> {
+        let mut out = Vec::new();
+        for piece in outbox.pieces.drain(..) {
+            match piece {
+                Piece::Bytes(b) => out.extend_from_slice(&b),
+                Piece::File(r) => {
+                    let mut b = vec![0u8; r.len as usize];
+                    r.file.read_exact_at(&mut b, r.offset).expect("read range");
+                    out.extend_from_slice(&b);
+                }
+            }
+        }
+        out
+    }
+
+    fn temp_file(content: &[u8]) -> Arc<File> {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "tlsplane-h2-outbox-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::write(&path, content).expect("write temp file");
+        let file = File::open(&path).expect("open temp file");
+        let _ = std::fs::remove_file(&path);
+        Arc::new(file)
+    }
+
+    /// Frames as h2 writes them for two streams, one with a file body (placeholders), one with
+    /// bytes, around control frames; cut into writes of every size from 1 byte up: the client
+    /// gets the frames with the file's bytes in the placeholders' place, on both planes.
+    #[test]
+    fn file_bytes_replace_placeholders_in_data_frames_however_writes_are_cut() {
+        let content: Vec<u8> = (0..40_000u32).map(|i| (i * 7 % 251) as u8 + 1).collect();
+        let (offset, len) = (1000u64, 30_000usize);
+        let body = &content[offset as usize..offset as usize + len];
+        let mut written = Vec::new();
+        let mut expected = Vec::new();
+        let mut both = |typ, flags, stream, payload: &[u8], real: &[u8]| {
+            written.extend(frame(typ, flags, stream, payload));
+            expected.extend(frame(typ, flags, stream, real));
+        };
+        let settings = [0u8, 3, 0, 0, 0, 100];
+        both(0x4, 0, 0, &settings, &settings);
+        both(0x1, 0x4, 1, b"\x88", b"\x88"); // HEADERS :status 200
+        both(0x1, 0x4, 3, b"\x88", b"\x88");
+        let zeros = vec![0u8; 16_384];
+        both(DATA, 0, 1, &zeros, &body[..16_384]);
+        both(DATA, 0, 3, b"not a file", b"not a file");
+        both(0x6, 0, 0, &[1; 8], &[1; 8]); // PING
+        both(DATA, 0, 1, &zeros[..100], &body[16_384..16_484]);
+        both(DATA, 0x1, 1, &zeros[..len - 16_484], &body[16_484..]);
+        both(DATA, 0x1, 3, b"", b"");
+        for sendfile in [true, false] {
+            for cut in [1, 2, 5, 9, 10, 100, 4096, 20_000, written.len()] {
+                let mut ob = outbox(sendfile);
+                let file = temp_file(&content);
+                ob.files.entry(1).or_default().push_back(FileRange {
+                    file: file.clone(),
+                    offset,
+                    len: 16_384,
+                });
+                ob.files.entry(1).or_default().push_back(FileRange {
+                    file,
+                    offset: offset + 16_384,
+                    len: (len - 16_384) as u64,
+                });
+                for chunk in written.chunks(cut) {
+                    assert_eq!(ob.take(chunk).expect("well-formed frames"), chunk.len());
+                }
+                assert!(ob.files.is_empty(), "a file body left unsent");
+                assert_eq!(ob.queued, expected.len());
+                if sendfile {
+                    assert!(ob.pieces.iter().any(|p| matches!(p, Piece::File(_))));
+                } else {
+                    assert!(ob.pieces.iter().all(|p| matches!(p, Piece::Bytes(_))));
+                }
+                assert!(sent(&mut ob) == expected, "cut {cut}, sendfile {sendfile}");
+            }
+        }
+    }
+
+    /// A DATA frame longer than the file body registered, or padded, is refused rather than
+    /// sent with bytes that are not the body's.
+    #[test]
+    fn data_beyond_the_file_body_or_padded_is_an_error() {
+        let mut ob = outbox(true);
+        ob.files.entry(1).or_default().push_back(FileRange {
+            file: temp_file(b"0123456789"),
+            offset: 0,
+            len: 10,
+        });
+        let err = ob.take(&frame(DATA, 0, 1, &[0; 11])).expect_err("too long");
+        assert!(err.to_string().contains("beyond its file body"), "{err}");
+        let mut ob = outbox(true);
+        ob.files.entry(1).or_default().push_back(FileRange {
+            file: temp_file(b"0123456789"),
+            offset: 0,
+            len: 10,
+        });
+        let err = ob
+            .take(&frame(DATA, PADDED, 1, &[0; 5]))
+            .expect_err("padded");
+        assert!(err.to_string().contains("padded"), "{err}");
+    }
+
+    /// A file that shrank after its length was announced ends the connection on the user
+    /// plane (sendfile reports it on the kernel plane): never a short or zero-filled body.
+    #[test]
+    fn a_file_shorter_than_announced_is_an_error_on_the_user_plane() {
+        let mut ob = outbox(false);
+        ob.files.entry(1).or_default().push_back(FileRange {
+            file: temp_file(b"0123"),
+            offset: 0,
+            len: 10,
+        });
+        let err = ob.take(&frame(DATA, 0, 1, &[0; 10])).expect_err("shrank");
+        assert!(err.to_string().contains("shrank"), "{err}");
     }
 }

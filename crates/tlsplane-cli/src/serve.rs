@@ -53,6 +53,7 @@ pub struct HttpStats {
     responses_5xx: Counter,
     timeouts: Counter,
     io_errors: Counter,
+    h2: crate::h2_transport::H2Stats,
 }
 
 /// The `serve` product under one configuration: the runtime hands it established
@@ -175,6 +176,9 @@ impl Product for Serve {
             ("http_handshake_errors", r.handshake_errors.load(Relaxed)),
             ("http_io_errors", h.io_errors.load(Relaxed)),
         ]
+        .into_iter()
+        .chain(h.h2.counters())
+        .collect()
     }
 }
 

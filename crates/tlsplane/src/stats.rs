@@ -166,6 +166,9 @@ counters! {
     /// sendfile, or by rustls).
     bytes_tx_kernel,
     bytes_tx_user,
+    /// File bytes sent by `sendfile(2)` on the kernel plane (part of `bytes_tx_kernel`): read
+    /// from the page cache and encrypted by the kernel, they never entered this process.
+    sendfile_bytes,
     /// Connections that spoke plain HTTP to the TLS port (answered as the product chose).
     plain_http_requests,
     /// ClientHellos whose server name (or lack of one) matched no site, with no default site:

@@ -15,8 +15,8 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -28,7 +28,7 @@ use tlsplane_http::{error_response, respond, Body, Method, Request, Response};
 use tokio::sync::watch;
 
 use super::{body_len, count_status, Serve};
-use crate::h2_transport::{self, H2Io};
+use crate::h2_transport::{self, FileBodies, H2Body, H2Io};
 use tlsplane_server::access_log::{Entry, RequestLine};
 use tlsplane_server::runtime::ConnContext;
 
@@ -83,6 +83,11 @@ pub(super) async fn serve(
     if let Err(e) = conn {
         tracing::debug!(%peer, error = %e, "h2 connection ended with error");
     }
+    if let Err(e) = &pumped {
+        if e.kind() == io::ErrorKind::TimedOut {
+            shared.stats.h2.stalls.fetch_add(1, Relaxed);
+        }
+    }
     pumped?;
     Box::pin(tls.close()).await
 }
@@ -109,9 +114,11 @@ async fn connection(
         .max_send_buffer_size(SEND_BUFFER);
     // The client's preface and SETTINGS are its first request head: the header timeout.
     let header_timeout = Duration::from_secs(args.header_timeout);
+    let files = io.file_bodies();
+    shared.stats.h2.connections.fetch_add(1, Relaxed);
     let mut conn =
-        match tokio::time::timeout(header_timeout, builder.handshake::<_, Bytes>(io)).await {
-            Ok(c) => c?,
+        match tokio::time::timeout(header_timeout, builder.handshake::<_, H2Body>(io)).await {
+            Ok(c) => c.inspect_err(|e| shared.stats.h2.count_end(e))?,
             Err(_) => {
                 shared.stats.timeouts.fetch_add(1, Relaxed);
                 return Ok(());
@@ -130,10 +137,21 @@ async fn connection(
         tokio::select! {
             accepted = conn.accept() => match accepted {
                 Some(Ok((request, send))) => {
-                    let stream = Stream { info, plane, peer, shared, responded: &responded };
+                    shared.stats.h2.streams.fetch_add(1, Relaxed);
+                    let stream = Stream {
+                        info,
+                        plane,
+                        peer,
+                        shared,
+                        files: &files,
+                        responded: &responded,
+                    };
                     streams.push(stream.serve(request, send));
                 }
-                Some(Err(e)) => return Err(e),
+                Some(Err(e)) => {
+                    shared.stats.h2.count_end(&e);
+                    return Err(e);
+                }
                 None => return Ok(()),
             },
             Some(()) = streams.next(), if !streams.is_empty() => {
@@ -164,12 +182,13 @@ struct Stream<'a> {
     plane: &'static str,
     peer: SocketAddr,
     shared: &'a Serve,
+    files: &'a FileBodies,
     /// The connection has had a response (its time to first byte is recorded).
     responded: &'a AtomicBool,
 }
 
 impl Stream<'_> {
-    async fn serve(self, mut req: http::Request<RecvStream>, mut send: SendResponse<Bytes>) {
+    async fn serve(self, mut req: http::Request<RecvStream>, mut send: SendResponse<H2Body>) {
         let shared = self.shared;
         let stall = Duration::from_secs(shared.args.server.idle_timeout.max(1));
         // A request ends with END_STREAM, on its HEADERS or on a DATA frame after them (an
@@ -204,7 +223,11 @@ impl Stream<'_> {
                 .ttfb
                 .observe(self.info.accepted_at.elapsed().as_secs_f64());
         }
-        let sent = send_response(&mut send, &resp, stall).await;
+        let (status, len) = (resp.status, body_len(&resp));
+        let sent = send_response(&mut send, resp, self.files, stall).await;
+        if sent.is_err() {
+            shared.stats.h2.stalls.fetch_add(1, Relaxed);
+        }
         if let (Some(log), Some(started)) = (&shared.access_log, started) {
             let user_agent = field(&req, http::header::USER_AGENT);
             let referer = field(&req, http::header::REFERER);
@@ -216,8 +239,8 @@ impl Stream<'_> {
                     target: &request.target,
                     protocol: "HTTP/2.0",
                 }),
-                status: Some(resp.status),
-                bytes: if sent { body_len(&resp) } else { 0 },
+                status: Some(status),
+                bytes: if sent == Ok(true) { len } else { 0 },
                 duration: started.elapsed(),
                 user_agent: user_agent.as_deref().map(str::as_bytes),
                 referer: referer.as_deref().map(str::as_bytes),
@@ -295,8 +318,14 @@ fn field<T>(req: &http::Request<T>, name: http::header::HeaderName) -> Option<St
     joined
 }
 
-/// Sends the planned response on its stream; true when all of it was handed to h2.
-async fn send_response(send: &mut SendResponse<Bytes>, resp: &Response, stall: Duration) -> bool {
+/// Sends the planned response on its stream: `Ok(true)` when all of it was handed to h2,
+/// `Err(Stalled)` when the client granted no window for `stall`.
+async fn send_response(
+    send: &mut SendResponse<H2Body>,
+    resp: Response,
+    files: &FileBodies,
+    stall: Duration,
+) -> Result<bool, Stalled> {
     let mut head = http::Response::new(());
     *head.status_mut() =
         http::StatusCode::from_u16(resp.status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
@@ -313,45 +342,56 @@ async fn send_response(send: &mut SendResponse<Bytes>, resp: &Response, stall: D
     let end = matches!(resp.body, Body::Empty);
     let mut stream = match send.send_response(head, end) {
         Ok(s) => s,
-        Err(_) => return false, // the client reset the stream, or the connection is gone
+        Err(_) => return Ok(false), // the client reset the stream, or the connection is gone
     };
-    let sent = match &resp.body {
+    let sent = match resp.body {
         Body::Empty => Ok(()),
         Body::Bytes(b) => {
-            let b = Bytes::copy_from_slice(b);
+            let b = Bytes::from(b);
             send_data(&mut stream, b.len() as u64, stall, |at, n| {
                 let at = at as usize;
-                Ok(b.slice(at..at + n))
+                H2Body::Bytes(b.slice(at..at + n))
             })
             .await
         }
         Body::File { file, offset, len } => {
-            send_data(&mut stream, *len, stall, |at, n| {
-                let mut chunk = vec![0u8; n];
-                file.read_exact_at(&mut chunk, offset + at)?;
-                Ok(Bytes::from(chunk))
-            })
-            .await
+            // The outbox puts the file's bytes in place of the placeholders, by sendfile on
+            // the kernel plane (h2_transport).
+            let id = stream.stream_id();
+            files.carry(id, Arc::new(file), offset, len);
+            let sent = send_data(&mut stream, len, stall, |_, n| H2Body::file(n)).await;
+            if sent.is_err() {
+                files.forget(id);
+            }
+            sent
         }
     };
     match sent {
-        Ok(()) => true,
+        Ok(()) => Ok(true),
         Err(e) => {
             tracing::debug!(error = %e, "h2 stream ended early");
-            false
+            if e.kind() == io::ErrorKind::TimedOut {
+                Err(Stalled)
+            } else {
+                Ok(false)
+            }
         }
     }
 }
+
+/// A stream given up for want of flow-control window.
+#[derive(Debug, PartialEq)]
+struct Stalled;
 
 /// Sends `len` bytes, `chunk(at, n)` giving `n` of them from `at`, within the stream's
 /// flow-control window: never more than h2 has granted, so nothing queues beyond
 /// [`SEND_BUFFER`]. A stream granted no window for `stall` is reset (a zero-window reader
 /// cannot hold it forever).
 async fn send_data(
-    stream: &mut SendStream<Bytes>,
+    stream: &mut SendStream<H2Body>,
     len: u64,
     stall: Duration,
-    mut chunk: impl FnMut(u64, usize) -> io::Result<Bytes>,
+    mut chunk: impl FnMut(u64, usize) -> H2Body,
 ) -> io::Result<()> {
     let mut at = 0u64;
     while at < len {
@@ -376,15 +416,7 @@ async fn send_data(
                 }
             }
         };
-        let data = match chunk(at, granted) {
-            Ok(d) => d,
-            Err(e) => {
-                // The file changed under us (truncated): the client must not take a short
-                // body for a whole one.
-                stream.send_reset(Reason::INTERNAL_ERROR);
-                return Err(e);
-            }
-        };
+        let data = chunk(at, granted);
         at += granted as u64;
         stream
             .send_data(data, at == len)

@@ -535,7 +535,10 @@ impl KernelPlane {
                         "file shrank while being sent",
                     ))
                 }
-                Ok(n) => self.tx_records.wrote(n),
+                Ok(n) => {
+                    self.tx_records.wrote(n);
+                    crate::stats::add(&crate::stats::global().sendfile_bytes, n as u64);
+                }
                 Err(e) => return Err(e),
             }
         }
