@@ -129,9 +129,12 @@ async fn connection(
     let mut streams = FuturesUnordered::new();
     let mut idle_since = tokio::time::Instant::now();
     let mut going_away = false;
+    // When our GOAWAY went out (None: not yet).
+    let mut gone_at = None;
     if *stop.borrow() {
         conn.graceful_shutdown();
         going_away = true;
+        gone_at = Some(tokio::time::Instant::now());
     }
     loop {
         tokio::select! {
@@ -166,11 +169,23 @@ async fn connection(
                 shared.stats.timeouts.fetch_add(1, Relaxed);
                 conn.graceful_shutdown();
                 going_away = true;
+                gone_at = Some(tokio::time::Instant::now());
+            }
+            // Our GOAWAY went out and no stream of ours is left, yet h2 has not closed: its
+            // graceful close waits for the client's acknowledgement of a PING, which a client
+            // may never send (it would hold the connection forever, idle or flooding us with
+            // frames). Another idle timeout, and the connection ends.
+            _ = tokio::time::sleep_until(gone_at.unwrap_or(idle_since).max(idle_since) + idle),
+                if going_away && streams.is_empty() =>
+            {
+                shared.stats.h2.stalls.fetch_add(1, Relaxed);
+                return Ok(());
             }
             // Shutting down: GOAWAY, the streams in flight finish.
             _ = stop.changed(), if !going_away => {
                 conn.graceful_shutdown();
                 going_away = true;
+                gone_at = Some(tokio::time::Instant::now());
             }
         }
     }

@@ -87,7 +87,12 @@ fn h2spec_every_case_passes_or_is_explained() {
         text.split("Failures:").nth(1).unwrap_or(&text)
     );
     // h2spec's exit status agrees with its report (non-zero exactly when a case failed).
-    assert_eq!(out.status.success(), failed.is_empty(), "{}", out.describe());
+    assert_eq!(
+        out.status.success(),
+        failed.is_empty(),
+        "{}",
+        out.describe()
+    );
     // Each case's client errors are answered, never a panic (Server::stop checks stderr).
     server.stop();
 }
