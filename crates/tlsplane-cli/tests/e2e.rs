@@ -32,6 +32,8 @@ mod content;
 mod control;
 #[path = "e2e/descriptors.rs"]
 mod descriptors;
+#[path = "e2e/h2spec.rs"]
+mod h2spec;
 #[path = "e2e/handoff.rs"]
 mod handoff;
 #[path = "e2e/handoff_c.rs"]
@@ -44,6 +46,8 @@ mod hello_records;
 mod http;
 #[path = "e2e/http2.rs"]
 mod http2;
+#[path = "e2e/http2_abuse.rs"]
+mod http2_abuse;
 #[path = "e2e/http2_browser.rs"]
 mod http2_browser;
 #[path = "e2e/kernel.rs"]

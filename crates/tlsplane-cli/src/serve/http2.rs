@@ -52,9 +52,6 @@ const MAX_LOCAL_ERROR_RESETS: usize = 100;
 /// (h2's defaults).
 const MAX_CONCURRENT_RESETS: usize = 50;
 const RESET_STREAM_DURATION: Duration = Duration::from_secs(1);
-/// After our GOAWAY, how long a connection with no stream left waits for the client to close
-/// it (h2's graceful shutdown waits for a PING's answer first) before we close it ourselves.
-const GOAWAY_GRACE: Duration = Duration::from_secs(5);
 /// Body bytes h2 queues per stream before it stops granting capacity (h2's default ~400 KB).
 /// File bodies are queued as placeholders that hold no memory (h2_transport), and other
 /// bodies are small planned texts, so this bounds how far ahead of the client h2 schedules,
@@ -63,6 +60,10 @@ const SEND_BUFFER: usize = 1024 * 1024;
 /// Most body bytes handed to h2 at once for one stream (h2 cuts them into frames of the
 /// client's SETTINGS_MAX_FRAME_SIZE, within the flow-control windows).
 const CHUNK: usize = 256 * 1024;
+/// Most request body bytes read (and dropped) before a request whose HEADERS did not end its
+/// stream is answered: serve takes no request bodies, so any byte means 413 (GET, HEAD) or the
+/// planned 405, and a client streaming a body cannot make us read it for long.
+const MAX_DRAINED_BODY: usize = 64 * 1024;
 
 /// Serves one connection whose client chose `h2`, to its end.
 pub(super) async fn serve(
@@ -148,9 +149,13 @@ async fn connection(
                 }
                 // Shutting down: GOAWAY, the streams in flight finish.
                 _ = stop.changed(), if going_away.is_none() => Step::Stop,
-                // GOAWAY sent and no stream left, but the client keeps the connection: ours
-                // to end.
-                _ = tokio::time::sleep_until(going_away.unwrap_or(idle_since) + GOAWAY_GRACE),
+                // Our GOAWAY went out and no stream of ours is left, yet h2 has not closed:
+                // its graceful close waits for the client's acknowledgement of a PING, which
+                // a client may never send (it would hold the connection forever, idle or
+                // flooding us with frames). Another idle timeout, and the connection ends.
+                _ = tokio::time::sleep_until(
+                        going_away.unwrap_or(idle_since).max(idle_since) + idle_timeout
+                    ),
                     if quiet && going_away.is_some() => Step::GoneQuiet,
             }
         };
@@ -179,7 +184,11 @@ async fn connection(
                 shared.stats.h2.count_end(&e);
                 return Err(e);
             }
-            Step::Accepted(None) | Step::GoneQuiet => return Ok(()),
+            Step::Accepted(None) => return Ok(()),
+            Step::GoneQuiet => {
+                shared.stats.h2.stalls.fetch_add(1, Relaxed);
+                return Ok(());
+            }
             Step::StreamDone => {
                 if streams.is_empty() {
                     idle_since = tokio::time::Instant::now();
@@ -220,8 +229,14 @@ struct Stream<'a> {
 }
 
 impl Stream<'_> {
-    async fn serve(self, req: http::Request<RecvStream>, mut send: SendResponse<H2Body>) {
+    async fn serve(self, mut req: http::Request<RecvStream>, mut send: SendResponse<H2Body>) {
         let shared = self.shared;
+        let stall = Duration::from_secs(shared.args.server.idle_timeout.max(1));
+        // A request ends with END_STREAM, on its HEADERS or on a DATA frame after them (an
+        // empty one is valid: RFC 9113 §8.1). Answer at its end, not before: answering early
+        // resets the stream (NO_ERROR), after which the client's errors on it go unnoticed
+        // (h2spec's cases that send HEADERS, then a bad frame on the open stream).
+        let had_body = !req.body().is_end_stream() && drain(req.body_mut(), stall).await;
         shared.stats.requests.fetch_add(1, Relaxed);
         let started = shared
             .access_log
@@ -230,8 +245,8 @@ impl Stream<'_> {
         let request = request(&req);
         let site = self.info.site;
         let get_or_head = matches!(request.method, Method::Get | Method::Head);
-        let resp = if get_or_head && !req.body().is_end_stream() {
-            // A GET or HEAD with a body, refused as over HTTP/1.1 (the body is never read).
+        let resp = if get_or_head && had_body {
+            // A GET or HEAD with a body, refused as over HTTP/1.1 (its bytes are dropped).
             error_response(413, true)
         } else if request
             .host_name()
@@ -249,7 +264,6 @@ impl Stream<'_> {
                 .ttfb
                 .observe(self.info.accepted_at.elapsed().as_secs_f64());
         }
-        let stall = Duration::from_secs(shared.args.server.idle_timeout.max(1));
         let (status, len) = (resp.status, body_len(&resp));
         let sent = send_response(&mut send, resp, self.files, stall).await;
         if sent.is_err() {
@@ -278,6 +292,23 @@ impl Stream<'_> {
             });
         }
     }
+}
+
+/// Reads a request body to its end and drops it, for at most `stall` and [`MAX_DRAINED_BODY`]
+/// bytes: true when it had any bytes.
+async fn drain(body: &mut RecvStream, stall: Duration) -> bool {
+    let mut seen = 0usize;
+    let read = async {
+        while let Some(Ok(data)) = body.data().await {
+            seen += data.len();
+            let _ = body.flow_control().release_capacity(data.len());
+            if seen > MAX_DRAINED_BODY {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(stall, read).await;
+    seen > 0
 }
 
 /// The request as the HTTP/1.1 planning knows it: the same fields, from HTTP/2's
