@@ -2,14 +2,11 @@
 //! reason: the server side clients talk to (`serve`, `proxy --mode http`), and the client
 //! side the HTTP proxy talks to h2c backends with.
 //!
-//! The values are those `serve` has used since its first step (serve/http2.rs names them
-//! there too, until it builds its server from [`server`]).
 
 use std::time::Duration;
 
 /// Streams a client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). RFC 9113 §6.5.2
-/// advises no fewer than 100, so as not to limit parallelism; with at most [`SEND_BUFFER`]
-/// queued per stream, a connection queues at most 100 × 32 KiB of body bytes.
+/// advises no fewer than 100, so as not to limit parallelism.
 pub(crate) const MAX_CONCURRENT_STREAMS: u32 = 100;
 /// Largest header list a request may decode to (SETTINGS_MAX_HEADER_LIST_SIZE), checked by
 /// h2 while it decodes, over CONTINUATION frames too (CVE-2024-27316) and whatever the HPACK
@@ -27,11 +24,12 @@ pub(crate) const MAX_LOCAL_ERROR_RESETS: usize = 100;
 /// (h2's defaults).
 pub(crate) const MAX_CONCURRENT_RESETS: usize = 50;
 pub(crate) const RESET_STREAM_DURATION: Duration = Duration::from_secs(1);
-/// Body bytes h2 queues per stream before it stops granting capacity (h2's default ~400 KB).
+/// Body bytes h2 queues per stream before it stops granting capacity (h2's default ~400 KB),
+/// where bodies are bytes in memory (the proxy's; `serve` queues placeholders of files).
 pub(crate) const SEND_BUFFER: usize = 32 * 1024;
 
-/// The server side, as clients see it.
-pub(crate) fn server() -> h2::server::Builder {
+/// The server side, as clients see it, queueing up to `send_buffer` body bytes per stream.
+pub(crate) fn server(send_buffer: usize) -> h2::server::Builder {
     let mut builder = h2::server::Builder::new();
     builder
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
@@ -40,7 +38,7 @@ pub(crate) fn server() -> h2::server::Builder {
         .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
         .max_concurrent_reset_streams(MAX_CONCURRENT_RESETS)
         .reset_stream_duration(RESET_STREAM_DURATION)
-        .max_send_buffer_size(SEND_BUFFER);
+        .max_send_buffer_size(send_buffer);
     builder
 }
 

@@ -72,16 +72,36 @@ pub(crate) struct H2Stats {
 }
 
 impl H2Stats {
-    pub(crate) fn counters(&self) -> [(&'static str, u64); 6] {
-        [
-            ("h2_connections", self.connections.load(Relaxed)),
-            ("h2_streams", self.streams.load(Relaxed)),
-            ("h2_goaway_calm", self.goaway_calm.load(Relaxed)),
-            ("h2_goaway_protocol", self.goaway_protocol.load(Relaxed)),
-            ("h2_stalls", self.stalls.load(Relaxed)),
-            ("h2_evictions", self.evictions.load(Relaxed)),
-        ]
+    /// The counters under `names` (the product's: [`SERVE`](Self::SERVE),
+    /// [`PROXY`](Self::PROXY)).
+    pub(crate) fn counters(&self, names: &[&'static str; 6]) -> [(&'static str, u64); 6] {
+        let values = [
+            &self.connections,
+            &self.streams,
+            &self.goaway_calm,
+            &self.goaway_protocol,
+            &self.stalls,
+            &self.evictions,
+        ];
+        std::array::from_fn(|i| (names[i], values[i].load(Relaxed)))
     }
+
+    pub(crate) const SERVE: [&'static str; 6] = [
+        "h2_connections",
+        "h2_streams",
+        "h2_goaway_calm",
+        "h2_goaway_protocol",
+        "h2_stalls",
+        "h2_evictions",
+    ];
+    pub(crate) const PROXY: [&'static str; 6] = [
+        "proxy_h2_connections",
+        "proxy_h2_streams",
+        "proxy_h2_goaway_calm",
+        "proxy_h2_goaway_protocol",
+        "proxy_h2_stalls",
+        "proxy_h2_evictions",
+    ];
 
     /// Counts how h2's side of a connection ended, when it was an error we sent GOAWAY for.
     pub(crate) fn count_end(&self, e: &h2::Error) {

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 mod check;
+mod h2_connection;
 mod h2_settings;
 mod h2_transport;
 mod handoff;

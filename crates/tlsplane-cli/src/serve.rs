@@ -177,7 +177,7 @@ impl Product for Serve {
             ("http_io_errors", h.io_errors.load(Relaxed)),
         ]
         .into_iter()
-        .chain(h.h2.counters())
+        .chain(h.h2.counters(&crate::h2_transport::H2Stats::SERVE))
         .collect()
     }
 }

@@ -20,7 +20,6 @@ use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::stream::{FuturesUnordered, StreamExt};
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream, SendStream};
 use tlsplane::{ConnectionInfo, TlsStream};
@@ -32,9 +31,10 @@ use tokio::time::{timeout, timeout_at, Instant};
 use super::http::MAX_RESPONSE_HEAD;
 use super::http::{error_body_len, host_name, read_response_head, Buf, Fail, Progress};
 use super::{BackendProtocol, Ended, Proxy, Unavailable};
+use crate::h2_connection;
 use crate::h2_transport::{self, H2Io};
 use tlsplane_server::access_log::{Entry, RequestLine};
-use tlsplane_server::runtime::ConnContext;
+use tlsplane_server::runtime::{ConnContext, Idle};
 
 /// Fields HTTP/2 forbids (RFC 9113 §8.2.2), dropped from what a backend sends; `TE` is
 /// forbidden but for `trailers`, which only requests carry.
@@ -59,9 +59,9 @@ pub(super) async fn serve(
     // A client that stops taking our bytes, or leaves a stream without window, is given up
     // after this long without progress.
     let stall = Duration::from_secs(proxy.args.server.idle_timeout.max(1));
-    let stop = &mut ctx.stop;
+    let (stop, idle) = (&mut ctx.stop, &ctx.idle);
     let (conn, pumped) = h2_transport::run(&mut tls, stall, |io| {
-        connection(io, &info, plane, peer, proxy, stop)
+        connection(io, &info, plane, peer, proxy, stop, idle)
     })
     .await;
     if let Err(e) = conn {
@@ -85,59 +85,38 @@ async fn connection(
     peer: SocketAddr,
     proxy: &Proxy,
     stop: &mut watch::Receiver<bool>,
+    idle: &Idle,
 ) -> Result<(), h2::Error> {
     let args = &proxy.args;
     // The client's preface and SETTINGS are its first request head: the header timeout.
     let header_timeout = Duration::from_secs(args.header_timeout);
-    let handshake = crate::h2_settings::server().handshake::<_, Bytes>(io);
+    proxy.stats.h2.connections.fetch_add(1, Relaxed);
+    let handshake =
+        crate::h2_settings::server(crate::h2_settings::SEND_BUFFER).handshake::<_, Bytes>(io);
     let mut conn = match timeout(header_timeout, handshake).await {
-        Ok(c) => c?,
+        Ok(c) => c.inspect_err(|e| proxy.stats.h2.count_end(e))?,
         Err(_) => {
             proxy.stats.http_refused.fetch_add(1, Relaxed);
             return Ok(());
         }
     };
-    let idle = Duration::from_secs(args.server.idle_timeout);
-    let mut streams = FuturesUnordered::new();
-    let mut idle_since = Instant::now();
-    let mut going_away = false;
-    if *stop.borrow() {
-        conn.graceful_shutdown();
-        going_away = true;
-    }
     let shared = Shared {
         proxy,
         info,
         plane,
         peer,
     };
-    loop {
-        tokio::select! {
-            accepted = conn.accept() => match accepted {
-                Some(Ok((request, send))) => streams.push(shared.stream(request, send)),
-                Some(Err(e)) => return Err(e),
-                None => return Ok(()),
-            },
-            Some(()) = streams.next(), if !streams.is_empty() => {
-                if streams.is_empty() {
-                    idle_since = Instant::now();
-                }
-            }
-            // No stream open for the idle timeout: GOAWAY, and the connection ends.
-            _ = tokio::time::sleep_until(idle_since + idle),
-                if streams.is_empty() && !going_away =>
-            {
-                proxy.stats.idle_timeouts.fetch_add(1, Relaxed);
-                conn.graceful_shutdown();
-                going_away = true;
-            }
-            // Shutting down: GOAWAY, the streams in flight finish.
-            _ = stop.changed(), if !going_away => {
-                conn.graceful_shutdown();
-                going_away = true;
-            }
-        }
-    }
+    let life = h2_connection::Lifetime {
+        idle_timeout: Duration::from_secs(args.server.idle_timeout),
+        stop,
+        idle,
+        stats: &proxy.stats.h2,
+        timeouts: &proxy.stats.idle_timeouts,
+    };
+    h2_connection::run(&mut conn, life, |request, send| {
+        shared.stream(request, send)
+    })
+    .await
 }
 
 /// What every stream of a connection shares.

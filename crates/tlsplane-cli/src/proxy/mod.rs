@@ -177,8 +177,9 @@ pub struct ProxyStats {
     backend_retries: Counter,
     /// HTTP mode: connections switched to TCP mode by `101 Switching Protocols`.
     upgrades: Counter,
-    /// HTTP mode: client connections that chose h2 (by ALPN).
-    h2_connections: Counter,
+    /// HTTP mode, h2 clients: connections (by ALPN), streams, GOAWAYs by reason, stalls,
+    /// evictions (as `proxy_h2_*`).
+    pub(crate) h2: crate::h2_transport::H2Stats,
     /// HTTP mode: h2 streams reset by the proxy after their response had begun (the
     /// backend failed or timed out midway; the h2 form of HTTP/1.1's connection reset).
     h2_streams_reset: Counter,
@@ -338,10 +339,12 @@ impl Product for Proxy {
             ("proxy_backend_reused", p.backend_reused.load(Relaxed)),
             ("proxy_backend_retries", p.backend_retries.load(Relaxed)),
             ("proxy_upgrades", p.upgrades.load(Relaxed)),
-            ("proxy_h2_connections", p.h2_connections.load(Relaxed)),
             ("proxy_h2_streams_reset", p.h2_streams_reset.load(Relaxed)),
             ("proxy_h2c_connections", p.h2c_connections.load(Relaxed)),
         ]
+        .into_iter()
+        .chain(p.h2.counters(&crate::h2_transport::H2Stats::PROXY))
+        .collect()
     }
 
     fn describe(args: &ProxyArgs, sites: &Sites) {
@@ -410,7 +413,6 @@ impl Handler for Proxy {
                 }
             }
             Mode::Http if tls.info().alpn.as_deref() == Some(b"h2".as_slice()) => {
-                self.stats.h2_connections.fetch_add(1, Relaxed);
                 // One access-log line per stream (h2.rs). Boxed: HTTP/1.1 connections'
                 // futures do not carry h2's state.
                 let _ = Box::pin(h2::serve(&self, tls, peer, &mut ctx)).await;

@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use futures_util::stream::{FuturesUnordered, StreamExt};
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream, SendStream};
 use tlsplane::{ConnectionInfo, TlsStream};
@@ -29,34 +28,15 @@ use tokio::sync::watch;
 
 use super::{body_len, count_status, Serve};
 use crate::h2_transport::{self, FileBodies, H2Body, H2Io};
+use crate::{h2_connection, h2_settings};
 use tlsplane_server::access_log::{Entry, RequestLine};
 use tlsplane_server::runtime::{ConnContext, Idle};
 
-/// Streams a client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). RFC 9113 §6.5.2
-/// advises no fewer than 100, so as not to limit parallelism.
-const MAX_CONCURRENT_STREAMS: u32 = 100;
-/// Largest header list a request may decode to (SETTINGS_MAX_HEADER_LIST_SIZE), checked by
-/// h2 while it decodes, over CONTINUATION frames too (CVE-2024-27316) and whatever the HPACK
-/// encoding (a header list decoding to far more than it costs to send is refused at this
-/// size, not held): HTTP/1.1's head limit (16 KiB) plus RFC 9113's 32 bytes of accounting for
-/// each of its 64 fields. h2's default is 16 MiB.
-const MAX_HEADER_LIST: u32 = 16384 + 64 * 32;
-/// Streams the client reset before they were accepted, queued at once (rapid reset,
-/// CVE-2023-44487); beyond it the connection ends with GOAWAY(ENHANCE_YOUR_CALM). h2's
-/// default, named here so that it cannot change under us with an upgrade.
-const MAX_PENDING_ACCEPT_RESETS: usize = 20;
-/// Streams reset by us for the client's protocol errors before the connection ends with
-/// GOAWAY(ENHANCE_YOUR_CALM). A conformant client causes none; h2's default is 1024.
-const MAX_LOCAL_ERROR_RESETS: usize = 100;
-/// Streams we reset whose state is kept (to ignore their late frames) at once, and how long
-/// (h2's defaults).
-const MAX_CONCURRENT_RESETS: usize = 50;
-const RESET_STREAM_DURATION: Duration = Duration::from_secs(1);
-/// Body bytes h2 queues per stream before it stops granting capacity (h2's default ~400 KB).
-/// File bodies are queued as placeholders that hold no memory (h2_transport), and other
+/// Body bytes h2 queues per stream before it stops granting capacity (h2's default ~400 KB;
+/// the other settings are every product's: h2_settings). File bodies are queued as placeholders that hold no memory (h2_transport), and other
 /// bodies are small planned texts, so this bounds how far ahead of the client h2 schedules,
 /// not memory: a larger queue means fewer wake-ups per byte.
-const SEND_BUFFER: usize = 1024 * 1024;
+const FILE_SEND_BUFFER: usize = 1024 * 1024;
 /// Most body bytes handed to h2 at once for one stream (h2 cuts them into frames of the
 /// client's SETTINGS_MAX_FRAME_SIZE, within the flow-control windows).
 const CHUNK: usize = 256 * 1024;
@@ -106,115 +86,39 @@ async fn connection(
     idle: &Idle,
 ) -> Result<(), h2::Error> {
     let args = &shared.args;
-    let mut builder = h2::server::Builder::new();
-    builder
-        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
-        .max_header_list_size(MAX_HEADER_LIST)
-        .max_pending_accept_reset_streams(MAX_PENDING_ACCEPT_RESETS)
-        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
-        .max_concurrent_reset_streams(MAX_CONCURRENT_RESETS)
-        .reset_stream_duration(RESET_STREAM_DURATION)
-        .max_send_buffer_size(SEND_BUFFER);
     // The client's preface and SETTINGS are its first request head: the header timeout.
     let header_timeout = Duration::from_secs(args.header_timeout);
     let files = io.file_bodies();
     shared.stats.h2.connections.fetch_add(1, Relaxed);
-    let mut conn =
-        match tokio::time::timeout(header_timeout, builder.handshake::<_, H2Body>(io)).await {
-            Ok(c) => c.inspect_err(|e| shared.stats.h2.count_end(e))?,
-            Err(_) => {
-                shared.stats.timeouts.fetch_add(1, Relaxed);
-                return Ok(());
-            }
-        };
-    let idle_timeout = Duration::from_secs(args.server.idle_timeout);
-    let responded = AtomicBool::new(false);
-    let mut streams = FuturesUnordered::new();
-    let mut idle_since = tokio::time::Instant::now();
-    // When we sent GOAWAY (None: not yet).
-    let mut going_away: Option<tokio::time::Instant> = None;
-    if *stop.borrow() {
-        conn.graceful_shutdown();
-        going_away = Some(tokio::time::Instant::now());
-    }
-    loop {
-        let quiet = streams.is_empty();
-        let step = async {
-            tokio::select! {
-                accepted = conn.accept() => Step::Accepted(accepted),
-                Some(()) = streams.next(), if !streams.is_empty() => Step::StreamDone,
-                // No stream open for the idle timeout: GOAWAY, and the connection ends.
-                _ = tokio::time::sleep_until(idle_since + idle_timeout), if quiet && going_away.is_none() => {
-                    Step::IdleTimeout
-                }
-                // Shutting down: GOAWAY, the streams in flight finish.
-                _ = stop.changed(), if going_away.is_none() => Step::Stop,
-                // Our GOAWAY went out and no stream of ours is left, yet h2 has not closed:
-                // its graceful close waits for the client's acknowledgement of a PING, which
-                // a client may never send (it would hold the connection forever, idle or
-                // flooding us with frames). Another idle timeout, and the connection ends.
-                _ = tokio::time::sleep_until(
-                        going_away.unwrap_or(idle_since).max(idle_since) + idle_timeout
-                    ),
-                    if quiet && going_away.is_some() => Step::GoneQuiet,
-            }
-        };
-        // With no stream open the connection is idle, as a keep-alive HTTP/1.1 connection
-        // between requests: the first to go when a new one needs room under
-        // --max-connections.
-        let step = if quiet && going_away.is_none() {
-            idle.wait(step).await.unwrap_or(Step::Evicted)
-        } else {
-            step.await
-        };
-        match step {
-            Step::Accepted(Some(Ok((request, send)))) => {
-                shared.stats.h2.streams.fetch_add(1, Relaxed);
-                let stream = Stream {
-                    info,
-                    plane,
-                    peer,
-                    shared,
-                    files: &files,
-                    responded: &responded,
-                };
-                streams.push(stream.serve(request, send));
-            }
-            Step::Accepted(Some(Err(e))) => {
-                shared.stats.h2.count_end(&e);
-                return Err(e);
-            }
-            Step::Accepted(None) => return Ok(()),
-            Step::GoneQuiet => {
-                shared.stats.h2.stalls.fetch_add(1, Relaxed);
-                return Ok(());
-            }
-            Step::StreamDone => {
-                if streams.is_empty() {
-                    idle_since = tokio::time::Instant::now();
-                }
-            }
-            Step::IdleTimeout | Step::Stop | Step::Evicted => {
-                match step {
-                    Step::IdleTimeout => shared.stats.timeouts.fetch_add(1, Relaxed),
-                    Step::Evicted => shared.stats.h2.evictions.fetch_add(1, Relaxed),
-                    _ => {}
-                }
-                conn.graceful_shutdown();
-                going_away = Some(tokio::time::Instant::now());
-            }
+    let handshake = h2_settings::server(FILE_SEND_BUFFER).handshake::<_, H2Body>(io);
+    let mut conn = match tokio::time::timeout(header_timeout, handshake).await {
+        Ok(c) => c.inspect_err(|e| shared.stats.h2.count_end(e))?,
+        Err(_) => {
+            shared.stats.timeouts.fetch_add(1, Relaxed);
+            return Ok(());
         }
-    }
-}
-
-/// What ended one wait of a connection's loop.
-enum Step<T> {
-    Accepted(Option<Result<T, h2::Error>>),
-    StreamDone,
-    IdleTimeout,
-    Stop,
-    Evicted,
-    GoneQuiet,
+    };
+    let responded = AtomicBool::new(false);
+    let life = h2_connection::Lifetime {
+        idle_timeout: Duration::from_secs(args.server.idle_timeout),
+        stop,
+        idle,
+        stats: &shared.stats.h2,
+        timeouts: &shared.stats.timeouts,
+    };
+    let (files, responded) = (&files, &responded);
+    h2_connection::run(&mut conn, life, |request, send| {
+        let stream = Stream {
+            info,
+            plane,
+            peer,
+            shared,
+            files,
+            responded,
+        };
+        stream.serve(request, send)
+    })
+    .await
 }
 
 /// What each stream of a connection shares.
@@ -426,7 +330,7 @@ struct Stalled;
 
 /// Sends `len` bytes, `chunk(at, n)` giving `n` of them from `at`, within the stream's
 /// flow-control window: never more than h2 has granted, so nothing queues beyond
-/// [`SEND_BUFFER`]. A stream granted no window for `stall` is reset (a zero-window reader
+/// [`FILE_SEND_BUFFER`]. A stream granted no window for `stall` is reset (a zero-window reader
 /// cannot hold it forever).
 async fn send_data(
     stream: &mut SendStream<H2Body>,

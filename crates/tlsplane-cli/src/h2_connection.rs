@@ -1,0 +1,129 @@
+//! The life of a server-side h2 connection, the same for every product that speaks h2: its
+//! streams as they come, the idle timeout, the idle eviction under --max-connections, shutdown,
+//! and the end of a connection a client keeps open after our GOAWAY. Products give what to do
+//! with each stream.
+
+use std::future::Future;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use bytes::Buf;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use h2::server::{Connection, SendResponse};
+use h2::RecvStream;
+use tlsplane::stats::Counter;
+use tlsplane_server::runtime::Idle;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::h2_transport::{H2Io, H2Stats};
+
+/// What the loop needs from its product and connection.
+pub(crate) struct Lifetime<'a> {
+    /// No stream open for this long: GOAWAY; still open this long after it: the end.
+    pub idle_timeout: Duration,
+    pub stop: &'a mut watch::Receiver<bool>,
+    pub idle: &'a Idle,
+    pub stats: &'a H2Stats,
+    /// The product's counter of idle timeouts.
+    pub timeouts: &'a Counter,
+}
+
+/// Runs `conn` until it ends (the client's GOAWAY or end, ours after the idle timeout, an
+/// eviction or at shutdown, an error), starting `on_stream` for each stream the client opens;
+/// up to h2's SETTINGS_MAX_CONCURRENT_STREAMS of them run at once, in this task.
+pub(crate) async fn run<B, F, Fut>(
+    conn: &mut Connection<H2Io, B>,
+    life: Lifetime<'_>,
+    mut on_stream: F,
+) -> Result<(), h2::Error>
+where
+    B: Buf,
+    F: FnMut(http::Request<RecvStream>, SendResponse<B>) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let Lifetime {
+        idle_timeout,
+        stop,
+        idle,
+        stats,
+        timeouts,
+    } = life;
+    let mut streams = FuturesUnordered::new();
+    let mut idle_since = Instant::now();
+    // When we sent GOAWAY (None: not yet).
+    let mut going_away: Option<Instant> = None;
+    if *stop.borrow() {
+        conn.graceful_shutdown();
+        going_away = Some(Instant::now());
+    }
+    loop {
+        let quiet = streams.is_empty();
+        let step = async {
+            tokio::select! {
+                accepted = conn.accept() => Step::Accepted(accepted),
+                Some(()) = streams.next(), if !streams.is_empty() => Step::StreamDone,
+                // No stream open for the idle timeout: GOAWAY, and the connection ends.
+                _ = tokio::time::sleep_until(idle_since + idle_timeout),
+                    if quiet && going_away.is_none() => Step::IdleTimeout,
+                // Shutting down: GOAWAY, the streams in flight finish.
+                _ = stop.changed(), if going_away.is_none() => Step::Stop,
+                // Our GOAWAY went out and no stream of ours is left, yet h2 has not closed:
+                // its graceful close waits for the client's acknowledgement of a PING, which
+                // a client may never send (it would hold the connection forever, idle or
+                // flooding us with frames). Another idle timeout, and the connection ends.
+                _ = tokio::time::sleep_until(
+                        going_away.unwrap_or(idle_since).max(idle_since) + idle_timeout
+                    ),
+                    if quiet && going_away.is_some() => Step::GoneQuiet,
+            }
+        };
+        // With no stream open the connection is idle, as a keep-alive HTTP/1.1 connection
+        // between requests: the first to go when a new one needs room under
+        // --max-connections.
+        let step = if quiet && going_away.is_none() {
+            idle.wait(step).await.unwrap_or(Step::Evicted)
+        } else {
+            step.await
+        };
+        match step {
+            Step::Accepted(Some(Ok((request, send)))) => {
+                stats.streams.fetch_add(1, Relaxed);
+                streams.push(on_stream(request, send));
+            }
+            Step::Accepted(Some(Err(e))) => {
+                stats.count_end(&e);
+                return Err(e);
+            }
+            Step::Accepted(None) => return Ok(()),
+            Step::GoneQuiet => {
+                stats.stalls.fetch_add(1, Relaxed);
+                return Ok(());
+            }
+            Step::StreamDone => {
+                if streams.is_empty() {
+                    idle_since = Instant::now();
+                }
+            }
+            Step::IdleTimeout | Step::Stop | Step::Evicted => {
+                match step {
+                    Step::IdleTimeout => timeouts.fetch_add(1, Relaxed),
+                    Step::Evicted => stats.evictions.fetch_add(1, Relaxed),
+                    _ => {}
+                }
+                conn.graceful_shutdown();
+                going_away = Some(Instant::now());
+            }
+        }
+    }
+}
+
+/// What ended one wait of a connection's loop.
+enum Step<T> {
+    Accepted(Option<Result<T, h2::Error>>),
+    StreamDone,
+    IdleTimeout,
+    Stop,
+    Evicted,
+    GoneQuiet,
+}
