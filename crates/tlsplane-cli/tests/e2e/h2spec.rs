@@ -43,17 +43,30 @@ fn attr<'a>(tag: &'a str, name: &str) -> Option<&'a str> {
     Some(&tag[start..start + len])
 }
 
-#[test]
-fn h2spec_every_case_passes_or_is_explained() {
+/// h2spec, or None (after saying so) where it is not installed outside CI.
+pub(crate) fn h2spec() -> Option<std::path::PathBuf> {
     let Some(h2spec) = tools::find_in_path("h2spec") else {
         if std::env::var("CI").as_deref() == Ok("true") {
             panic!("CI=true and h2spec is not installed: .ci/run installs it (go install); see its h2spec step");
         }
         eprintln!("SKIPPED: h2spec is not installed (.ci/run installs it; by hand: GOBIN=~/go/bin go install github.com/summerwind/h2spec/cmd/h2spec@v2.2.1+incompatible)");
-        return;
+        return None;
     };
+    Some(h2spec)
+}
+
+#[test]
+fn h2spec_every_case_passes_or_is_explained() {
+    let Some(h2spec) = h2spec() else { return };
     let server = Server::builder().arg("--alpn").arg("h2,http/1.1").start();
-    let dir = fixtures::get().base.join("h2spec");
+    every_case_passes(&h2spec, server.port(), "serve");
+    // Each case's client errors are answered, never a panic (Server::stop checks stderr).
+    server.stop();
+}
+
+/// Runs all of h2spec's cases against `port`: the failures must be [`EXPECTED_FAILURES`].
+pub(crate) fn every_case_passes(h2spec: &std::path::Path, port: u16, name: &str) {
+    let dir = fixtures::get().base.join(format!("h2spec-{name}"));
     std::fs::create_dir_all(&dir).expect("report dir");
     let report = dir.join("report.xml");
     let _ = std::fs::remove_file(&report);
@@ -61,7 +74,7 @@ fn h2spec_every_case_passes_or_is_explained() {
     // -t TLS (ALPN h2), -k the test CA is not in h2spec's trust store, -S strict cases too,
     // -o each case's timeout in seconds.
     c.args(["-t", "-k", "-S", "-h", "127.0.0.1", "-o", "2"])
-        .args(["-p", &server.port().to_string()])
+        .args(["-p", &port.to_string()])
         .arg("-j")
         .arg(&report);
     let out = tools::run(c, b"", Duration::from_secs(120));
@@ -93,6 +106,4 @@ fn h2spec_every_case_passes_or_is_explained() {
         "{}",
         out.describe()
     );
-    // Each case's client errors are answered, never a panic (Server::stop checks stderr).
-    server.stop();
 }

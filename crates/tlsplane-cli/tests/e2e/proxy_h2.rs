@@ -469,3 +469,21 @@ fn grpc_unary_streaming_and_status_end_to_end_over_h2c() {
     // The four calls shared one h2c connection to the backend.
     assert_eq!(stats["proxy_h2c_connections"], 1, "{stats:?}");
 }
+
+/// h2spec's 146 cases against the HTTP proxy in front of an HTTP/1.1 backend: the same
+/// settings and connection loop as serve, and the proxy's own stream handling (requests with
+/// bodies, content-length checks, trailers).
+#[test]
+fn h2spec_every_case_passes_against_the_proxy() {
+    let Some(h2spec) = crate::h2spec::h2spec() else {
+        return;
+    };
+    if !require("python3") {
+        return;
+    }
+    let (_py, port) = python_server("python3", HTTP_BACKEND);
+    let server = h2_proxy(&format!("127.0.0.1:{port}")).start();
+    crate::h2spec::every_case_passes(&h2spec, server.port(), "proxy");
+    assert_no_panic(&server);
+    server.stop();
+}
