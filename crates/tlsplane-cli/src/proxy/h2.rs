@@ -244,6 +244,18 @@ impl Shared<'_> {
         });
     }
 
+    /// The HTTP/1.1 head the backend gets for `request` (forwarding fields added as the
+    /// HTTP/1.1 path adds them); the h2c path starts from it too.
+    fn encode(&self, request: &RequestHead) -> Vec<u8> {
+        let mut head = Vec::with_capacity(1024);
+        let origin = Origin {
+            client: self.peer.ip(),
+            proto: "https",
+        };
+        request.encode(origin, self.proxy.forwarded, &mut head);
+        head
+    }
+
     /// Forwards one stream's request to an HTTP/1.1 backend, with a retry on a new connection
     /// when a reused one turns out closed (as HTTP/1.1 clients' requests are).
     async fn via_http1(
@@ -254,12 +266,7 @@ impl Shared<'_> {
     ) -> Outcome {
         let proxy = self.proxy;
         let site = self.info.site;
-        let mut head = Vec::with_capacity(1024);
-        let origin = Origin {
-            client: self.peer.ip(),
-            proto: "https",
-        };
-        request.encode(origin, proxy.forwarded, &mut head);
+        let head = self.encode(request);
         let deadline = (proxy.args.request_timeout > 0)
             .then(|| Instant::now() + Duration::from_secs(proxy.args.request_timeout));
         let capacity = (proxy.args.buffer as usize).max(Limits::default().max_head_bytes);
@@ -622,12 +629,7 @@ impl Shared<'_> {
     ) -> Outcome {
         let proxy = self.proxy;
         let site = self.info.site;
-        let mut encoded = Vec::with_capacity(1024);
-        let origin = Origin {
-            client: self.peer.ip(),
-            proto: "https",
-        };
-        request.encode(origin, proxy.forwarded, &mut encoded);
+        let encoded = self.encode(request);
         if h2c_request(&encoded, request, te_trailers).is_none() {
             proxy.stats.http_refused.fetch_add(1, Relaxed);
             return Outcome::own(400, answer(send, 400));
