@@ -267,8 +267,7 @@ impl Shared<'_> {
         let proxy = self.proxy;
         let site = self.info.site;
         let head = self.encode(request);
-        let deadline = (proxy.args.request_timeout > 0)
-            .then(|| Instant::now() + Duration::from_secs(proxy.args.request_timeout));
+        let deadline = request_deadline(proxy);
         let capacity = (proxy.args.buffer as usize).max(Limits::default().max_head_bytes);
         let mut retried = false;
         let (fail, label) = loop {
@@ -292,13 +291,7 @@ impl Shared<'_> {
                 &mut backend,
                 &progress,
             );
-            let outcome = match deadline {
-                None => forwarded.await,
-                Some(at) => match timeout_at(at, forwarded).await {
-                    Ok(r) => r,
-                    Err(_) => Err(Fail::Deadline(progress.get())),
-                },
-            };
+            let outcome = within(deadline, &progress, forwarded).await;
             match outcome {
                 Ok(done) => {
                     if done.reusable {
@@ -634,8 +627,7 @@ impl Shared<'_> {
             proxy.stats.http_refused.fetch_add(1, Relaxed);
             return Outcome::own(400, answer(send, 400));
         }
-        let deadline = (proxy.args.request_timeout > 0)
-            .then(|| Instant::now() + Duration::from_secs(proxy.args.request_timeout));
+        let deadline = request_deadline(proxy);
         let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
         let ended = body.is_end_stream();
         let mut retried = false;
@@ -672,13 +664,7 @@ impl Shared<'_> {
         };
         let progress = Step::new(Progress::Waiting);
         let exchange = self.exchange_h2c(&mut body, upstream, response, send, &progress, ended);
-        let outcome = match deadline {
-            None => exchange.await,
-            Some(at) => match timeout_at(at, exchange).await {
-                Ok(r) => r,
-                Err(_) => Err(Fail::Deadline(progress.get())),
-            },
-        };
+        let outcome = within(deadline, &progress, exchange).await;
         match outcome {
             Ok(done) => Outcome {
                 status: Some(done.status),
@@ -881,6 +867,27 @@ fn h2c_request(
         fields.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
     }
     Some(req)
+}
+
+/// When a request must be done by (`--request-timeout`; none when 0).
+fn request_deadline(proxy: &Proxy) -> Option<Instant> {
+    (proxy.args.request_timeout > 0)
+        .then(|| Instant::now() + Duration::from_secs(proxy.args.request_timeout))
+}
+
+/// Runs one exchange with a backend to its end or `deadline`, which fails it with where it
+/// stood (`progress`).
+async fn within<T>(
+    deadline: Option<Instant>,
+    progress: &Step,
+    exchange: impl std::future::Future<Output = Result<T, Fail>>,
+) -> Result<T, Fail> {
+    match deadline {
+        None => exchange.await,
+        Some(at) => timeout_at(at, exchange)
+            .await
+            .unwrap_or_else(|_| Err(Fail::Deadline(progress.get()))),
+    }
 }
 
 /// How far a stream's exchange got ([`Progress`]), readable when a deadline cuts it off.

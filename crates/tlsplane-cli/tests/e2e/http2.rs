@@ -14,7 +14,7 @@ const OPT_IN: &str = "h2,http/1.1";
 
 /// curl over TLS 1.3 offering h2 (and http/1.1), trusting the test CA; `-w` prints the HTTP
 /// version of each transfer on stdout.
-fn curl_h2(port: u16) -> std::process::Command {
+pub(crate) fn curl_h2(port: u16) -> std::process::Command {
     require("curl");
     let mut c = std::process::Command::new("curl");
     c.args([
@@ -31,7 +31,7 @@ fn curl_h2(port: u16) -> std::process::Command {
     c
 }
 
-fn url(port: u16, path: &str) -> String {
+pub(crate) fn url(port: u16, path: &str) -> String {
     format!("https://localhost:{port}{path}")
 }
 

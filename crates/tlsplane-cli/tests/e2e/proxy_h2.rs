@@ -9,6 +9,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::http2::{curl_h2, url};
 use crate::support::fixtures::{self, sha256};
 use crate::support::tools::{self, require};
 use crate::support::Server;
@@ -181,27 +182,6 @@ fn grpcio() -> Result<&'static str, String> {
         }
     }
     Err(why)
-}
-
-fn curl_h2(port: u16) -> Command {
-    require("curl");
-    let mut c = Command::new("curl");
-    c.args([
-        "-sS",
-        "--http2",
-        "--connect-timeout",
-        "10",
-        "--max-time",
-        "60",
-    ])
-    .arg("--cacert")
-    .arg(&fixtures::pki().ca_pem)
-    .args(["--resolve", &format!("localhost:{port}:127.0.0.1")]);
-    c
-}
-
-fn url(port: u16, path: &str) -> String {
-    format!("https://localhost:{port}{path}")
 }
 
 /// One request over h2: (HTTP version as curl names it, status, fields lowercased, body).
