@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::support::client::{tcp_connect, ClientOpts, Tls, TlsClient};
+use crate::support::client::{ClientOpts, Tls, TlsClient};
 use crate::support::{fixtures, Server};
 
 const NOFILE: u64 = 256;
@@ -20,8 +20,12 @@ fn have_prlimit() -> bool {
 /// A connection that finished its handshake, or why not (after how long).
 fn handshaken_client(port: u16) -> Result<TlsClient, String> {
     let started = Instant::now();
-    let sock = tcp_connect(port);
+    // The server's reset can already meet the client in `connect` (loopback): a refusal too.
+    let sock = std::net::TcpStream::connect(("127.0.0.1", port))
+        .map_err(|e| format!("connect: {e} after {:?}", started.elapsed()))?;
     sock.set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("timeout");
+    sock.set_write_timeout(Some(Duration::from_secs(3)))
         .expect("timeout");
     let mut c = TlsClient::over(sock, ClientOpts::version(Tls::V13).config());
     c.handshake()
