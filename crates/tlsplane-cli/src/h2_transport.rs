@@ -44,6 +44,9 @@ const IO_BUF: usize = 16 * 1024;
 const OUTBOX: usize = 64 * 1024;
 /// The frame header's length (RFC 9113 §4.1).
 const FRAME_HEADER: usize = 9;
+/// A file DATA frame's payload on the kernel plane: with its header, one full TLS record
+/// (16,384 bytes of plaintext; [`FileBodies::frame_limit`]).
+pub(crate) const KERNEL_FILE_FRAME: usize = 16 * 1024 - FRAME_HEADER;
 const DATA: u8 = 0x0;
 const PADDED: u8 = 0x8;
 /// What an [`H2Body::file`] placeholder's bytes are taken from (never sent).
@@ -227,6 +230,25 @@ impl Outbox {
         }
     }
 
+    /// How many more bytes h2 may write now: up to [`OUTBOX`] queued, and on the kernel plane
+    /// always the rest of a file DATA frame (at most [`KERNEL_FILE_FRAME`]) once its header
+    /// has begun. A frame cut across two of the pump's batches would be sent as two records
+    /// (`sendfile` ends its record), one of them small.
+    fn room(&self) -> usize {
+        let free = OUTBOX.saturating_sub(self.queued);
+        if !self.sendfile {
+            return free;
+        }
+        let f = &self.frames;
+        let rest = match f.header_len {
+            0 => 0,
+            n if n < FRAME_HEADER => FRAME_HEADER - n,
+            _ if f.file_stream.is_some() => f.payload_left,
+            _ => 0,
+        };
+        free.max(rest)
+    }
+
     fn push_bytes(&mut self, bytes: &[u8]) {
         if let Some(Piece::Bytes(last)) = self.pieces.back_mut() {
             last.extend_from_slice(bytes);
@@ -391,6 +413,22 @@ impl FileBodies {
     pub(crate) fn forget(&self, stream: h2::StreamId) {
         lock(&self.0).files.remove(&stream.into());
     }
+
+    /// The most file bytes to give h2 at once (it makes one DATA frame of each such piece).
+    ///
+    /// On the kernel plane a frame's header goes with `MSG_MORE` and its payload by
+    /// `sendfile`, which ends the record at its last byte. A 16,384-byte payload after the
+    /// 9-byte header filled one record and closed a second holding only its last 9 bytes:
+    /// two records, two AEAD operations and 22 bytes of overhead for every frame. With
+    /// payloads of [`KERNEL_FILE_FRAME`] the header and payload fill exactly one record. On
+    /// the user plane the record layer cuts whole batches into full records: no limit.
+    pub(crate) fn frame_limit(&self) -> usize {
+        if lock(&self.0).sendfile {
+            KERNEL_FILE_FRAME
+        } else {
+            usize::MAX
+        }
+    }
 }
 
 /// What h2 reads the client's bytes from and writes its own to.
@@ -412,21 +450,21 @@ impl H2Io {
         if outbox.broken {
             return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
         }
-        if outbox.queued >= OUTBOX {
+        if outbox.room() == 0 {
             outbox.writer = Some(cx.waker().clone());
             return Poll::Pending;
         }
-        let mut room = OUTBOX - outbox.queued;
         let mut taken = 0;
-        for buf in bufs {
-            let buf = &buf[..buf.len().min(room)];
-            if buf.is_empty() {
-                continue;
-            }
-            taken += outbox.take(buf)?;
-            room -= buf.len();
-            if room == 0 {
-                break;
+        'bufs: for buf in bufs {
+            let mut buf: &[u8] = buf;
+            while !buf.is_empty() {
+                let room = outbox.room();
+                if room == 0 {
+                    break 'bufs;
+                }
+                let n = buf.len().min(room);
+                taken += outbox.take(&buf[..n])?;
+                buf = &buf[n..];
             }
         }
         if let Some(pump) = outbox.pump.take() {

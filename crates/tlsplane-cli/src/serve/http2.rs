@@ -1,17 +1,12 @@
 //! HTTP/2 for `serve`, for operators who opt in by ALPN (`--alpn h2,http/1.1`, or a site's
-//! `alpn`; docs/HTTP2.md). The first step of issue 22.
+//! `alpn`; docs/HTTP2.md).
 //!
 //! hyperium's `h2` does the framing, HPACK, flow control and the protocol's own hardening.
 //! Requests are planned by `tlsplane-http` exactly as over HTTP/1.1 ([`respond`]: status,
 //! validators, conditionals, ranges, path safety), and the planned header fields are sent as
 //! HTTP/2 fields ([`tlsplane_http::Response::fields`]); nothing of the planning is repeated
-//! here. In this step file bodies go through h2's buffers on both planes; DATA frames carried
-//! by `sendfile` on the kernel plane are the next step.
-//!
-//! `h2` wants an `AsyncRead + AsyncWrite` transport, while [`TlsStream`] has async `read` and
-//! `write_all` over either plane. A pump in the connection's own task moves the bytes between
-//! the two through an in-memory pipe (`tokio::io::duplex`): a copy more each way, which the
-//! next step's measurements weigh (docs/HTTP2.md).
+//! here. File bodies are given to h2 as placeholders and put in by the transport
+//! ([`h2_transport`]): by `sendfile` on the kernel plane, read once on the user plane.
 
 use std::io;
 use std::net::SocketAddr;
@@ -293,7 +288,7 @@ async fn send_response(
         Body::Empty => Ok(()),
         Body::Bytes(b) => {
             let b = Bytes::from(b);
-            send_data(&mut stream, b.len() as u64, stall, |at, n| {
+            send_data(&mut stream, b.len() as u64, stall, usize::MAX, |at, n| {
                 let at = at as usize;
                 H2Body::Bytes(b.slice(at..at + n))
             })
@@ -304,7 +299,8 @@ async fn send_response(
             // the kernel plane (h2_transport).
             let id = stream.stream_id();
             files.carry(id, Arc::new(file), offset, len);
-            let sent = send_data(&mut stream, len, stall, |_, n| H2Body::file(n)).await;
+            let frame = files.frame_limit();
+            let sent = send_data(&mut stream, len, stall, frame, |_, n| H2Body::file(n)).await;
             if sent.is_err() {
                 files.forget(id);
             }
@@ -331,11 +327,13 @@ struct Stalled;
 /// Sends `len` bytes, `chunk(at, n)` giving `n` of them from `at`, within the stream's
 /// flow-control window: never more than h2 has granted, so nothing queues beyond
 /// [`FILE_SEND_BUFFER`]. A stream granted no window for `stall` is reset (a zero-window reader
-/// cannot hold it forever).
+/// cannot hold it forever). No piece handed to h2 is longer than `frame`
+/// ([`FileBodies::frame_limit`]).
 async fn send_data(
     stream: &mut SendStream<H2Body>,
     len: u64,
     stall: Duration,
+    frame: usize,
     mut chunk: impl FnMut(u64, usize) -> H2Body,
 ) -> io::Result<()> {
     let mut at = 0u64;
@@ -361,11 +359,16 @@ async fn send_data(
                 }
             }
         };
-        let data = chunk(at, granted);
-        at += granted as u64;
-        stream
-            .send_data(data, at == len)
-            .map_err(io::Error::other)?;
+        let mut left = granted;
+        while left > 0 {
+            let n = left.min(frame);
+            let data = chunk(at, n);
+            at += n as u64;
+            left -= n;
+            stream
+                .send_data(data, at == len)
+                .map_err(io::Error::other)?;
+        }
     }
     Ok(())
 }

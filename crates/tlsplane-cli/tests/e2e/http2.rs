@@ -390,3 +390,162 @@ print("newer", 7 in types(newer, 0.5))
     let stats = server.stop();
     assert_eq!(stats.get("h2_evictions"), 1);
 }
+
+/// What a raw TLS stream carried: the plaintext length of every record the server sent after
+/// the handshake, read from the record headers (5 bytes in the clear before each record).
+#[derive(Default)]
+struct Records {
+    /// Bytes of the current record still to pass, or of the next header already seen.
+    left: usize,
+    header: Vec<u8>,
+    /// Ciphertext lengths of the application-data records (type 23).
+    lengths: Vec<usize>,
+}
+
+impl Records {
+    fn saw(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.left > 0 {
+                let n = self.left.min(bytes.len());
+                self.left -= n;
+                bytes = &bytes[n..];
+                continue;
+            }
+            let n = (5 - self.header.len()).min(bytes.len());
+            self.header.extend_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+            if self.header.len() == 5 {
+                let len = u16::from_be_bytes([self.header[3], self.header[4]]) as usize;
+                if self.header[0] == 23 {
+                    self.lengths.push(len);
+                }
+                self.left = len;
+                self.header.clear();
+            }
+        }
+    }
+}
+
+/// A TCP stream that shows every byte it reads to [`Records`].
+struct Counted {
+    tcp: tokio::net::TcpStream,
+    records: std::sync::Arc<std::sync::Mutex<Records>>,
+}
+
+impl tokio::io::AsyncRead for Counted {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.tcp).poll_read(cx, buf);
+        let new = buf.filled()[before..].to_vec();
+        self.records.lock().unwrap().saw(&new);
+        polled
+    }
+}
+
+impl tokio::io::AsyncWrite for Counted {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.tcp).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
+}
+
+/// Downloads `path` over h2 (windows large enough that flow control never cuts a frame short)
+/// and returns the body and the record lengths the server sent.
+fn h2_download_counting_records(port: u16, path: &str) -> (Vec<u8>, Vec<usize>) {
+    use crate::support::client::{ClientOpts, Tls};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut config = (*ClientOpts::version(Tls::V13).config()).clone();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let records = std::sync::Arc::new(std::sync::Mutex::new(Records::default()));
+        let counted = Counted {
+            tcp,
+            records: records.clone(),
+        };
+        let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+        let tls = connector.connect(name, counted).await.expect("handshake");
+        // Only what the server sends from here on: the handshake's records are not counted.
+        records.lock().unwrap().lengths.clear();
+        let (mut client, conn) = h2::client::Builder::new()
+            .initial_window_size(16 << 20)
+            .initial_connection_window_size(16 << 20)
+            .handshake::<_, bytes::Bytes>(tls)
+            .await
+            .expect("h2 handshake");
+        let driver = tokio::spawn(conn);
+        let req = http::Request::get(format!("https://localhost:{port}{path}"))
+            .body(())
+            .unwrap();
+        let (resp, _) = client.send_request(req, true).expect("request");
+        let resp = resp.await.expect("response");
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.into_body();
+        let mut got = Vec::new();
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk.expect("body");
+            let _ = body.flow_control().release_capacity(chunk.len());
+            got.extend_from_slice(&chunk);
+        }
+        drop(client);
+        driver.abort();
+        let lengths = records.lock().unwrap().lengths.clone();
+        (got, lengths)
+    })
+}
+
+/// A file's DATA frames fill whole TLS records on either plane. On the kernel plane each
+/// frame's header goes with MSG_MORE and its payload by sendfile, which ends the record: a
+/// 16,384-byte payload left its last 9 bytes in a record of their own (one per frame). Payloads
+/// of 16,375 bytes make header and payload exactly one record.
+#[test]
+fn file_data_frames_fill_whole_tls_records() {
+    let f = fixtures::get().file(fixtures::SIZE_1M7);
+    let server = h2_server();
+    let (body, lengths) = h2_download_counting_records(server.port(), &f.url);
+    assert_eq!(body.len() as u64, f.size);
+    assert!(sha256(&body) == f.sha256, "{} differs", f.url);
+    // A record's ciphertext: plaintext + content type (1) + AEAD tag (16).
+    let small = lengths.iter().filter(|&&l| l < 1024).count();
+    let frames = f.size.div_ceil(16 * 1024) as usize;
+    eprintln!(
+        "records: {} in all, {small} under 1 KiB ({frames} frames' worth of file)",
+        lengths.len()
+    );
+    assert!(
+        small < 16,
+        "{small} of {} records were under 1 KiB for a {}-byte file ({frames} frames): frames \
+         leave the rest of a record to a small one; record lengths: {lengths:?}",
+        lengths.len(),
+        f.size
+    );
+    let stats = server.stop();
+    if crate::support::mode() == crate::support::Mode::Kernel {
+        assert_eq!(stats.get("sendfile_bytes"), f.size, "{stats:?}");
+    }
+}
