@@ -196,7 +196,7 @@ impl Shared<'_> {
                 .get_all(http::header::TE)
                 .iter()
                 .any(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
-            match proxy.args.backend_protocol {
+            match proxy.protocols[self.info.site] {
                 BackendProtocol::Http1 => self.via_http1(&request, body, &mut send).await,
                 BackendProtocol::H2c => self.via_h2c(&request, te_trailers, body, &mut send).await,
             }
