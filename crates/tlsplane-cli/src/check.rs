@@ -55,7 +55,10 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
             Err(e) => {
                 errors.push(format!("{e:#}"));
                 (
-                    SiteNeeds::Backends { default: vec![] },
+                    SiteNeeds::Backends {
+                        default: vec![],
+                        protocol: Some(tlsplane_server::config::BackendProtocol::Http1),
+                    },
                     Alpn::new(None, &[], None),
                 )
             }

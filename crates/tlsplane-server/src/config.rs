@@ -41,6 +41,8 @@ struct SiteToml {
     root: Option<PathBuf>,
     /// `proxy`: the backends (`HOST:PORT` or `unix:PATH`); default: the `--to` flags.
     to: Option<Vec<String>>,
+    /// `proxy --mode http`: what its backends speak; default: --backend-protocol.
+    backend_protocol: Option<BackendProtocol>,
     /// `handoff`: the Unix socket its connections are handed off on; default: --handoff-socket.
     handoff_socket: Option<PathBuf>,
     /// `handoff`: the user ids allowed to receive them; default: --handoff-allow-uid.
@@ -190,10 +192,25 @@ pub struct SiteServe {
 pub enum Origin {
     /// `serve`: files under a document root.
     Root(DocRoot),
-    /// `proxy`: these backends, in round-robin order.
-    Backends(Vec<Backend>),
+    /// `proxy`: these backends, in round-robin order, spoken to in `protocol` (HTTP mode;
+    /// TCP mode forwards bytes unchanged and has every site at the flag's `http1`).
+    Backends {
+        to: Vec<Backend>,
+        protocol: BackendProtocol,
+    },
     /// `handoff`: the receivers connected to this socket.
     Handoff(HandoffTarget),
+}
+
+/// What an HTTP-mode proxy speaks to a site's backends (`--backend-protocol`, a site's
+/// `backend-protocol`).
+#[derive(clap::ValueEnum, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendProtocol {
+    /// HTTP/1.1 (keep-alive pool), for HTTP/1.1 and h2 clients alike.
+    Http1,
+    /// Cleartext HTTP/2 with prior knowledge, for h2 clients.
+    H2c,
 }
 
 /// Where a proxy forwards a connection.
@@ -265,9 +282,12 @@ pub enum SiteNeeds {
     Root {
         allow_symlinks_outside: bool,
     },
-    /// `default`: the backends of a site that names none (the `--to` flags).
+    /// `default`: the backends of a site that names none (the `--to` flags); `protocol`: what
+    /// they speak when a site does not say (--backend-protocol), `None` in TCP mode (where a
+    /// site's `backend-protocol` is refused).
     Backends {
         default: Vec<Backend>,
+        protocol: Option<BackendProtocol>,
     },
     /// `default`: the socket and ids of a site that names none (the flags).
     Handoff {
@@ -329,6 +349,9 @@ pub fn alpn_ids(list: &[String]) -> Vec<Vec<u8>> {
 pub struct Alpn {
     /// For sites without an `alpn` key.
     pub default: Vec<Vec<u8>>,
+    /// For proxy sites without an `alpn` key whose backends speak h2c, when it differs from
+    /// `default`: their backends are reached by h2 clients only.
+    pub h2c_default: Option<Vec<Vec<u8>>>,
     /// The ids the product can speak, when it knows what it carries (`None`: anything, as
     /// the TCP proxy and hand-off, which do not read the protocol). Any other id would have
     /// clients speak a protocol it cannot read, so it is refused at load.
@@ -354,7 +377,22 @@ impl Alpn {
                 Some(list) => alpn_ids(list),
                 None => default.iter().map(|p| p.to_vec()).collect(),
             },
+            h2c_default: None,
             speaks,
+        }
+    }
+
+    /// What a site without an `alpn` key offers, by where its content comes from.
+    pub fn default_for(&self, origin: Option<&Origin>) -> &[Vec<u8>] {
+        match (origin, &self.h2c_default) {
+            (
+                Some(Origin::Backends {
+                    protocol: BackendProtocol::H2c,
+                    ..
+                }),
+                Some(h2c),
+            ) => h2c,
+            _ => &self.default,
         }
     }
 }
@@ -396,7 +434,7 @@ pub fn single_site(
     check_alpn(&alpn.default, alpn).map_err(|e| anyhow::anyhow!("--alpn: {e}"))?;
     let cert = certified(chain, key, keys)?;
     let mut tls = SiteTls::new(vec![cert]);
-    tls.alpn = alpn.default.clone();
+    tls.alpn = alpn.default_for(Some(&origin)).to_vec();
     Ok(Sites {
         tls: vec![tls],
         serve: vec![SiteServe {
@@ -465,6 +503,21 @@ pub fn load_sites(
         let handoff_keys = site.handoff_socket.is_some()
             || site.handoff_allow_uids.is_some()
             || site.handoff_allow_gids.is_some();
+        if site.backend_protocol.is_some() {
+            match needs {
+                SiteNeeds::Backends {
+                    protocol: Some(_), ..
+                } => {}
+                SiteNeeds::Backends { protocol: None, .. } => fail(
+                    "`backend-protocol` is for `--mode http` (TCP mode forwards bytes unchanged)"
+                        .into(),
+                ),
+                _ => fail(
+                    "`backend-protocol` is for `tlsplane proxy --mode http`; only proxy sites have backends"
+                        .into(),
+                ),
+            }
+        }
         let origin = match (needs, &site.root, &site.to) {
             (SiteNeeds::Handoff { .. }, root, to) if root.is_some() || to.is_some() => {
                 fail("`root` and `to` are for serve and proxy; `handoff` sites have a `handoff-socket`".into());
@@ -524,7 +577,7 @@ pub fn load_sites(
                 fail("`root` is for `tlsplane serve`; `proxy` sites have backends (`to`)".into());
                 None
             }
-            (SiteNeeds::Backends { default }, None, to) => {
+            (SiteNeeds::Backends { default, protocol }, None, to) => {
                 let mut backends = Vec::new();
                 for b in to.iter().flatten() {
                     match Backend::parse_in(b, file.path.parent()) {
@@ -539,7 +592,13 @@ pub fn load_sites(
                     fail("no backends (`to = [\"HOST:PORT\"]` in the site, or --to)".into());
                     None
                 } else {
-                    Some(Origin::Backends(backends))
+                    Some(Origin::Backends {
+                        to: backends,
+                        protocol: site
+                            .backend_protocol
+                            .or(*protocol)
+                            .unwrap_or(BackendProtocol::Http1),
+                    })
                 }
             }
         };
@@ -578,7 +637,7 @@ pub fn load_sites(
         let mut site_tls = SiteTls::new(certs);
         site_tls.alpn = match &site.alpn {
             Some(ids) => alpn_ids(ids),
-            None => alpn.default.clone(),
+            None => alpn.default_for(origin.as_ref()).to_vec(),
         };
         if site.alpn.is_some() {
             if let Err(e) = check_alpn(&site_tls.alpn, alpn) {

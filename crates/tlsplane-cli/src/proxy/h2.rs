@@ -196,7 +196,7 @@ impl Shared<'_> {
                 .get_all(http::header::TE)
                 .iter()
                 .any(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
-            match proxy.args.backend_protocol {
+            match proxy.protocols[self.info.site] {
                 BackendProtocol::Http1 => self.via_http1(&request, body, &mut send).await,
                 BackendProtocol::H2c => self.via_h2c(&request, te_trailers, body, &mut send).await,
             }
@@ -730,7 +730,8 @@ impl Shared<'_> {
                 };
                 let n = data.len();
                 while !data.is_empty() {
-                    let granted = grant(&mut to, data.len(), stall).await?;
+                    let stalls = Some(&proxy.stats.h2.stalls);
+                    let granted = grant(&mut to, data.len(), stall, stalls).await?;
                     to.send_data(data.split_to(granted), false)
                         .map_err(|_| Fail::Client)?;
                 }
@@ -797,7 +798,7 @@ impl Shared<'_> {
             };
             let n = data.len();
             while !data.is_empty() {
-                let granted = grant(upstream, data.len(), stall)
+                let granted = grant(upstream, data.len(), stall, None)
                     .await
                     .map_err(|_| Side::Backend)?;
                 upstream
@@ -944,7 +945,7 @@ async fn send_all(
     let mut data = Bytes::from(std::mem::take(content));
     let n = data.len() as u64;
     while !data.is_empty() {
-        let granted = grant(stream, data.len(), stall).await?;
+        let granted = grant(stream, data.len(), stall, Some(&stats.h2.stalls)).await?;
         stream
             .send_data(data.split_to(granted), false)
             .map_err(|_| Fail::Client)?;
@@ -953,11 +954,14 @@ async fn send_all(
     Ok(n)
 }
 
-/// Waits until `stream` may send some of `want` bytes; how many.
+/// Waits until `stream` may send some of `want` bytes; how many. A stream reset for want of
+/// window is counted in `stalls` (a client's stream: `proxy_h2_stalls`, as serve counts its
+/// own).
 pub(super) async fn grant(
     stream: &mut SendStream<Bytes>,
     want: usize,
     stall: Duration,
+    stalls: Option<&tlsplane::stats::Counter>,
 ) -> Result<usize, Fail> {
     stream.reserve_capacity(want);
     loop {
@@ -971,6 +975,9 @@ pub(super) async fn grant(
             Ok(Some(Err(_))) | Ok(None) => return Err(Fail::Client),
             Err(_) => {
                 stream.send_reset(Reason::CANCEL);
+                if let Some(stalls) = stalls {
+                    stalls.fetch_add(1, Relaxed);
+                }
                 return Err(Fail::Client);
             }
         }

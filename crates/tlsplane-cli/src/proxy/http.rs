@@ -358,7 +358,7 @@ async fn exchange(
         let name = host_name(h);
         proxy.names.lookup(name) != Some(site)
     });
-    if proxy.args.backend_protocol == super::BackendProtocol::H2c {
+    if proxy.protocols[site] == super::BackendProtocol::H2c {
         // h2c backends are for h2 clients (docs/HTTP2.md, "Proxy"): the request is not
         // forwarded, and its body, if any, is not read.
         proxy.stats.http_refused.fetch_add(1, Relaxed);

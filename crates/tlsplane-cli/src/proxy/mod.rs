@@ -25,6 +25,7 @@ use tlsplane::TlsStream;
 use backend::{BackendConn, Io, Pool};
 use proxy_protocol::TlsFacts;
 use tcp::{relay, Pipes};
+pub use tlsplane_server::config::BackendProtocol;
 use tlsplane_server::config::{Backend, Origin, SiteNeeds, Sites};
 use tlsplane_server::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
 use tlsplane_server::server::{Product, ServerArgs};
@@ -40,11 +41,12 @@ pub struct ProxyArgs {
     /// reverse proxy (heads parsed and rewritten, keep-alive to clients and backends).
     #[arg(long, value_enum, default_value_t = Mode::Tcp)]
     pub mode: Mode,
-    /// HTTP mode: what the proxy speaks to backends. http1: HTTP/1.1 (keep-alive pool), for
+    /// HTTP mode: what the proxy speaks to backends (with --config, to those of the sites
+    /// that do not say: a site's `backend-protocol`). http1: HTTP/1.1 (keep-alive pool), for
     /// HTTP/1.1 and h2 clients alike. h2c: cleartext HTTP/2 (prior knowledge), many streams on
     /// one connection per backend, trailers relayed: gRPC end to end. h2c is for h2 clients
-    /// only: the ALPN offered becomes `h2` unless --alpn says otherwise, and an HTTP/1.1
-    /// request gets 505.
+    /// only: the ALPN offered becomes `h2` unless --alpn (or the site's `alpn`) says
+    /// otherwise, and an HTTP/1.1 request gets 505.
     #[arg(long, value_enum, default_value_t = BackendProtocol::Http1)]
     pub backend_protocol: BackendProtocol,
     /// HTTP mode: the client's own Forwarded / X-Forwarded-For / X-Forwarded-Proto fields are
@@ -106,15 +108,8 @@ pub enum Mode {
     Http,
 }
 
-/// `--backend-protocol`.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BackendProtocol {
-    Http1,
-    H2c,
-}
-
-/// ALPN of `--backend-protocol h2c` when --alpn does not say: its backends are reached by h2
-/// clients only.
+/// ALPN of sites whose backends speak h2c when --alpn and the site's `alpn` do not say: their
+/// backends are reached by h2 clients only.
 const H2_ONLY_ALPN: [&[u8]; 1] = [b"h2"];
 
 /// `--forwarded`.
@@ -129,6 +124,7 @@ pub enum ForwardedArg {
 pub fn site_needs(args: &ProxyArgs) -> SiteNeeds {
     SiteNeeds::Backends {
         default: args.to.clone(),
+        protocol: (args.mode == Mode::Http).then_some(args.backend_protocol),
     }
 }
 
@@ -191,6 +187,8 @@ pub struct ProxyStats {
 pub struct Proxy {
     /// By site number.
     pools: Vec<Pool>,
+    /// What each site's backends speak (HTTP mode), by site number.
+    protocols: Vec<BackendProtocol>,
     names: Arc<tlsplane::sites::SiteNames>,
     forwarded: tlsplane_http::forward::ForwardedPolicy,
     args: ProxyArgs,
@@ -213,22 +211,20 @@ impl Product for Proxy {
     }
 
     /// HTTP mode speaks HTTP/1, and h2 when the operator names it in --alpn (or a site's
-    /// `alpn`), as `serve` does; with h2c backends, h2 by default. TCP mode does not know what
-    /// it carries, so it offers no ALPN unless told (a client offering any, or none, is
-    /// served).
+    /// `alpn`), as `serve` does; a site with h2c backends, h2 by default. TCP mode does not
+    /// know what it carries, so it offers no ALPN unless told (a client offering any, or none,
+    /// is served).
     fn alpn(args: &ProxyArgs) -> tlsplane_server::server::Alpn {
-        let http = args.mode == Mode::Http;
-        let default: &[&[u8]] = match (http, args.backend_protocol) {
-            (false, _) => &[],
-            (true, BackendProtocol::Http1) => &tlsplane_server::server::HTTP1_ALPN,
-            (true, BackendProtocol::H2c) => &H2_ONLY_ALPN,
-        };
-        let speaks: Option<&'static [&'static [u8]]> = if http {
-            Some(&tlsplane_server::server::SERVE_ALPN)
-        } else {
-            None
-        };
-        tlsplane_server::server::Alpn::new(args.server.alpn.as_deref(), default, speaks)
+        use tlsplane_server::server::{Alpn, HTTP1_ALPN, SERVE_ALPN};
+        let flag = args.server.alpn.as_deref();
+        if args.mode != Mode::Http {
+            return Alpn::new(flag, &[], None);
+        }
+        let mut alpn = Alpn::new(flag, &HTTP1_ALPN, Some(&SERVE_ALPN));
+        if flag.is_none() {
+            alpn.h2c_default = Some(H2_ONLY_ALPN.iter().map(|p| p.to_vec()).collect());
+        }
+        alpn
     }
 
     fn check_args(args: &ProxyArgs, with_config: bool) -> anyhow::Result<()> {
@@ -249,7 +245,10 @@ impl Product for Proxy {
     }
 
     fn flag_origin(args: &ProxyArgs) -> anyhow::Result<Origin> {
-        Ok(Origin::Backends(args.to.clone()))
+        Ok(Origin::Backends {
+            to: args.to.clone(),
+            protocol: args.backend_protocol,
+        })
     }
 
     fn build(
@@ -258,17 +257,21 @@ impl Product for Proxy {
         stats: &Arc<ProxyStats>,
         _runtime: &Arc<RuntimeStats>,
     ) -> anyhow::Result<Self> {
-        let pools = sites
-            .serve
-            .into_iter()
-            .map(|s| match s.origin {
-                Origin::Backends(b) => Pool::new(b),
-                _ => Err(anyhow::anyhow!("site {}: no backends", s.label)),
-            })
-            .collect::<anyhow::Result<_>>()?;
+        let mut pools = Vec::new();
+        let mut protocols = Vec::new();
+        for s in sites.serve {
+            match s.origin {
+                Origin::Backends { to, protocol } => {
+                    pools.push(Pool::new(to)?);
+                    protocols.push(protocol);
+                }
+                _ => anyhow::bail!("site {}: no backends", s.label),
+            }
+        }
         use tlsplane_http::forward::ForwardedPolicy;
         Ok(Self {
             pools,
+            protocols,
             names: sites.names,
             forwarded: match args.forwarded {
                 ForwardedArg::Replace => ForwardedPolicy::Replace,
@@ -350,17 +353,21 @@ impl Product for Proxy {
     fn describe(args: &ProxyArgs, sites: &Sites) {
         let mut all: Vec<String> = Vec::new();
         for s in &sites.serve {
-            if let Origin::Backends(b) = &s.origin {
-                all.extend(b.iter().map(|b| b.to_string()));
+            if let Origin::Backends { to, protocol } = &s.origin {
+                let spoken = match (args.mode, protocol) {
+                    (Mode::Tcp, _) => "",
+                    (Mode::Http, BackendProtocol::Http1) => " (HTTP/1.1)",
+                    (Mode::Http, BackendProtocol::H2c) => " (h2c)",
+                };
+                all.extend(to.iter().map(|b| format!("{b}{spoken}")));
             }
         }
         all.dedup();
         tracing::info!(
             "proxy: {} to {}{}",
-            match (args.mode, args.backend_protocol) {
-                (Mode::Tcp, _) => "TCP",
-                (Mode::Http, BackendProtocol::Http1) => "HTTP/1.1",
-                (Mode::Http, BackendProtocol::H2c) => "h2c",
+            match args.mode {
+                Mode::Tcp => "TCP",
+                Mode::Http => "HTTP",
             },
             all.join(", "),
             match args.proxy_protocol {

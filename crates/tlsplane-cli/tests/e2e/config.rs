@@ -308,3 +308,78 @@ fn a_certificate_outside_its_dates_is_refused_unless_allowed() {
         );
     }
 }
+
+#[test]
+fn backend_protocol_is_a_proxy_http_mode_key() {
+    let dir = scratch("backend-protocol");
+    let pki = fixtures::pki();
+    let cert = pki.issue_in(&dir, "p", &["p.test"], CertKind::P256);
+    // A `serve` site with it: refused, naming the site and what the key is for.
+    let config = write_config(
+        &dir,
+        "",
+        &[SiteSpec {
+            names: &["p.test"],
+            default: false,
+            certs: vec![pki.issue_in(&dir, "s", &["p.test"], CertKind::P256)],
+            content: "p",
+        }],
+    );
+    let text = fs::read_to_string(&config).unwrap();
+    fs::write(
+        &config,
+        text.replace(
+            "default = false\n",
+            "default = false\nbackend-protocol = \"h2c\"\n",
+        ),
+    )
+    .unwrap();
+    let out = check_config(&config);
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(
+        out.stderr_text()
+            .contains("site \"p.test\": `backend-protocol` is for `tlsplane proxy --mode http`"),
+        "{}",
+        out.describe()
+    );
+
+    let proxy = |server: &str, protocol: &str| {
+        let path = dir.join("proxy.toml");
+        fs::write(
+            &path,
+            format!(
+                "[server]\n{server}\n[[site]]\nserver-names = [\"p.test\"]\nto = [\"127.0.0.1:9\"]\n\
+                 backend-protocol = \"{protocol}\"\n[[site.cert]]\nchain = {:?}\nkey = {:?}\n",
+                cert.cert_pem, cert.key_pem
+            ),
+        )
+        .unwrap();
+        check_config(&path)
+    };
+    // A proxy in HTTP mode takes it.
+    let out = proxy("mode = \"http\"", "h2c");
+    assert!(out.status.success(), "{}", out.describe());
+    assert!(
+        out.stdout_text().contains("ok: 1 sites"),
+        "{}",
+        out.describe()
+    );
+    // TCP mode forwards bytes unchanged: it has no backend protocol.
+    let out = proxy("", "h2c");
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(
+        out.stderr_text()
+            .contains("site \"p.test\": `backend-protocol` is for `--mode http`"),
+        "{}",
+        out.describe()
+    );
+    // A value that is not a protocol is named with the ones that are.
+    let out = proxy("mode = \"http\"", "h3");
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(
+        out.stderr_text()
+            .contains("unknown variant `h3`, expected `http1` or `h2c`"),
+        "{}",
+        out.describe()
+    );
+}

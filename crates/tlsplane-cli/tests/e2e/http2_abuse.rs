@@ -5,7 +5,8 @@
 //!
 //! The attacker writes raw frames over TLS with ALPN h2 (Python's `hyperframe` and `hpack`,
 //! Debian `python3-h2`, which `.ci/run` installs): no HTTP/2 library would send these. For each
-//! case, against `serve --alpn h2,http/1.1 --idle-timeout 2`:
+//! case, against `serve --alpn h2,http/1.1 --idle-timeout 2` and against `proxy --mode http`
+//! with the same flags in front of an HTTP/1.1 backend (each test runs for both: [`Kind`]):
 //! (a) the attacker's connection ends with GOAWAY and the error code h2 gives for the attack,
 //!     or is bounded otherwise (streams refused or reset, the connection closed at the idle
 //!     timeout), within a bounded time;
@@ -13,10 +14,12 @@
 //!     responses meanwhile;
 //! (c) the server's VmRSS stays under its start-up size plus [`MEMORY_HEADROOM`];
 //! (d) nothing panics (`Server::stop` checks stderr and the task-panic counter);
-//! (e) the counter of the mitigation moved on /metrics.
+//! (e) the counter of the mitigation moved on /metrics (the proxy's under its own names:
+//!     `proxy_h2_*`, `proxy_idle_timeouts`).
 //! Each case says what it would show without its mitigation.
 
 use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -274,30 +277,32 @@ fn counters(admin: u16) -> BTreeMap<String, u64> {
         .collect()
 }
 
-/// curl --http2 for the hello file, once; true when it got a 200 over h2.
-fn legit_request(port: u16) -> bool {
+/// curl --http2 for `path`, once; true when it got a 200 over h2.
+fn legit_request(port: u16, path: &str) -> bool {
     let mut c = Command::new("curl");
     c.args(["-sS", "--http2", "--max-time", "10", "-o", "/dev/null"])
         .args(["-w", "%{http_version} %{http_code}"])
         .arg("--cacert")
         .arg(&fixtures::pki().ca_pem)
         .args(["--resolve", &format!("localhost:{port}:127.0.0.1")])
-        .arg(format!(
-            "https://localhost:{port}{}",
-            fixtures::get().hello.url
-        ));
+        .arg(format!("https://localhost:{port}{path}"));
     let out = tools::run(c, b"", Duration::from_secs(20));
     out.status.success() && out.stdout_text() == "2 200"
 }
 
-/// Runs one attack for at most `seconds` against `server` while a legitimate client fetches
-/// the hello file over h2 in a loop and the server's memory is sampled.
-fn attack(server: &Server, case: &str, path: &str, seconds: f64) -> Outcome {
+/// Runs one attack for at most `seconds` against the target's server while a legitimate
+/// client fetches a small file over h2 in a loop and the server's memory is sampled.
+fn attack(target: &Target, case: &str, path: &str, seconds: f64) -> Outcome {
     require("curl");
     let py = python_with_h2();
+    let server = &target.server;
     let port = server.port();
     let admin = admin_port(server);
-    assert!(legit_request(port), "the server does not answer over h2");
+    let small = target.small.clone();
+    assert!(
+        legit_request(port, &small),
+        "the server does not answer over h2"
+    );
     let before = counters(admin);
     let base_rss = vm_rss(server.pid());
     let done = Arc::new(AtomicBool::new(false));
@@ -316,7 +321,7 @@ fn attack(server: &Server, case: &str, path: &str, seconds: f64) -> Outcome {
         std::thread::spawn(move || {
             let (mut ok, mut failed) = (0, 0);
             while !done.load(Relaxed) {
-                if legit_request(port) {
+                if legit_request(port, &small) {
                     ok += 1;
                 } else {
                     failed += 1;
@@ -342,9 +347,14 @@ fn attack(server: &Server, case: &str, path: &str, seconds: f64) -> Outcome {
     let v: serde_json::Value = serde_json::from_str(out.stdout_text().trim())
         .unwrap_or_else(|e| panic!("attacker output ({e}): {}", out.describe()));
     let after = counters(admin);
+    // By the names `serve` uses: the cases assert the same counters for both products.
     let moved = after
         .iter()
-        .map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0)))
+        .map(|(k, v)| {
+            let moved = v - before.get(k).copied().unwrap_or(0);
+            let name = target.kind.names().iter().find(|(_, theirs)| theirs == k);
+            (name.map_or(k.as_str(), |(ours, _)| ours).to_string(), moved)
+        })
         .collect();
     let outcome = Outcome {
         goaway: v["goaway"].as_u64(),
@@ -367,21 +377,118 @@ fn attack(server: &Server, case: &str, path: &str, seconds: f64) -> Outcome {
     outcome
 }
 
-fn h2_server() -> Server {
-    Server::builder()
+/// What the attacks are run against.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    /// `serve`, its fixture files.
+    Serve,
+    /// `proxy --mode http` in front of [`backend`] (HTTP/1.1).
+    Proxy,
+}
+
+impl Kind {
+    /// The counters the cases look at: (serve's name, this product's name).
+    fn names(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Kind::Serve => &[],
+            Kind::Proxy => &[
+                ("h2_goaway_calm", "proxy_h2_goaway_calm"),
+                ("h2_stalls", "proxy_h2_stalls"),
+                ("http_timeouts", "proxy_idle_timeouts"),
+            ],
+        }
+    }
+}
+
+/// A server under attack, and what its clients ask for.
+struct Target {
+    kind: Kind,
+    server: Server,
+    /// A small response (what the legitimate client fetches).
+    small: String,
+    /// A response far larger than one stream may queue (the zero-window reader's).
+    big: String,
+}
+
+/// A keep-alive HTTP/1.1 backend: `GET /big`, 16 MiB; anything else, `hello`. A thread per
+/// connection: the proxy may hold 100 at once (one per stream).
+fn backend() -> std::net::SocketAddr {
+    static BIG: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    let big: &'static [u8] = BIG.get_or_init(|| vec![b'x'; 16 << 20]);
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(c) = c else { break };
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(c.try_clone().expect("clone"));
+                let mut w = c;
+                loop {
+                    let mut request_line = String::new();
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        match r.read_line(&mut line) {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) if line == "\r\n" => break,
+                            Ok(_) if request_line.is_empty() => request_line = line.clone(),
+                            Ok(_) => {}
+                        }
+                    }
+                    let body: &[u8] = if request_line.starts_with("GET /big ") {
+                        big
+                    } else {
+                        b"hello"
+                    };
+                    let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
+                    if w.write_all(head.as_bytes())
+                        .and_then(|()| w.write_all(body))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+fn h2_server(kind: Kind) -> Target {
+    let builder = match kind {
+        Kind::Serve => Server::builder(),
+        Kind::Proxy => Server::builder()
+            .proxy(&[backend().to_string()])
+            .arg("--mode")
+            .arg("http"),
+    };
+    let server = builder
         .arg("--alpn")
         .arg("h2,http/1.1")
         .arg("--idle-timeout")
         .arg(IDLE.to_string())
         .arg("--admin")
         .arg("127.0.0.1:0")
-        .start()
+        .start();
+    let (small, big) = match kind {
+        Kind::Serve => (
+            fixtures::get().hello.url.clone(),
+            fixtures::get().big().url.clone(),
+        ),
+        Kind::Proxy => ("/small".to_string(), "/big".to_string()),
+    };
+    Target {
+        kind,
+        server,
+        small,
+        big,
+    }
 }
 
 /// What every case asserts besides its own: the connection ended within `bound` seconds, the
 /// legitimate client was served throughout, memory stayed bounded; then the server stops
 /// cleanly with no panic.
-fn common(server: Server, o: &Outcome, bound: f64) {
+fn common(target: Target, o: &Outcome, bound: f64) {
     let closed = o
         .closed_after
         .unwrap_or_else(|| panic!("the attacker's connection was still open: {o:?}"));
@@ -398,11 +505,10 @@ fn common(server: Server, o: &Outcome, bound: f64) {
         "memory grew by {} bytes: {o:?}",
         o.rss_growth
     );
-    server.stop();
+    target.server.stop();
 }
 
-#[test]
-fn rapid_reset_ends_with_enhance_your_calm() {
+fn rapid_reset_ends_with_enhance_your_calm(kind: Kind) {
     if !require("python3") {
         return; // the kernel-plane guest has no Python
     }
@@ -410,15 +516,14 @@ fn rapid_reset_ends_with_enhance_your_calm() {
     // we accepted them; past MAX_PENDING_ACCEPT_RESETS (20) it sends GOAWAY(ENHANCE_YOUR_CALM).
     // Without the limit the attacker would make us start (and drop) streams at line rate for
     // as long as it likes: no GOAWAY, the connection open at the end of the attack.
-    let server = h2_server();
-    let o = attack(&server, "rapid_reset", "/", 5.0);
+    let target = h2_server(kind);
+    let o = attack(&target, "rapid_reset", "/", 5.0);
     assert_eq!(o.goaway, Some(ENHANCE_YOUR_CALM), "{o:?}");
     assert!(o.moved["h2_goaway_calm"] >= 1, "{o:?}");
-    common(server, &o, 2.0);
+    common(target, &o, 2.0);
 }
 
-#[test]
-fn continuation_flood_ends_with_enhance_your_calm() {
+fn continuation_flood_ends_with_enhance_your_calm(kind: Kind) {
     if !require("python3") {
         return; // the kernel-plane guest has no Python
     }
@@ -428,17 +533,16 @@ fn continuation_flood_ends_with_enhance_your_calm() {
     // GOAWAY(ENHANCE_YOUR_CALM) ("too_many_continuations"). With h2's default list size (16
     // MiB) it would take 1,280 frames (and buffer up to 16 MiB) first: the connection would
     // outlive the first 50; without any limit the buffer grows for the whole attack.
-    let server = h2_server();
-    let o = attack(&server, "continuation", "/", 5.0);
+    let target = h2_server(kind);
+    let o = attack(&target, "continuation", "/", 5.0);
     assert_eq!(o.goaway, Some(ENHANCE_YOUR_CALM), "{o:?}");
     // It ended within the first 50 frames (5 are allowed), not later in the flood.
     assert_eq!(o.sent, 50, "{o:?}");
     assert!(o.moved["h2_goaway_calm"] >= 1, "{o:?}");
-    common(server, &o, 2.0);
+    common(target, &o, 2.0);
 }
 
-#[test]
-fn hpack_bomb_is_refused_and_ends_with_enhance_your_calm() {
+fn hpack_bomb_is_refused_and_ends_with_enhance_your_calm(kind: Kind) {
     if !require("python3") {
         return; // the kernel-plane guest has no Python
     }
@@ -449,13 +553,13 @@ fn hpack_bomb_is_refused_and_ends_with_enhance_your_calm() {
     // GOAWAY(ENHANCE_YOUR_CALM) ("header_list_way_too_large"), at the first bomb. With h2's
     // default list size (16 MiB; × 4 = 64 MiB, more than a bomb's 64.6 MB) each bomb would
     // be decoded in full and answered 431, until 100 of them: the HEADERS count fails.
-    let server = h2_server();
-    let o = attack(&server, "hpack_bomb", "/", 5.0);
+    let target = h2_server(kind);
+    let o = attack(&target, "hpack_bomb", "/", 5.0);
     assert_eq!(o.goaway, Some(ENHANCE_YOUR_CALM), "{o:?}");
     assert!(o.moved["h2_goaway_calm"] >= 1, "{o:?}");
     // The first request, whose field went into the table, was answered.
     assert_eq!(o.headers, 1, "{o:?}");
-    common(server, &o, 2.0);
+    common(target, &o, 2.0);
 }
 
 /// SETTINGS, PING, WINDOW_UPDATE and PRIORITY floods open no stream: h2 answers each frame
@@ -464,50 +568,45 @@ fn hpack_bomb_is_refused_and_ends_with_enhance_your_calm() {
 /// seconds without a stream, then, as the flooding client never acknowledges h2's closing
 /// PING, the connection is dropped after IDLE more (counted as an h2 stall). Without that
 /// second deadline the connection stays open for as long as the client floods (or idles).
-fn flood(case: &str) {
-    let server = h2_server();
-    let o = attack(&server, case, "/", 2.0 * IDLE as f64 + SLACK + 1.0);
+fn flood(kind: Kind, case: &str) {
+    let target = h2_server(kind);
+    let o = attack(&target, case, "/", 2.0 * IDLE as f64 + SLACK + 1.0);
     assert_eq!(o.goaway, Some(NO_ERROR), "{o:?}");
     assert!(o.sent >= 1000, "the flood did not get going: {o:?}");
     assert!(o.moved["http_timeouts"] >= 1, "{o:?}");
     assert!(o.moved["h2_stalls"] >= 1, "{o:?}");
-    common(server, &o, 2.0 * IDLE as f64 + SLACK);
+    common(target, &o, 2.0 * IDLE as f64 + SLACK);
 }
 
-#[test]
-fn settings_flood_is_closed_at_the_idle_timeout() {
+fn settings_flood_is_closed_at_the_idle_timeout(kind: Kind) {
     if !require("python3") {
         return; // the kernel-plane guest has no Python
     }
-    flood("settings");
+    flood(kind, "settings");
 }
 
-#[test]
-fn ping_flood_is_closed_at_the_idle_timeout() {
+fn ping_flood_is_closed_at_the_idle_timeout(kind: Kind) {
     if !require("python3") {
         return; // the kernel-plane guest has no Python
     }
-    flood("ping");
+    flood(kind, "ping");
 }
 
-#[test]
-fn window_update_flood_is_closed_at_the_idle_timeout() {
+fn window_update_flood_is_closed_at_the_idle_timeout(kind: Kind) {
     if !require("python3") {
         return; // the kernel-plane guest has no Python
     }
-    flood("window_update");
+    flood(kind, "window_update");
 }
 
-#[test]
-fn priority_churn_is_closed_at_the_idle_timeout() {
+fn priority_churn_is_closed_at_the_idle_timeout(kind: Kind) {
     if !require("python3") {
         return; // the kernel-plane guest has no Python
     }
-    flood("priority");
+    flood(kind, "priority");
 }
 
-#[test]
-fn too_many_streams_are_refused_then_the_connection_ends() {
+fn too_many_streams_are_refused_then_the_connection_ends(kind: Kind) {
     if !require("python3") {
         return; // the kernel-plane guest has no Python
     }
@@ -515,16 +614,15 @@ fn too_many_streams_are_refused_then_the_connection_ends() {
     // (MAX_CONCURRENT_STREAMS) are taken; each one past it is refused with
     // RST_STREAM(REFUSED_STREAM), and the refusals count against MAX_LOCAL_ERROR_RESETS
     // (100): GOAWAY(ENHANCE_YOUR_CALM). Without the stream limit all 400 would be open.
-    let server = h2_server();
-    let o = attack(&server, "streams", "/", 5.0);
+    let target = h2_server(kind);
+    let o = attack(&target, "streams", "/", 5.0);
     assert_eq!(o.rst(REFUSED_STREAM), 100, "{o:?}");
     assert_eq!(o.goaway, Some(ENHANCE_YOUR_CALM), "{o:?}");
     assert!(o.moved["h2_goaway_calm"] >= 1, "{o:?}");
-    common(server, &o, 2.0);
+    common(target, &o, 2.0);
 }
 
-#[test]
-fn zero_window_reader_has_its_streams_reset_then_the_connection_ends() {
+fn zero_window_reader_has_its_streams_reset_then_the_connection_ends(kind: Kind) {
     if !require("python3") {
         return; // the kernel-plane guest has no Python
     }
@@ -534,10 +632,10 @@ fn zero_window_reader_has_its_streams_reset_then_the_connection_ends() {
     // as a stall; the connection, then without streams, is closed by the idle timeouts. At most
     // SEND_BUFFER per stream is queued meanwhile. Without the stall deadline the 100 streams
     // (and the connection) would be held for as long as the client stays.
-    let server = h2_server();
-    let big = fixtures::get().big().url.clone();
+    let target = h2_server(kind);
+    let big = target.big.clone();
     let o = attack(
-        &server,
+        &target,
         "zero_window",
         &big,
         3.0 * IDLE as f64 + SLACK + 1.0,
@@ -546,5 +644,25 @@ fn zero_window_reader_has_its_streams_reset_then_the_connection_ends() {
     assert_eq!(o.data, 0, "{o:?}");
     assert_eq!(o.rst(CANCEL), 100, "{o:?}");
     assert!(o.moved["h2_stalls"] >= 100, "{o:?}");
-    common(server, &o, 3.0 * IDLE as f64 + SLACK);
+    common(target, &o, 3.0 * IDLE as f64 + SLACK);
+}
+
+/// Each case as a test against each product.
+macro_rules! against {
+    ($kind:ident: $($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                super::$case(super::Kind::$kind);
+            }
+        )*
+    };
+}
+
+mod serve {
+    against!(Serve: rapid_reset_ends_with_enhance_your_calm, continuation_flood_ends_with_enhance_your_calm, hpack_bomb_is_refused_and_ends_with_enhance_your_calm, settings_flood_is_closed_at_the_idle_timeout, ping_flood_is_closed_at_the_idle_timeout, window_update_flood_is_closed_at_the_idle_timeout, priority_churn_is_closed_at_the_idle_timeout, too_many_streams_are_refused_then_the_connection_ends, zero_window_reader_has_its_streams_reset_then_the_connection_ends);
+}
+
+mod proxy {
+    against!(Proxy: rapid_reset_ends_with_enhance_your_calm, continuation_flood_ends_with_enhance_your_calm, hpack_bomb_is_refused_and_ends_with_enhance_your_calm, settings_flood_is_closed_at_the_idle_timeout, ping_flood_is_closed_at_the_idle_timeout, window_update_flood_is_closed_at_the_idle_timeout, priority_churn_is_closed_at_the_idle_timeout, too_many_streams_are_refused_then_the_connection_ends, zero_window_reader_has_its_streams_reset_then_the_connection_ends);
 }

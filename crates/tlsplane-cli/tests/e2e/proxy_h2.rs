@@ -94,14 +94,15 @@ print(port, flush=True)
 s.wait_for_termination()
 "#;
 
-/// The grpcio client: over TLS to the proxy (the test CA as root, `localhost` as the name the
-/// certificate is checked for). Prints one line per check.
+/// The grpcio client: over TLS to the proxy (the test CA as root, `localhost` or the third
+/// argument as the server name sent and checked). Prints one line per check.
 const GRPC_CLIENT: &str = r#"
 import grpc, queue, sys, hashlib
 port, ca = sys.argv[1], sys.argv[2]
+name = sys.argv[3] if len(sys.argv) > 3 else "localhost"
 creds = grpc.ssl_channel_credentials(root_certificates=open(ca, "rb").read())
 ch = grpc.secure_channel("127.0.0.1:" + port, creds,
-                         options=(("grpc.ssl_target_name_override", "localhost"),))
+                         options=(("grpc.ssl_target_name_override", name),))
 echo = ch.unary_unary("/t.T/Echo")
 print("unary", echo(b"hi", timeout=20).decode())
 big = bytes(i * 7 % 253 for i in range(3 << 20))
@@ -466,4 +467,132 @@ fn h2spec_every_case_passes_against_the_proxy() {
     crate::h2spec::every_case_passes(&h2spec, server.port(), "proxy");
     assert_no_panic(&server);
     server.stop();
+}
+
+/// curl to `https://NAME:port/path` (trusting the test CA, NAME resolved to 127.0.0.1), h2
+/// offered; (HTTP version as curl names it, status, body).
+fn curl_site(port: u16, name: &str, path: &str) -> (String, u16, String) {
+    let mut c = Command::new("curl");
+    c.args(["-sS", "--http2", "--max-time", "30", "--cacert"])
+        .arg(&fixtures::pki().ca_pem)
+        .args(["--resolve", &format!("{name}:{port}:127.0.0.1")])
+        .args(["-w", "\n%{http_version} %{http_code}"])
+        .arg(format!("https://{name}:{port}{path}"));
+    let out = tools::run(c, b"", Duration::from_secs(40));
+    assert!(
+        out.status.success(),
+        "curl {name}{path}: {}",
+        out.describe()
+    );
+    let text = out.stdout_text();
+    let (body, tail) = text.rsplit_once('\n').expect("-w line");
+    let (version, status) = tail.split_once(' ').expect("version and status");
+    (
+        version.to_string(),
+        status.trim().parse().expect("status"),
+        body.to_string(),
+    )
+}
+
+/// Two sites by server name in one HTTP-mode proxy, each speaking its own protocol to its
+/// backends (a site's `backend-protocol`): grpc.test to a grpcio server over h2c, web.test to
+/// a Python HTTP/1.1 server; each site's ALPN follows its backends (h2 for the h2c site,
+/// HTTP/1.1 for the other: neither has an `alpn` key). A reload that changes the key applies
+/// to new connections: web.test first names h2c (its HTTP/1.1 backend refuses the h2c
+/// preface: 502 over h2), then http1 (200 over HTTP/1.1).
+#[test]
+fn each_site_speaks_its_own_backend_protocol_and_a_reload_changes_it() {
+    let python = match grpcio() {
+        Ok(p) => p,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    if !require("curl") {
+        return;
+    }
+    use crate::support::fixtures::{pki, CertKind};
+    let (_grpc, grpc_port) = python_server(python, GRPC_BACKEND);
+    let (_web, web_port) = python_server("python3", HTTP_BACKEND);
+    let dir = crate::sites::scratch("proxy-backend-protocols");
+    let g = pki().issue_in(&dir, "grpc", &["grpc.test"], CertKind::P256);
+    let w = pki().issue_in(&dir, "web", &["web.test"], CertKind::P256);
+    let config = dir.join("proxy.toml");
+    let write = |web_extra: &str| {
+        let toml = format!(
+            "[[site]]\nserver-names = [\"grpc.test\"]\nto = [\"127.0.0.1:{grpc_port}\"]\n\
+             backend-protocol = \"h2c\"\n\
+             [[site.cert]]\nchain = {:?}\nkey = {:?}\n\n\
+             [[site]]\nserver-names = [\"web.test\"]\nto = [\"127.0.0.1:{web_port}\"]\n{web_extra}\n\
+             [[site.cert]]\nchain = {:?}\nkey = {:?}\n",
+            g.cert_pem, g.key_pem, w.cert_pem, w.key_pem,
+        );
+        std::fs::write(&config, toml).expect("config");
+    };
+    write("");
+    let pid_file = dir.join("proxy.pid");
+    let server = Server::builder()
+        .proxy(&[])
+        .config_file(&config)
+        .arg("--mode")
+        .arg("http")
+        .arg("--pid-file")
+        .arg(pid_file.to_str().expect("path"))
+        .start();
+    let p = server.port();
+    let grpc_calls = |expect: &str| {
+        let mut c = Command::new(python);
+        c.args(["-c", GRPC_CLIENT])
+            .arg(p.to_string())
+            .arg(&pki().ca_pem)
+            .arg("grpc.test");
+        let out = tools::run(c, b"", Duration::from_secs(120));
+        assert!(out.status.success(), "grpc client: {}", out.describe());
+        let first = out
+            .stdout_text()
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        assert_eq!(first, expect, "{}", out.describe());
+        assert!(
+            out.stdout_text()
+                .ends_with("fail PERMISSION_DENIED nope because\n"),
+            "{}",
+            out.describe()
+        );
+    };
+    grpc_calls("unary echo:hi");
+    let (version, status, body) = curl_site(p, "web.test", "/head");
+    assert_eq!((version.as_str(), status), ("1.1", 200), "{body}");
+    assert!(body.starts_with("GET /head HTTP/1.1\r\n"), "{body}");
+
+    // web.test names h2c: its HTTP/1.1 backend cannot take it (502), and h2 is offered.
+    write("backend-protocol = \"h2c\"");
+    let mut reload = Command::new(crate::support::server_bin());
+    reload.args(["reload", "--pid-file"]).arg(&pid_file);
+    let out = tools::run(reload, b"", Duration::from_secs(40));
+    assert!(out.status.success(), "reload: {}", out.describe());
+    let (version, status, _) = curl_site(p, "web.test", "/head");
+    assert_eq!((version.as_str(), status), ("2", 502));
+    grpc_calls("unary echo:hi");
+
+    // And back to HTTP/1.1, stated this time.
+    write("backend-protocol = \"http1\"");
+    let mut reload = Command::new(crate::support::server_bin());
+    reload.args(["reload", "--pid-file"]).arg(&pid_file);
+    let out = tools::run(reload, b"", Duration::from_secs(40));
+    assert!(out.status.success(), "reload: {}", out.describe());
+    let (version, status, body) = curl_site(p, "web.test", "/slow");
+    assert_eq!(
+        (version.as_str(), status, body.as_str()),
+        ("1.1", 200, "slow")
+    );
+
+    assert_no_panic(&server);
+    let stats = server.stop();
+    // Two gRPC runs of four calls, three requests to web.test.
+    assert_eq!(stats["proxy_http_requests"], 11, "{stats:?}");
+    assert_eq!(stats["proxy_http_502"], 1, "{stats:?}");
 }
