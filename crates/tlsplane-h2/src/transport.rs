@@ -198,7 +198,6 @@ impl Outbox {
                 ranges.pop_front();
             }
             n -= take;
-            self.queued += take;
             if self.sendfile {
                 match self.pieces.back_mut() {
                     // Contiguous with the range queued last (a frame continued over writes).
@@ -225,16 +224,17 @@ impl Outbox {
                 };
                 let start = at.len();
                 at.resize(start + take, 0);
-                part.file
-                    .read_exact_at(&mut at[start..], part.offset)
-                    .map_err(|e| {
-                        if e.kind() == io::ErrorKind::UnexpectedEof {
-                            io::Error::new(e.kind(), "file shrank while being sent")
-                        } else {
-                            e
-                        }
-                    })?;
+                if let Err(e) = part.file.read_exact_at(&mut at[start..], part.offset) {
+                    // What was read, and the zeros after it, must not be sent as the body.
+                    at.truncate(start);
+                    return Err(if e.kind() == io::ErrorKind::UnexpectedEof {
+                        io::Error::new(e.kind(), "file shrank while being sent")
+                    } else {
+                        e
+                    });
+                }
             }
+            self.queued += take;
         }
         if ranges.is_empty() {
             self.files.remove(&stream);
@@ -306,9 +306,9 @@ fn lock(outbox: &Mutex<Outbox>) -> MutexGuard<'_, Outbox> {
 pub struct FileBodies(Arc<Mutex<Outbox>>);
 
 impl FileBodies {
-    /// The next `len` bytes sent on `stream` as [`H2Body::file`] are `file`'s from `offset`.
-    /// Call before sending them.
-    pub fn carry(&self, stream: h2::StreamId, file: Arc<File>, offset: u64, len: u64) {
+    /// The next `len` bytes sent on `stream` (an [`h2::StreamId`], or its number) as
+    /// [`H2Body::file`] are `file`'s from `offset`. Call before sending them.
+    pub fn carry(&self, stream: impl Into<u32>, file: Arc<File>, offset: u64, len: u64) {
         if len == 0 {
             return;
         }
@@ -319,7 +319,7 @@ impl FileBodies {
 
     /// The stream ended before its body was sent (reset, or the connection failed): h2 sends
     /// no more of its DATA, forget what is left.
-    pub fn forget(&self, stream: h2::StreamId) {
+    pub fn forget(&self, stream: impl Into<u32>) {
         lock(&self.0).files.remove(&stream.into());
     }
 }
@@ -754,7 +754,10 @@ mod tests {
             offset: 0,
             len: 10,
         });
-        let err = ob.take(&frame(DATA, 0, 1, &[0; 10])).expect_err("shrank");
+        let data = frame(DATA, 0, 1, &[0; 10]);
+        let err = ob.take(&data).expect_err("shrank");
         assert!(err.to_string().contains("shrank"), "{err}");
+        // The frame's header went out; none of the file's bytes nor zeros in their place.
+        assert_eq!(sent(&mut ob), data[..FRAME_HEADER]);
     }
 }
