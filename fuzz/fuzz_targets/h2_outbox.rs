@@ -28,8 +28,12 @@ use tokio::io::AsyncWriteExt;
 
 /// The file bodies are taken from; ranges may reach past its end.
 const FILE_LEN: usize = 50_000;
-/// Most bytes of frames one input writes (bounds time and memory per input).
-const MAX_WRITTEN: usize = 2 << 20;
+/// Most bytes of frames one input writes: beyond the outbox's 64 KiB, so that h2's writes
+/// wait for the pump ...
+const MAX_WRITTEN: usize = 256 << 10;
+/// ... and at most about this many writes (each of a file payload is a read of the file on the
+/// user plane), so that tiny writes keep executions fast.
+const MAX_WRITES: usize = 8192;
 const DATA: u8 = 0x0;
 const PADDED: u8 = 0x8;
 
@@ -140,7 +144,12 @@ impl Bytes<'_> {
         Some(u16::from_be_bytes([self.u8()?, self.u8()?]))
     }
     fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_be_bytes([self.u8()?, self.u8()?, self.u8()?, self.u8()?]))
+        Some(u32::from_be_bytes([
+            self.u8()?,
+            self.u8()?,
+            self.u8()?,
+            self.u8()?,
+        ]))
     }
 }
 
@@ -160,7 +169,7 @@ impl Model {
     ///   reserved bit set when stream ≥ 128; its payload is `fill` bytes (on a file stream,
     ///   the placeholder bytes the file's replace);
     /// - 3 type flags stream:u32 len:u16 seed: any frame (len < 4096).
-    fn parse(input: &[u8], content: &[u8]) -> Model {
+    fn parse(input: &[u8], content: &[u8], limit: usize) -> Model {
         let mut b = Bytes(input);
         let mut m = Model {
             ops: Vec::new(),
@@ -213,8 +222,8 @@ impl Model {
                     let stream = 1 + 2 * (s as u32 % 5);
                     let id = if s >= 128 { stream | 1 << 31 } else { stream };
                     let len = len as usize;
-                    if written + 9 + len > MAX_WRITTEN {
-                        break;
+                    if written + 9 + len > limit {
+                        continue; // neither written nor expected
                     }
                     written += 9 + len;
                     let h = header(len, DATA, flags, id);
@@ -266,8 +275,8 @@ impl Model {
                         break;
                     };
                     let len = len as usize % 4096;
-                    if written + 9 + len > MAX_WRITTEN {
-                        break;
+                    if written + 9 + len > limit {
+                        continue; // neither written nor expected
                     }
                     written += 9 + len;
                     let h = header(len, typ, flags, stream);
@@ -323,7 +332,7 @@ fuzz_target!(|input: &[u8]| {
         x: u32::from(input[1]) * 0x0101_0101 | 1,
         max,
     };
-    let model = Model::parse(&input[2..], &f.content);
+    let model = Model::parse(&input[2..], &f.content, MAX_WRITTEN.min(max * MAX_WRITES));
     let mut client = Client {
         kernel,
         received: Vec::new(),

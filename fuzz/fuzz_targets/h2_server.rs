@@ -41,7 +41,8 @@ struct Fixture {
 fn fixture() -> &'static Fixture {
     static F: OnceLock<Fixture> = OnceLock::new();
     F.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("tlsplane-fuzz-h2-root-{}", std::process::id()));
+        // The same files each run: one directory serves every run (and libFuzzer's -jobs).
+        let dir = std::env::temp_dir().join("tlsplane-fuzz-h2-root");
         std::fs::create_dir_all(dir.join("dir")).expect("document root");
         std::fs::write(dir.join("index.html"), b"<p>hello</p>\n").expect("index.html");
         let big: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
@@ -93,13 +94,7 @@ impl Transport for Client {
     async fn write_all(&mut self, _: &[u8]) -> io::Result<()> {
         Ok(())
     }
-    async fn write_file(
-        &mut self,
-        _: &[u8],
-        file: &File,
-        offset: u64,
-        len: u64,
-    ) -> io::Result<()> {
+    async fn write_file(&mut self, _: &[u8], file: &File, offset: u64, len: u64) -> io::Result<()> {
         assert!(self.kernel, "a file range sent on the user plane");
         self.scratch.resize(len as usize, 0);
         file.read_exact_at(&mut self.scratch, offset)
@@ -116,8 +111,8 @@ async fn answer(
 ) {
     let had_body = !req.body().is_end_stream() && drain(req.body_mut(), stall).await;
     let request = request(&req);
-    let resp = refused(&request, had_body)
-        .unwrap_or_else(|| respond(&request, root, SystemTime::now()));
+    let resp =
+        refused(&request, had_body).unwrap_or_else(|| respond(&request, root, SystemTime::now()));
     let _ = send_response(&mut send, resp, files, stall).await;
 }
 
