@@ -329,7 +329,7 @@ fuzz_target!(|input: &[u8]| {
     let kernel = input[0] & 1 == 1;
     let max = [1, 3, 9, 10, 100, 4096, 20_000, 70_000][(input[0] >> 1) as usize % 8];
     let mut cuts = Cuts {
-        x: u32::from(input[1]) * 0x0101_0101 | 1,
+        x: (u32::from(input[1]) * 0x0101_0101) | 1,
         max,
     };
     let model = Model::parse(&input[2..], &f.content, MAX_WRITTEN.min(max * MAX_WRITES));

@@ -134,7 +134,7 @@ fuzz_target!(|input: &[u8]| {
         input: bytes,
         at: 0,
         max_read: [1, 7, 9, 64, 512, 4096, 16384, 65536][(input[0] >> 3) as usize % 8],
-        x: u32::from(input[1]) * 0x0101_0101 | 1,
+        x: (u32::from(input[1]) * 0x0101_0101) | 1,
         scratch: Vec::new(),
     };
     f.rt.block_on(async {
