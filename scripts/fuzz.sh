@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Coverage-guided fuzzing of the server-side TLS driver (fuzz/fuzz_targets/server_input.rs)
-# with libFuzzer, on stable Rust: the instrumentation cargo-fuzz adds, minus the sanitizer
-# (which needs nightly); a panic is the crash we look for.
+# Coverage-guided fuzzing with libFuzzer, on stable Rust: the instrumentation cargo-fuzz adds,
+# minus the sanitizer (which needs nightly); a panic is the crash we look for. Targets
+# (fuzz/fuzz_targets/):
+#   server_input  the server-side TLS driver, client bytes from the first byte or after a handshake
+#   h2_outbox     the HTTP/2 outbox: h2's frames, cut anyhow, with file bytes put in place of
+#                 placeholder DATA payloads; checks the bytes sent against a model
+#   h2_server     client bytes to h2's server with serve's settings, transport and answers
 #
-#   scripts/fuzz.sh            build, replay fuzz/regressions/, then fuzz for FUZZ_SECONDS (60)
+#   scripts/fuzz.sh            build, replay fuzz/regressions/<target>/, then fuzz each target
+#                              for FUZZ_SECONDS (30: about 90 s in all)
 #   FUZZ_SECONDS=0 scripts/fuzz.sh   build and replay only
+#   FUZZ_TARGETS="h2_outbox" scripts/fuzz.sh   only these targets
 #
 # Inputs that crash are written to fuzz/artifacts/; copy a fixed one to fuzz/regressions/.
 set -euo pipefail
@@ -15,14 +21,16 @@ target=x86_64-unknown-linux-gnu
 export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
-cargo build --release --locked --target "$target" --bin server_input 2>&1 | tail -n 3
-bin=target/$target/release/server_input
+targets=${FUZZ_TARGETS:-server_input h2_outbox h2_server}
+bins=()
+for t in $targets; do bins+=(--bin "$t"); done
+cargo build --release --locked --target "$target" "${bins[@]}" 2>&1 | tail -n 3
 
 status=0
-for t in server_input; do
+for t in $targets; do
 	echo "== fuzz: $t: replaying fuzz/regressions/$t =="
 	"target/$target/release/$t" regressions/$t/* 2>&1 | tail -n 2 || status=1
-	seconds=${FUZZ_SECONDS:-60}
+	seconds=${FUZZ_SECONDS:-30}
 	if [ "$seconds" -gt 0 ]; then
 		echo "== fuzz: $t for ${seconds}s =="
 		corpus=$(mktemp -d)

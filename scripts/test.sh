@@ -4,7 +4,8 @@
 #
 #   scripts/test.sh            all of it
 #   SKIP_VM=1 scripts/test.sh  only the native suite (user plane) and the fuzzing run
-#   SKIP_FUZZ=1 / FUZZ_SECONDS=N  skip the fuzzing run / fuzz for N seconds (default 60)
+#   SKIP_FUZZ=1 / FUZZ_SECONDS=N  skip the fuzzing run / fuzz each target for N seconds
+#                      (default 30, three targets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,7 +15,7 @@ cargo test --release --workspace
 if [ "${SKIP_FUZZ:-0}" = 1 ]; then
 	echo "== fuzz: skipped (SKIP_FUZZ=1) =="
 else
-	echo "== fuzz: the TLS driver under libFuzzer for ${FUZZ_SECONDS:-60} s (replays fuzz/regressions/ first) =="
+	echo "== fuzz: the TLS driver and the HTTP/2 code under libFuzzer, ${FUZZ_SECONDS:-30} s each (replays fuzz/regressions/ first) =="
 	scripts/fuzz.sh
 fi
 

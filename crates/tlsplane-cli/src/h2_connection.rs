@@ -12,11 +12,77 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use h2::server::{Connection, SendResponse};
 use h2::RecvStream;
 use tlsplane::stats::Counter;
+use tlsplane_h2::transport::H2Io;
 use tlsplane_server::runtime::Idle;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::h2_transport::{H2Io, H2Stats};
+/// HTTP/2 counters, shared by the products that speak it (on /metrics as
+/// `tlsplane_h2_*_total`).
+#[derive(Default)]
+pub(crate) struct H2Stats {
+    /// Connections that chose h2.
+    pub connections: Counter,
+    /// Streams (requests) accepted.
+    pub streams: Counter,
+    /// Connections we ended with GOAWAY(ENHANCE_YOUR_CALM): a flood h2 bounds (rapid reset,
+    /// too many resets we had to send, floods of small frames).
+    pub goaway_calm: Counter,
+    /// Connections we ended with GOAWAY for another protocol error of the client's
+    /// (PROTOCOL_ERROR, COMPRESSION_ERROR, FRAME_SIZE_ERROR, FLOW_CONTROL_ERROR, ...).
+    pub goaway_protocol: Counter,
+    /// Streams reset, or connections ended, because the client granted no window or took
+    /// none of our bytes for the stall timeout.
+    pub stalls: Counter,
+    /// Idle connections (no stream open) sent GOAWAY to make room for a new connection under
+    /// --max-connections.
+    pub evictions: Counter,
+}
+
+impl H2Stats {
+    /// The counters under `names` (the product's: [`SERVE`](Self::SERVE),
+    /// [`PROXY`](Self::PROXY)).
+    pub(crate) fn counters(&self, names: &[&'static str; 6]) -> [(&'static str, u64); 6] {
+        let values = [
+            &self.connections,
+            &self.streams,
+            &self.goaway_calm,
+            &self.goaway_protocol,
+            &self.stalls,
+            &self.evictions,
+        ];
+        std::array::from_fn(|i| (names[i], values[i].load(Relaxed)))
+    }
+
+    pub(crate) const SERVE: [&'static str; 6] = [
+        "h2_connections",
+        "h2_streams",
+        "h2_goaway_calm",
+        "h2_goaway_protocol",
+        "h2_stalls",
+        "h2_evictions",
+    ];
+    pub(crate) const PROXY: [&'static str; 6] = [
+        "proxy_h2_connections",
+        "proxy_h2_streams",
+        "proxy_h2_goaway_calm",
+        "proxy_h2_goaway_protocol",
+        "proxy_h2_stalls",
+        "proxy_h2_evictions",
+    ];
+
+    /// Counts how h2's side of a connection ended, when it was an error we sent GOAWAY for.
+    pub(crate) fn count_end(&self, e: &h2::Error) {
+        if !e.is_go_away() || e.is_remote() {
+            return;
+        }
+        match e.reason() {
+            Some(h2::Reason::NO_ERROR) | None => {}
+            Some(h2::Reason::ENHANCE_YOUR_CALM) => self.goaway_calm.fetch_add(1, Relaxed),
+            Some(_) => self.goaway_protocol.fetch_add(1, Relaxed),
+        }
+    }
+}
 
 /// What the loop needs from its product and connection.
 pub(crate) struct Lifetime<'a> {

@@ -5,8 +5,6 @@
 
 mod check;
 mod h2_connection;
-mod h2_settings;
-mod h2_transport;
 mod handoff;
 mod proxy;
 mod serve;

@@ -53,7 +53,7 @@ pub struct HttpStats {
     responses_5xx: Counter,
     timeouts: Counter,
     io_errors: Counter,
-    h2: crate::h2_transport::H2Stats,
+    h2: crate::h2_connection::H2Stats,
 }
 
 /// The `serve` product under one configuration: the runtime hands it established
@@ -177,7 +177,7 @@ impl Product for Serve {
             ("http_io_errors", h.io_errors.load(Relaxed)),
         ]
         .into_iter()
-        .chain(h.h2.counters(&crate::h2_transport::H2Stats::SERVE))
+        .chain(h.h2.counters(&crate::h2_connection::H2Stats::SERVE))
         .collect()
     }
 }

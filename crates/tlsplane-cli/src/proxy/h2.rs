@@ -32,7 +32,7 @@ use super::http::MAX_RESPONSE_HEAD;
 use super::http::{error_body_len, host_name, read_response_head, Buf, Fail, Progress};
 use super::{BackendProtocol, Ended, Proxy, Unavailable};
 use crate::h2_connection;
-use crate::h2_transport::{self, H2Io};
+use tlsplane_h2::transport::{self, H2Io};
 use tlsplane_server::access_log::{Entry, RequestLine};
 use tlsplane_server::runtime::{ConnContext, Idle};
 
@@ -60,7 +60,7 @@ pub(super) async fn serve(
     // after this long without progress.
     let stall = Duration::from_secs(proxy.args.server.idle_timeout.max(1));
     let (stop, idle) = (&mut ctx.stop, &ctx.idle);
-    let (conn, pumped) = h2_transport::run(&mut tls, stall, |io| {
+    let (conn, pumped) = transport::run(&mut tls, stall, |io| {
         connection(io, &info, plane, peer, proxy, stop, idle)
     })
     .await;
@@ -92,7 +92,7 @@ async fn connection(
     let header_timeout = Duration::from_secs(args.header_timeout);
     proxy.stats.h2.connections.fetch_add(1, Relaxed);
     let handshake =
-        crate::h2_settings::server(crate::h2_settings::SEND_BUFFER).handshake::<_, Bytes>(io);
+        tlsplane_h2::settings::server(tlsplane_h2::settings::SEND_BUFFER).handshake::<_, Bytes>(io);
     let mut conn = match timeout(header_timeout, handshake).await {
         Ok(c) => c.inspect_err(|e| proxy.stats.h2.count_end(e))?,
         Err(_) => {

@@ -21,7 +21,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::backend::{Io, Slot};
 use super::{Proxy, Unavailable};
-use crate::h2_settings::MAX_BACKEND_STREAMS;
+use tlsplane_h2::settings::MAX_BACKEND_STREAMS;
 
 /// How often a connection's task looks whether it has been idle too long.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
@@ -163,7 +163,7 @@ async fn start<T>(
 where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let (send, conn) = crate::h2_settings::client()
+    let (send, conn) = tlsplane_h2::settings::client()
         .handshake::<_, Bytes>(io)
         .await?;
     let state = Arc::new(ConnState {

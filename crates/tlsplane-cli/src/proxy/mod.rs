@@ -175,7 +175,7 @@ pub struct ProxyStats {
     upgrades: Counter,
     /// HTTP mode, h2 clients: connections (by ALPN), streams, GOAWAYs by reason, stalls,
     /// evictions (as `proxy_h2_*`).
-    pub(crate) h2: crate::h2_transport::H2Stats,
+    pub(crate) h2: crate::h2_connection::H2Stats,
     /// HTTP mode: h2 streams reset by the proxy after their response had begun (the
     /// backend failed or timed out midway; the h2 form of HTTP/1.1's connection reset).
     h2_streams_reset: Counter,
@@ -346,7 +346,7 @@ impl Product for Proxy {
             ("proxy_h2c_connections", p.h2c_connections.load(Relaxed)),
         ]
         .into_iter()
-        .chain(p.h2.counters(&crate::h2_transport::H2Stats::PROXY))
+        .chain(p.h2.counters(&crate::h2_connection::H2Stats::PROXY))
         .collect()
     }
 

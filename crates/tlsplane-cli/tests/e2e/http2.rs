@@ -178,7 +178,7 @@ fn files_over_h2_are_byte_exact_one_after_another_and_multiplexed() {
     assert_eq!(stats.get("http_responses_2xx"), 2 * files.len() as u64);
     assert_eq!(stats.get("h2_streams"), 2 * files.len() as u64);
     // The file bodies went as DATA payloads by sendfile on the kernel plane (the outbox of
-    // h2_transport), never through this process; on the user plane rustls encrypts them.
+    // tlsplane-h2 transport), never through this process; on the user plane rustls encrypts them.
     let file_bytes: u64 = 2 * files.iter().map(|f| f.size).sum::<u64>();
     match crate::support::mode() {
         crate::support::Mode::Kernel => assert_eq!(

@@ -27,13 +27,11 @@ use std::future::Future;
 use std::io::{self, IoSlice};
 use std::os::unix::fs::FileExt;
 use std::pin::Pin;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes};
-use tlsplane::stats::Counter;
 use tlsplane::{PlaneKind, TlsStream};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -42,93 +40,29 @@ const IO_BUF: usize = 16 * 1024;
 /// Bytes h2 may have queued in the outbox before its writes wait for the pump: a few full
 /// DATA frames, so the pump always has a batch to write while h2 prepares the next.
 const OUTBOX: usize = 64 * 1024;
+/// Streams given up whose file bodies are kept for a DATA frame h2 may have framed already
+/// ([`FileBodies::forget`]).
+pub const FORGOTTEN: usize = 4;
 /// The frame header's length (RFC 9113 §4.1).
 const FRAME_HEADER: usize = 9;
 /// A file DATA frame's payload on the kernel plane: with its header, one full TLS record
 /// (16,384 bytes of plaintext; [`FileBodies::frame_limit`]).
-pub(crate) const KERNEL_FILE_FRAME: usize = 16 * 1024 - FRAME_HEADER;
+pub const KERNEL_FILE_FRAME: usize = 16 * 1024 - FRAME_HEADER;
 const DATA: u8 = 0x0;
 const PADDED: u8 = 0x8;
 /// What an [`H2Body::file`] placeholder's bytes are taken from (never sent).
 static PLACEHOLDER: [u8; 16 * 1024] = [0; 16 * 1024];
 
-/// HTTP/2 counters, shared by the products that speak it (on /metrics as
-/// `tlsplane_h2_*_total`).
-#[derive(Default)]
-pub(crate) struct H2Stats {
-    /// Connections that chose h2.
-    pub connections: Counter,
-    /// Streams (requests) accepted.
-    pub streams: Counter,
-    /// Connections we ended with GOAWAY(ENHANCE_YOUR_CALM): a flood h2 bounds (rapid reset,
-    /// too many resets we had to send, floods of small frames).
-    pub goaway_calm: Counter,
-    /// Connections we ended with GOAWAY for another protocol error of the client's
-    /// (PROTOCOL_ERROR, COMPRESSION_ERROR, FRAME_SIZE_ERROR, FLOW_CONTROL_ERROR, ...).
-    pub goaway_protocol: Counter,
-    /// Streams reset, or connections ended, because the client granted no window or took
-    /// none of our bytes for the stall timeout.
-    pub stalls: Counter,
-    /// Idle connections (no stream open) sent GOAWAY to make room for a new connection under
-    /// --max-connections.
-    pub evictions: Counter,
-}
-
-impl H2Stats {
-    /// The counters under `names` (the product's: [`SERVE`](Self::SERVE),
-    /// [`PROXY`](Self::PROXY)).
-    pub(crate) fn counters(&self, names: &[&'static str; 6]) -> [(&'static str, u64); 6] {
-        let values = [
-            &self.connections,
-            &self.streams,
-            &self.goaway_calm,
-            &self.goaway_protocol,
-            &self.stalls,
-            &self.evictions,
-        ];
-        std::array::from_fn(|i| (names[i], values[i].load(Relaxed)))
-    }
-
-    pub(crate) const SERVE: [&'static str; 6] = [
-        "h2_connections",
-        "h2_streams",
-        "h2_goaway_calm",
-        "h2_goaway_protocol",
-        "h2_stalls",
-        "h2_evictions",
-    ];
-    pub(crate) const PROXY: [&'static str; 6] = [
-        "proxy_h2_connections",
-        "proxy_h2_streams",
-        "proxy_h2_goaway_calm",
-        "proxy_h2_goaway_protocol",
-        "proxy_h2_stalls",
-        "proxy_h2_evictions",
-    ];
-
-    /// Counts how h2's side of a connection ended, when it was an error we sent GOAWAY for.
-    pub(crate) fn count_end(&self, e: &h2::Error) {
-        if !e.is_go_away() || e.is_remote() {
-            return;
-        }
-        match e.reason() {
-            Some(h2::Reason::NO_ERROR) | None => {}
-            Some(h2::Reason::ENHANCE_YOUR_CALM) => self.goaway_calm.fetch_add(1, Relaxed),
-            Some(_) => self.goaway_protocol.fetch_add(1, Relaxed),
-        }
-    }
-}
-
 /// A stream's body as h2 carries it: bytes, or the placeholder of a file range whose bytes
 /// the outbox puts in (registered first with [`FileBodies::carry`]).
-pub(crate) enum H2Body {
+pub enum H2Body {
     Bytes(Bytes),
     File { remaining: usize },
 }
 
 impl H2Body {
     /// `len` bytes of the file range registered for the stream it is sent on.
-    pub(crate) fn file(len: usize) -> Self {
+    pub fn file(len: usize) -> Self {
         H2Body::File { remaining: len }
     }
 }
@@ -199,6 +133,8 @@ struct Outbox {
     frames: Frames,
     /// File ranges by stream, in the order their DATA will be written.
     files: HashMap<u32, VecDeque<FileRange>>,
+    /// Streams whose bodies were given up, oldest first ([`FileBodies::forget`]).
+    forgotten: VecDeque<u32>,
     /// File payloads go as ranges for `sendfile` (kernel plane), not as bytes.
     sendfile: bool,
     /// h2 shut its write side down, or dropped the transport: nothing more will come.
@@ -222,6 +158,7 @@ impl Outbox {
             queued: 0,
             frames: Frames::default(),
             files: HashMap::new(),
+            forgotten: VecDeque::new(),
             sendfile,
             shut: false,
             broken: false,
@@ -289,7 +226,6 @@ impl Outbox {
                 ranges.pop_front();
             }
             n -= take;
-            self.queued += take;
             if self.sendfile {
                 match self.pieces.back_mut() {
                     // Contiguous with the range queued last (a frame continued over writes).
@@ -316,16 +252,17 @@ impl Outbox {
                 };
                 let start = at.len();
                 at.resize(start + take, 0);
-                part.file
-                    .read_exact_at(&mut at[start..], part.offset)
-                    .map_err(|e| {
-                        if e.kind() == io::ErrorKind::UnexpectedEof {
-                            io::Error::new(e.kind(), "file shrank while being sent")
-                        } else {
-                            e
-                        }
-                    })?;
+                if let Err(e) = part.file.read_exact_at(&mut at[start..], part.offset) {
+                    // What was read, and the zeros after it, must not be sent as the body.
+                    at.truncate(start);
+                    return Err(if e.kind() == io::ErrorKind::UnexpectedEof {
+                        io::Error::new(e.kind(), "file shrank while being sent")
+                    } else {
+                        e
+                    });
+                }
             }
+            self.queued += take;
         }
         if ranges.is_empty() {
             self.files.remove(&stream);
@@ -394,24 +331,47 @@ fn lock(outbox: &Mutex<Outbox>) -> MutexGuard<'_, Outbox> {
 /// Registers file bodies of a connection's streams, for the outbox to send in place of their
 /// placeholders.
 #[derive(Clone)]
-pub(crate) struct FileBodies(Arc<Mutex<Outbox>>);
+pub struct FileBodies(Arc<Mutex<Outbox>>);
 
 impl FileBodies {
-    /// The next `len` bytes sent on `stream` as [`H2Body::file`] are `file`'s from `offset`.
-    /// Call before sending them.
-    pub(crate) fn carry(&self, stream: h2::StreamId, file: Arc<File>, offset: u64, len: u64) {
+    /// The next `len` bytes sent on `stream` (an [`h2::StreamId`], or its number) as
+    /// [`H2Body::file`] are `file`'s from `offset`. Call before sending them.
+    pub fn carry(&self, stream: impl Into<u32>, file: Arc<File>, offset: u64, len: u64) {
         if len == 0 {
             return;
         }
         let mut outbox = lock(&self.0);
-        let ranges = outbox.files.entry(stream.into()).or_default();
+        let stream = stream.into();
+        if let Some(at) = outbox.forgotten.iter().position(|&s| s == stream) {
+            // A new body on a stream whose old one was given up: not the old one's rest.
+            outbox.forgotten.remove(at);
+            outbox.files.remove(&stream);
+        }
+        let ranges = outbox.files.entry(stream).or_default();
         ranges.push_back(FileRange { file, offset, len });
     }
 
     /// The stream ended before its body was sent (reset, or the connection failed): h2 sends
-    /// no more of its DATA, forget what is left.
-    pub(crate) fn forget(&self, stream: h2::StreamId) {
-        lock(&self.0).files.remove(&stream.into());
+    /// no more of its DATA than it had already framed.
+    ///
+    /// That may still be one frame: h2 takes a DATA frame into its write buffer when there is
+    /// window for it, and writes it to the outbox when there is room, so a frame can be
+    /// between the two when the stream is given up. Its payload is placeholders, which must
+    /// never reach the client. So the body's rest is kept for the [`FORGOTTEN`] streams given
+    /// up last (h2 holds one DATA frame at a time), and such a frame still carries the file's
+    /// bytes; older ones are dropped.
+    pub fn forget(&self, stream: impl Into<u32>) {
+        let mut outbox = lock(&self.0);
+        let stream = stream.into();
+        if !outbox.files.contains_key(&stream) || outbox.forgotten.contains(&stream) {
+            return;
+        }
+        outbox.forgotten.push_back(stream);
+        if outbox.forgotten.len() > FORGOTTEN {
+            if let Some(oldest) = outbox.forgotten.pop_front() {
+                outbox.files.remove(&oldest);
+            }
+        }
     }
 
     /// The most file bytes to give h2 at once (it makes one DATA frame of each such piece).
@@ -422,7 +382,7 @@ impl FileBodies {
     /// two records, two AEAD operations and 22 bytes of overhead for every frame. With
     /// payloads of [`KERNEL_FILE_FRAME`] the header and payload fill exactly one record. On
     /// the user plane the record layer cuts whole batches into full records: no limit.
-    pub(crate) fn frame_limit(&self) -> usize {
+    pub fn frame_limit(&self) -> usize {
         if lock(&self.0).sendfile {
             KERNEL_FILE_FRAME
         } else {
@@ -432,12 +392,12 @@ impl FileBodies {
 }
 
 /// What h2 reads the client's bytes from and writes its own to.
-pub(crate) struct H2Io {
+pub struct H2Io {
     outbox: Arc<Mutex<Outbox>>,
 }
 
 impl H2Io {
-    pub(crate) fn file_bodies(&self) -> FileBodies {
+    pub fn file_bodies(&self) -> FileBodies {
         FileBodies(self.outbox.clone())
     }
 
@@ -547,20 +507,62 @@ impl AsyncWrite for H2Io {
     }
 }
 
+/// The client's side of a connection, which the pump moves bytes to and from: a [`TlsStream`]
+/// of either plane in the products, bytes in memory in the fuzz targets (fuzz/).
+pub trait Transport {
+    /// File payloads are to be written as ranges by [`write_file`](Self::write_file) (the
+    /// kernel plane's `sendfile`), not read into memory first.
+    fn sends_files(&self) -> bool;
+    /// Waits until a read would not wait (it may return early), holding no buffer meanwhile.
+    fn readable(&mut self) -> impl Future<Output = io::Result<()>>;
+    /// The client's next bytes; `Ok(0)` at its end. Cancel-safe.
+    fn read(&mut self, buf: &mut [u8]) -> impl Future<Output = io::Result<usize>>;
+    fn write_all(&mut self, data: &[u8]) -> impl Future<Output = io::Result<()>>;
+    /// `prefix`, then `len` bytes of `file` from `offset`.
+    fn write_file(
+        &mut self,
+        prefix: &[u8],
+        file: &File,
+        offset: u64,
+        len: u64,
+    ) -> impl Future<Output = io::Result<()>>;
+}
+
+impl Transport for TlsStream {
+    fn sends_files(&self) -> bool {
+        self.plane() == PlaneKind::Kernel
+    }
+    async fn readable(&mut self) -> io::Result<()> {
+        TlsStream::readable(self).await
+    }
+    async fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        TlsStream::read(self, buf).await
+    }
+    async fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
+        TlsStream::write_all(self, data).await
+    }
+    async fn write_file(
+        &mut self,
+        prefix: &[u8],
+        file: &File,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<()> {
+        TlsStream::write_file(self, prefix, file, offset, len).await
+    }
+}
+
 /// Runs `conn` (h2's side of one connection, given its transport) and the pump between that
 /// transport and `tls`, in the calling task, until both end: `conn`'s output, and how the
 /// pump ended (an error from the client's side, or a client that took none of our bytes for
 /// `stall`).
-pub(crate) async fn run<F, Fut>(
-    tls: &mut TlsStream,
-    stall: Duration,
-    conn: F,
-) -> (Fut::Output, io::Result<()>)
+pub async fn run<T, F, Fut>(tls: &mut T, stall: Duration, conn: F) -> (Fut::Output, io::Result<()>)
 where
+    T: Transport,
     F: FnOnce(H2Io) -> Fut,
     Fut: Future,
 {
-    let outbox = Arc::new(Mutex::new(Outbox::new(tls.plane() == PlaneKind::Kernel)));
+    let outbox = Arc::new(Mutex::new(Outbox::new(tls.sends_files())));
     let io = H2Io {
         outbox: outbox.clone(),
     };
@@ -590,7 +592,11 @@ impl Drop for PumpGone<'_> {
 /// Moves bytes between the client (`tls`) and h2 until h2 is done with the connection:
 /// the client's to h2, the outbox's to the client. A client that takes none of our bytes for
 /// `stall` ends the connection.
-async fn pump(tls: &mut TlsStream, outbox: &Mutex<Outbox>, stall: Duration) -> io::Result<()> {
+async fn pump<T: Transport>(
+    tls: &mut T,
+    outbox: &Mutex<Outbox>,
+    stall: Duration,
+) -> io::Result<()> {
     let _gone = PumpGone(outbox);
     // The client's input ended.
     let mut input_done = false;
@@ -627,8 +633,8 @@ async fn pump(tls: &mut TlsStream, outbox: &Mutex<Outbox>, stall: Duration) -> i
 
 /// Once h2 has taken the bytes read last, the client's next bytes (empty at its end). The
 /// buffer is allocated only once the client has sent something: an idle connection holds
-/// none. Cancel-safe: waiting and [`TlsStream::read`] are.
-async fn read_for_h2(tls: &mut TlsStream, outbox: &Mutex<Outbox>) -> io::Result<Vec<u8>> {
+/// none. Cancel-safe: waiting and [`Transport::read`] are.
+async fn read_for_h2<T: Transport>(tls: &mut T, outbox: &Mutex<Outbox>) -> io::Result<Vec<u8>> {
     std::future::poll_fn(|cx| {
         let mut shared = lock(outbox);
         if shared.inbound.is_empty() {
@@ -666,7 +672,7 @@ fn next_pieces(outbox: &Mutex<Outbox>, cx: &mut Context<'_>) -> Poll<Option<VecD
 
 /// Writes queued pieces in order: bytes ahead of a file range go with `MSG_MORE`, so the
 /// frame header shares a record with the payload that `sendfile` sends.
-async fn send(tls: &mut TlsStream, mut pieces: VecDeque<Piece>) -> io::Result<()> {
+async fn send<T: Transport>(tls: &mut T, mut pieces: VecDeque<Piece>) -> io::Result<()> {
     while let Some(piece) = pieces.pop_front() {
         match piece {
             Piece::Bytes(bytes) => match pieces.pop_front() {
@@ -815,7 +821,41 @@ mod tests {
             offset: 0,
             len: 10,
         });
-        let err = ob.take(&frame(DATA, 0, 1, &[0; 10])).expect_err("shrank");
+        let data = frame(DATA, 0, 1, &[0; 10]);
+        let err = ob.take(&data).expect_err("shrank");
         assert!(err.to_string().contains("shrank"), "{err}");
+        // The frame's header went out; none of the file's bytes nor zeros in their place.
+        assert_eq!(sent(&mut ob), data[..FRAME_HEADER]);
+    }
+
+    /// A DATA frame h2 framed before its stream was given up (`forget`) still carries the
+    /// file's bytes, never the placeholders; a body given up long ago is dropped.
+    #[test]
+    fn a_frame_in_flight_when_its_body_is_forgotten_still_carries_the_file() {
+        for sendfile in [false, true] {
+            let mut ob = outbox(sendfile);
+            let bodies = FileBodies(Arc::new(Mutex::new(outbox(sendfile))));
+            let file = temp_file(b"0123456789");
+            bodies.carry(1u32, file.clone(), 0, 10);
+            bodies.forget(1u32);
+            // Take the registry over into the outbox under test.
+            std::mem::swap(&mut ob.files, &mut lock(&bodies.0).files);
+            std::mem::swap(&mut ob.forgotten, &mut lock(&bodies.0).forgotten);
+            let data = frame(DATA, 0, 1, &[0; 4]);
+            ob.take(&data).expect("a frame framed before the reset");
+            let mut expected = data[..FRAME_HEADER].to_vec();
+            expected.extend_from_slice(b"0123");
+            assert!(sent(&mut ob) == expected, "sendfile {sendfile}");
+        }
+        // Only the last FORGOTTEN bodies given up are kept.
+        let bodies = FileBodies(Arc::new(Mutex::new(outbox(true))));
+        let file = temp_file(b"0123456789");
+        for stream in (1..).step_by(2).take(FORGOTTEN + 1) {
+            bodies.carry(stream as u32, file.clone(), 0, 10);
+            bodies.forget(stream as u32);
+        }
+        let kept = lock(&bodies.0);
+        assert_eq!(kept.files.len(), FORGOTTEN);
+        assert!(!kept.files.contains_key(&1), "the oldest is dropped");
     }
 }

@@ -7,29 +7,29 @@ use std::time::Duration;
 
 /// Streams a client may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS). RFC 9113 §6.5.2
 /// advises no fewer than 100, so as not to limit parallelism.
-pub(crate) const MAX_CONCURRENT_STREAMS: u32 = 100;
+pub const MAX_CONCURRENT_STREAMS: u32 = 100;
 /// Largest header list a request may decode to (SETTINGS_MAX_HEADER_LIST_SIZE), checked by
 /// h2 while it decodes, over CONTINUATION frames too (CVE-2024-27316) and whatever the HPACK
 /// encoding: HTTP/1.1's head limit (16 KiB) plus RFC 9113's 32 bytes of accounting for each
 /// of its 64 fields. h2's default is 16 MiB.
-pub(crate) const MAX_HEADER_LIST: u32 = 16384 + 64 * 32;
+pub const MAX_HEADER_LIST: u32 = 16384 + 64 * 32;
 /// Streams the client reset before they were accepted, queued at once (rapid reset,
 /// CVE-2023-44487); beyond it the connection ends with GOAWAY(ENHANCE_YOUR_CALM). h2's
 /// default, named here so that it cannot change under us with an upgrade.
-pub(crate) const MAX_PENDING_ACCEPT_RESETS: usize = 20;
+pub const MAX_PENDING_ACCEPT_RESETS: usize = 20;
 /// Streams reset by us for the client's protocol errors before the connection ends with
 /// GOAWAY(ENHANCE_YOUR_CALM). A conformant client causes none; h2's default is 1024.
-pub(crate) const MAX_LOCAL_ERROR_RESETS: usize = 100;
+pub const MAX_LOCAL_ERROR_RESETS: usize = 100;
 /// Streams we reset whose state is kept (to ignore their late frames) at once, and how long
 /// (h2's defaults).
-pub(crate) const MAX_CONCURRENT_RESETS: usize = 50;
-pub(crate) const RESET_STREAM_DURATION: Duration = Duration::from_secs(1);
+pub const MAX_CONCURRENT_RESETS: usize = 50;
+pub const RESET_STREAM_DURATION: Duration = Duration::from_secs(1);
 /// Body bytes h2 queues per stream before it stops granting capacity (h2's default ~400 KB),
 /// where bodies are bytes in memory (the proxy's; `serve` queues placeholders of files).
-pub(crate) const SEND_BUFFER: usize = 32 * 1024;
+pub const SEND_BUFFER: usize = 32 * 1024;
 
 /// The server side, as clients see it, queueing up to `send_buffer` body bytes per stream.
-pub(crate) fn server(send_buffer: usize) -> h2::server::Builder {
+pub fn server(send_buffer: usize) -> h2::server::Builder {
     let mut builder = h2::server::Builder::new();
     builder
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
@@ -44,14 +44,14 @@ pub(crate) fn server(send_buffer: usize) -> h2::server::Builder {
 
 /// Largest response header list (and trailer list) accepted from an h2c backend: the HTTP/1.1
 /// proxy's limit on a backend's response head (64 KiB).
-pub(crate) const MAX_BACKEND_HEADER_LIST: u32 = 65536;
+pub const MAX_BACKEND_HEADER_LIST: u32 = 65536;
 /// Streams the proxy opens at once on one h2c backend connection; more go on another
 /// connection (within --backend-max-connections). A backend's own
 /// SETTINGS_MAX_CONCURRENT_STREAMS, when lower, is honoured by h2 (streams wait for a place).
-pub(crate) const MAX_BACKEND_STREAMS: usize = 100;
+pub const MAX_BACKEND_STREAMS: usize = 100;
 
 /// The client side, towards h2c backends.
-pub(crate) fn client() -> h2::client::Builder {
+pub fn client() -> h2::client::Builder {
     let mut builder = h2::client::Builder::new();
     builder
         // The backend pushes nothing the proxy could forward (clients of the proxy get no
