@@ -19,7 +19,6 @@
 //! Each case says what it would show without its mitigation.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -415,43 +414,13 @@ struct Target {
 fn backend() -> std::net::SocketAddr {
     static BIG: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
     let big: &'static [u8] = BIG.get_or_init(|| vec![b'x'; 16 << 20]);
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = l.local_addr().expect("addr");
-    std::thread::spawn(move || {
-        for c in l.incoming() {
-            let Ok(c) = c else { break };
-            std::thread::spawn(move || {
-                let mut r = BufReader::new(c.try_clone().expect("clone"));
-                let mut w = c;
-                loop {
-                    let mut request_line = String::new();
-                    let mut line = String::new();
-                    loop {
-                        line.clear();
-                        match r.read_line(&mut line) {
-                            Ok(0) | Err(_) => return,
-                            Ok(_) if line == "\r\n" => break,
-                            Ok(_) if request_line.is_empty() => request_line = line.clone(),
-                            Ok(_) => {}
-                        }
-                    }
-                    let body: &[u8] = if request_line.starts_with("GET /big ") {
-                        big
-                    } else {
-                        b"hello"
-                    };
-                    let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
-                    if w.write_all(head.as_bytes())
-                        .and_then(|()| w.write_all(body))
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-            });
+    crate::support::keep_alive_backend_by(move |request_line| {
+        if request_line.starts_with("GET /big ") {
+            big
+        } else {
+            b"hello"
         }
-    });
-    addr
+    })
 }
 
 fn h2_server(kind: Kind) -> Target {

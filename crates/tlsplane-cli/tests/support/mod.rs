@@ -652,24 +652,36 @@ pub fn get_request(path: &str, extra: &str) -> Vec<u8> {
 
 /// A backend that answers every request with `body`, Content-Length, keep-alive.
 pub fn keep_alive_backend(body: &'static [u8]) -> std::net::SocketAddr {
+    keep_alive_backend_by(move |_| body)
+}
+
+/// A keep-alive backend that answers each request with `answer(request line)`, with
+/// Content-Length; a thread per connection.
+pub fn keep_alive_backend_by(
+    answer: impl Fn(&str) -> &'static [u8] + Clone + Send + 'static,
+) -> std::net::SocketAddr {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr");
     std::thread::spawn(move || {
         for c in l.incoming() {
             let Ok(c) = c else { break };
+            let answer = answer.clone();
             std::thread::spawn(move || {
                 let mut r = BufReader::new(c.try_clone().expect("clone"));
                 let mut w = c;
                 loop {
+                    let mut request_line = String::new();
                     let mut line = String::new();
                     loop {
                         line.clear();
                         match r.read_line(&mut line) {
                             Ok(0) | Err(_) => return,
                             Ok(_) if line == "\r\n" => break,
+                            Ok(_) if request_line.is_empty() => request_line = line.clone(),
                             Ok(_) => {}
                         }
                     }
+                    let body = answer(&request_line);
                     let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
                     if w.write_all(head.as_bytes())
                         .and_then(|()| w.write_all(body))
