@@ -261,6 +261,8 @@ impl Outbox {
                         e
                     });
                 }
+                let copied = &tlsplane::stats::global().file_bytes_copied;
+                copied.fetch_add(take as u64, std::sync::atomic::Ordering::Relaxed);
             }
             self.queued += take;
         }

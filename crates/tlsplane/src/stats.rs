@@ -169,6 +169,10 @@ counters! {
     /// File bytes sent by `sendfile(2)` on the kernel plane (part of `bytes_tx_kernel`): read
     /// from the page cache and encrypted by the kernel, they never entered this process.
     sendfile_bytes,
+    /// File bytes read into this process to be encrypted and sent (the user plane's file
+    /// bodies, over HTTP/1.1 or h2): the copy the kernel plane's `sendfile` saves. Stays 0 on
+    /// the kernel plane.
+    file_bytes_copied,
     /// Connections that spoke plain HTTP to the TLS port (answered as the product chose).
     plain_http_requests,
     /// ClientHellos whose server name (or lack of one) matched no site, with no default site:

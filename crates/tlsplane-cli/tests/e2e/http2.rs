@@ -181,12 +181,18 @@ fn files_over_h2_are_byte_exact_one_after_another_and_multiplexed() {
     // tlsplane-h2 transport), never through this process; on the user plane rustls encrypts them.
     let file_bytes: u64 = 2 * files.iter().map(|f| f.size).sum::<u64>();
     match crate::support::mode() {
-        crate::support::Mode::Kernel => assert_eq!(
-            stats.get("sendfile_bytes"),
-            file_bytes,
-            "file bodies over h2 not by sendfile: {stats:?}"
-        ),
-        crate::support::Mode::User => assert_eq!(stats.get("sendfile_bytes"), 0),
+        crate::support::Mode::Kernel => {
+            assert_eq!(
+                stats.get("sendfile_bytes"),
+                file_bytes,
+                "file bodies over h2 not by sendfile: {stats:?}"
+            );
+            assert_eq!(stats.get("file_bytes_copied"), 0, "{stats:?}");
+        }
+        crate::support::Mode::User => {
+            assert_eq!(stats.get("sendfile_bytes"), 0);
+            assert_eq!(stats.get("file_bytes_copied"), file_bytes, "{stats:?}");
+        }
     }
 }
 
@@ -547,5 +553,6 @@ fn file_data_frames_fill_whole_tls_records() {
     let stats = server.stop();
     if crate::support::mode() == crate::support::Mode::Kernel {
         assert_eq!(stats.get("sendfile_bytes"), f.size, "{stats:?}");
+        assert_eq!(stats.get("file_bytes_copied"), 0, "{stats:?}");
     }
 }

@@ -339,6 +339,7 @@ impl UserPlane {
                     }
                     got += n;
                 }
+                crate::stats::add(&crate::stats::global().file_bytes_copied, want as u64);
                 offset += want as u64;
                 remaining -= want as u64;
                 self.write_all(sock, &buf[..head + want]).await?;
