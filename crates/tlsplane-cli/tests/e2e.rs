@@ -50,6 +50,8 @@ mod http2;
 mod http2_abuse;
 #[path = "e2e/http2_browser.rs"]
 mod http2_browser;
+#[path = "e2e/http2_flood.rs"]
+mod http2_flood;
 #[path = "e2e/kernel.rs"]
 mod kernel;
 #[path = "e2e/keyd.rs"]

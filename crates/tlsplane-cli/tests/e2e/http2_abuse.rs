@@ -214,7 +214,7 @@ print(json.dumps(out))
 "##;
 
 /// A Python with hyperframe and hpack: the one in PATH, or Debian's (python3-h2).
-fn python_with_h2() -> &'static str {
+pub(crate) fn python_with_h2() -> &'static str {
     ["python3", "/usr/bin/python3"]
         .into_iter()
         .find(|py| {
