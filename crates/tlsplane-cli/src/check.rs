@@ -84,6 +84,13 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
         };
         (needs, alpn)
     };
+    // Session-ticket keys, read as a server would read them (relative to the working
+    // directory, as a server started here would).
+    if let Some(path) = file.server.get("ticket-keys").and_then(|v| v.as_str()) {
+        if let Err(e) = tlsplane_server::server::read_ticket_keys(Some(path.as_ref())) {
+            errors.push(format!("{e:#}"));
+        }
+    }
     // Keys are read here, by the operator's tool, as keyd would read them.
     match load_sites(&file, &needs, &alpn, &tlsplane::cert::load_key) {
         Ok(sites) => {

@@ -32,6 +32,8 @@ mod content;
 mod control;
 #[path = "e2e/descriptors.rs"]
 mod descriptors;
+#[path = "e2e/fleet.rs"]
+mod fleet;
 #[path = "e2e/h2spec.rs"]
 mod h2spec;
 #[path = "e2e/handoff.rs"]

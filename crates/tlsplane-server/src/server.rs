@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
+use tlsplane::tickets::TicketKeys;
 use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions};
+use zeroize::Zeroizing;
 
 // Alpn and HTTP1_ALPN live with the configuration that checks them; products name them here.
 pub use crate::config::{Alpn, HTTP1_ALPN, SERVE_ALPN};
@@ -112,6 +114,14 @@ pub struct ServerArgs {
     /// TLS 1.3 session tickets sent after a full handshake (0 disables TLS 1.3 resumption).
     #[arg(long, default_value_t = 1)]
     pub tls13_tickets: usize,
+    /// Session-ticket keys from FILE, so that tickets resume on every server given the same
+    /// file and after a restart (nginx's ssl_session_ticket_key, HAProxy's tls-ticket-keys).
+    /// One key per line, base64 of 80 random bytes (`openssl rand 80 | base64 -w0`); the last
+    /// three count and the one before the last encrypts (previous, current, next). To rotate:
+    /// append a new key, drop the first, reload every server, no more often than every 6
+    /// hours. Read again at each reload. Default: random keys made by this process.
+    #[arg(long, value_name = "FILE")]
+    pub ticket_keys: Option<PathBuf>,
     /// Testing aid: records per key before the kernel plane re-keys or closes (default: the
     /// suite's AEAD confidentiality limit).
     #[arg(long, hide = true)]
@@ -323,7 +333,13 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     for w in &sites.warnings {
         tracing::warn!("{w}");
     }
-    let acceptor = Acceptor::new(server_options(&server, &sites, P::HANDS_OFF_SOCKETS))?;
+    let ticket_keys = read_ticket_keys(server.ticket_keys.as_deref())?;
+    let acceptor = Acceptor::new(server_options(
+        &server,
+        &sites,
+        P::HANDS_OFF_SOCKETS,
+        ticket_keys,
+    ))?;
     tracing::info!(
         "data plane: {} ({})",
         server.data_plane,
@@ -431,10 +447,12 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
             for w in &sites.warnings {
                 tracing::warn!("{w}");
             }
+            let ticket_keys = read_ticket_keys(P::server(&args).ticket_keys.as_deref())?;
             let acceptor = current.reload(server_options(
                 P::server(&args),
                 &sites,
                 P::HANDS_OFF_SOCKETS,
+                ticket_keys,
             ))?;
             let handler = Arc::new(P::build(&args, sites, &stats, &runtime_stats)?);
             current = acceptor.clone();
@@ -541,8 +559,14 @@ fn load_sites<P: Product>(
 }
 
 /// The acceptor's options: the sites' TLS and the global TLS options.
-fn server_options(args: &ServerArgs, sites: &Sites, hands_off_sockets: bool) -> ServerOptions {
+fn server_options(
+    args: &ServerArgs,
+    sites: &Sites,
+    hands_off_sockets: bool,
+    ticket_keys: Option<Arc<TicketKeys>>,
+) -> ServerOptions {
     ServerOptions {
+        ticket_keys,
         sites: sites.tls.clone(),
         names: sites.names.clone(),
         unknown_name: args.unknown_name,
@@ -560,6 +584,50 @@ fn server_options(args: &ServerArgs, sites: &Sites, hands_off_sockets: bool) -> 
         },
         exact_handshake_reads: hands_off_sockets,
     }
+}
+
+/// The session-ticket keys of `--ticket-keys`, read now (at start, at each reload, and by
+/// check-config).
+pub fn read_ticket_keys(path: Option<&std::path::Path>) -> anyhow::Result<Option<Arc<TicketKeys>>> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let context =
+        |e: &dyn std::fmt::Display| anyhow::anyhow!("--ticket-keys {}: {e}", path.display());
+    // Read into one buffer sized from the start, so that no copy of the keys is left behind
+    // in a freed one; a key file is a few hundred bytes.
+    const MAX_FILE: u64 = 64 * 1024;
+    let mut file = std::fs::File::open(path).map_err(|e| context(&e))?;
+    let meta = file.metadata().map_err(|e| context(&e))?;
+    if meta.len() > MAX_FILE {
+        return Err(context(&format!(
+            "{} bytes: too large for a key file ({MAX_FILE} at most)",
+            meta.len()
+        )));
+    }
+    let mut raw = Zeroizing::new(Vec::with_capacity(meta.len() as usize + 1));
+    std::io::Read::read_to_end(&mut std::io::Read::take(&mut file, MAX_FILE), &mut raw)
+        .map_err(|e| context(&e))?;
+    let text = std::str::from_utf8(&raw).map_err(|_| context(&"not text"))?;
+    let keys = TicketKeys::parse(text).map_err(|e| context(&e))?;
+    if std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o004 != 0 {
+        tracing::warn!(
+            "--ticket-keys {}: readable by every user of this machine; whoever reads it can decrypt the sessions it resumes (chmod o-r)",
+            path.display()
+        );
+    }
+    // The name is in every ticket, not a secret: it shows which key the servers encrypt with.
+    let name = keys.current_name();
+    tracing::info!(
+        "session tickets: {} keys from {}, encrypting with the key named {:02x}{:02x}{:02x}{:02x}...",
+        keys.len(),
+        path.display(),
+        name[0],
+        name[1],
+        name[2],
+        name[3]
+    );
+    Ok(Some(Arc::new(keys)))
 }
 
 /// The answer to a client that speaks plain HTTP to the TLS port (curl http://...), as nginx

@@ -12,6 +12,7 @@ use rustls::ServerConfig;
 
 use crate::probe::KernelSupport;
 use crate::sites::{SiteCerts, SiteNames, UnknownName};
+use crate::tickets::{TicketKeyRing, TicketKeys};
 use crate::Error;
 
 /// Where application records should be encrypted.
@@ -115,6 +116,10 @@ pub struct ServerOptions {
     /// program (which can only read what the socket holds). Costs one `MSG_PEEK` per client
     /// flight, and only on connections that may go to the kernel plane.
     pub exact_handshake_reads: bool,
+    /// Session-ticket keys given to the server (`--ticket-keys`), shared with the other
+    /// servers that hold them and kept across restarts: see [`crate::tickets`]. `None`: rustls
+    /// makes random keys for this process (rotated every 6 hours, kept across reloads).
+    pub ticket_keys: Option<Arc<TicketKeys>>,
 }
 
 /// The default KeyUpdate rate: GnuTLS allows 8 per second.
@@ -148,6 +153,7 @@ impl ServerOptions {
             key_updates_per_second: DEFAULT_KEY_UPDATES_PER_SECOND,
             linger: crate::linger::DEFAULT_LINGER,
             exact_handshake_reads: false,
+            ticket_keys: None,
         }
     }
 }
@@ -183,6 +189,24 @@ pub fn crypto_provider() -> CryptoProvider {
     }
 }
 
+/// Every site's ticketer, and the same as a ring when its keys are given (to install new ones).
+type Ticketer = (Arc<dyn ProducesTickets>, Option<Arc<TicketKeyRing>>);
+
+/// The ticketer for `keys`: a ring of them, or without keys rustls's own (random keys made in
+/// this process).
+fn ticketer(keys: Option<Arc<TicketKeys>>) -> Result<Ticketer, Error> {
+    Ok(match keys {
+        Some(keys) => {
+            let ring = TicketKeyRing::new(keys);
+            (ring.clone(), Some(ring))
+        }
+        None => (
+            provider::Ticketer::new().map_err(|e| Error::Config(e.to_string()))?,
+            None,
+        ),
+    })
+}
+
 /// Accepts TLS connections: holds each site's rustls configuration, the policy and what the
 /// kernel can do. Cheap to share between workers (`Arc` inside).
 #[derive(Clone)]
@@ -194,6 +218,9 @@ pub struct Acceptor {
     /// Shared by every site and kept across reloads, so that tickets issued before a reload
     /// still resume after it.
     pub(crate) ticketer: Arc<dyn ProducesTickets>,
+    /// The ticketer when the keys are given (`ServerOptions::ticket_keys`): a reload installs
+    /// the keys read again into it.
+    ticket_ring: Option<Arc<TicketKeyRing>>,
     /// TLS 1.2 session-ID resumption state, shared as the ticketer is.
     session_storage: Arc<dyn StoresServerSessions + Send + Sync>,
     pub(crate) policy: DataPlanePolicy,
@@ -222,16 +249,23 @@ impl Acceptor {
     }
 
     /// As [`Acceptor::new`] with an explicit kernel capability set (tests, forced fallbacks).
-    pub fn with_kernel_support(opts: ServerOptions, kernel: KernelSupport) -> Result<Self, Error> {
-        let ticketer = provider::Ticketer::new().map_err(|e| Error::Config(e.to_string()))?;
+    pub fn with_kernel_support(
+        mut opts: ServerOptions,
+        kernel: KernelSupport,
+    ) -> Result<Self, Error> {
+        let (ticketer, ring) = ticketer(opts.ticket_keys.take())?;
         let session_storage = rustls::server::ServerSessionMemoryCache::new(4096);
-        Self::build(opts, Arc::new(kernel), ticketer, session_storage)
+        Self::build(opts, Arc::new(kernel), (ticketer, ring), session_storage)
     }
 
     /// A new acceptor for a reloaded configuration: new sites and options, the same session
     /// ticket keys and session cache (clients resume across the reload), and the same kernel
     /// probe unless the data-plane policy changed.
-    pub fn reload(&self, opts: ServerOptions) -> Result<Self, Error> {
+    ///
+    /// Ticket keys given again are installed in the same ticketer (a rotation); keys given
+    /// now and not before, or the reverse, make a new ticketer, and tickets issued before the
+    /// reload then get full handshakes.
+    pub fn reload(&self, mut opts: ServerOptions) -> Result<Self, Error> {
         let kernel = if opts.policy == self.policy {
             self.kernel.clone()
         } else {
@@ -240,18 +274,21 @@ impl Acceptor {
                 _ => KernelSupport::probe(),
             })
         };
-        Self::build(
-            opts,
-            kernel,
-            self.ticketer.clone(),
-            self.session_storage.clone(),
-        )
+        let ticketer = match (opts.ticket_keys.take(), &self.ticket_ring) {
+            (Some(keys), Some(ring)) => {
+                ring.install(keys);
+                (self.ticketer.clone(), Some(ring.clone()))
+            }
+            (None, None) => (self.ticketer.clone(), None),
+            (keys, _) => ticketer(keys)?,
+        };
+        Self::build(opts, kernel, ticketer, self.session_storage.clone())
     }
 
     fn build(
         opts: ServerOptions,
         kernel: Arc<KernelSupport>,
-        ticketer: Arc<dyn ProducesTickets>,
+        (ticketer, ticket_ring): Ticketer,
         session_storage: Arc<dyn StoresServerSessions + Send + Sync>,
     ) -> Result<Self, Error> {
         if opts.policy == DataPlanePolicy::Kernel && !kernel.ulp {
@@ -287,6 +324,7 @@ impl Acceptor {
             names: opts.names,
             unknown_name: opts.unknown_name,
             ticketer,
+            ticket_ring,
             session_storage,
             policy: opts.policy,
             kernel,

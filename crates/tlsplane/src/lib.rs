@@ -23,6 +23,7 @@ pub mod probe;
 pub mod sites;
 pub mod stats;
 mod stream;
+pub mod tickets;
 
 pub use config::{Acceptor, DataPlanePolicy, ServerOptions, SiteTls};
 pub use error::Error;

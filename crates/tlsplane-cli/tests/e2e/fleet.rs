@@ -1,0 +1,269 @@
+//! Several servers as one (docs/FLEET.md): session tickets issued by one resume on every
+//! server given the same `--ticket-keys` file, after a restart too, and through a rotation.
+//!
+//! Servers run one after another, not side by side: in kernel mode the guests run one
+//! server at a time (their /proc/net/tls_stat is checked per server). A server that is
+//! started afresh is "another node" as far as tickets go: nothing of the first survives in it
+//! but the key file.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use rustls::{ClientConfig, HandshakeKind};
+
+use crate::sites::scratch;
+use crate::support::client::{ClientOpts, Tls, TlsClient};
+use crate::support::{fixtures, server_bin, tools, Server};
+
+fn random_key() -> Vec<u8> {
+    let mut k = vec![0u8; 80];
+    aws_lc_rs::rand::fill(&mut k).unwrap();
+    k
+}
+
+fn write_keys(path: &Path, keys: &[&[u8]]) {
+    let text: String = keys
+        .iter()
+        .map(|k| base64::engine::general_purpose::STANDARD.encode(k) + "\n")
+        .collect();
+    // Replaced by a rename, as a deployment tool would.
+    let tmp = path.with_extension("tmp");
+    fs::write(&tmp, text).unwrap();
+    fs::rename(&tmp, path).unwrap();
+}
+
+fn node(keys: Option<&Path>, pid_file: Option<&Path>) -> Server {
+    let mut b = Server::builder();
+    if let Some(k) = keys {
+        b = b.arg("--ticket-keys").arg(k.to_str().unwrap());
+    }
+    if let Some(p) = pid_file {
+        b = b.arg("--pid-file").arg(p.to_str().unwrap());
+    }
+    b.start()
+}
+
+/// Connects with `client` (whose session store holds what earlier connections left), gets a
+/// page so that the server's tickets arrive, and says how the handshake went.
+fn visit(port: u16, client: &Arc<ClientConfig>) -> HandshakeKind {
+    let mut c = TlsClient::connect_with(port, client.clone());
+    let kind = c.conn.handshake_kind().expect("handshake done");
+    assert_eq!(c.get(&fixtures::get().hello.url).status, 200);
+    c.close();
+    kind
+}
+
+/// A client that has been to `port` once (a full handshake) and holds its ticket.
+fn client_with_ticket(port: u16, v: Tls) -> Arc<ClientConfig> {
+    let client = ClientOpts::version(v).config();
+    assert_eq!(visit(port, &client), HandshakeKind::Full);
+    client
+}
+
+fn reload(pid_file: &Path) {
+    let mut cmd = Command::new(server_bin());
+    cmd.args(["reload", "--pid-file"]).arg(pid_file);
+    let out = tools::run(cmd, b"", Duration::from_secs(40));
+    assert!(out.status.success(), "{}", out.describe());
+}
+
+fn no_panic(server: &Server) {
+    let lines = server.stderr_lines();
+    assert!(
+        !lines.iter().any(|l| l.contains("panicked")),
+        "{}",
+        lines.join("\n")
+    );
+}
+
+#[test]
+fn tickets_resume_on_every_server_holding_the_keys_and_only_there() {
+    let dir = scratch("fleet-resume");
+    let keys = dir.join("ticket.keys");
+    write_keys(&keys, &[&random_key(), &random_key()]);
+    let other_keys = dir.join("other.keys");
+    write_keys(&other_keys, &[&random_key()]);
+
+    // Node A issues tickets to four clients (TLS 1.3 and 1.2), then goes away.
+    let a = node(Some(&keys), None);
+    let on_b = client_with_ticket(a.port(), Tls::V13);
+    let on_b12 = client_with_ticket(a.port(), Tls::V12);
+    let on_plain = client_with_ticket(a.port(), Tls::V13);
+    let on_other = client_with_ticket(a.port(), Tls::V13);
+    no_panic(&a);
+    let stats = a.stop();
+    assert_eq!(stats.get("handshakes_resumed"), 0, "{stats:?}");
+
+    // Node B (or A restarted: a new process) holds the same file: A's tickets resume there.
+    let b = node(Some(&keys), None);
+    assert_eq!(visit(b.port(), &on_b), HandshakeKind::Resumed, "TLS 1.3");
+    assert_eq!(visit(b.port(), &on_b12), HandshakeKind::Resumed, "TLS 1.2");
+    no_panic(&b);
+    let stats = b.stop();
+    assert_eq!(stats.get("handshakes_resumed"), 2, "{stats:?}");
+
+    // A server with keys of its own, or with another file, cannot read them: full handshakes,
+    // and the connection goes on.
+    let plain = node(None, None);
+    assert_eq!(visit(plain.port(), &on_plain), HandshakeKind::Full);
+    plain.stop();
+    let other = node(Some(&other_keys), None);
+    assert_eq!(visit(other.port(), &on_other), HandshakeKind::Full);
+    other.stop();
+}
+
+#[test]
+fn a_rotation_keeps_the_previous_keys_tickets_and_drops_older_ones() {
+    let dir = scratch("fleet-rotation");
+    let (k1, k2, k3, k4) = (random_key(), random_key(), random_key(), random_key());
+    let keys = dir.join("ticket.keys");
+    let pid_file = dir.join("tlsplane.pid");
+    let name = |k: &[u8]| format!("{:02x}{:02x}{:02x}{:02x}", k[0], k[1], k[2], k[3]);
+
+    // [k1, k2]: k1 encrypts, k2 is the next key. P and Q hold k1 tickets.
+    write_keys(&keys, &[&k1, &k2]);
+    let a = node(Some(&keys), Some(&pid_file));
+    let logged = |s: &Server, k: &[u8]| {
+        s.stderr_lines()
+            .iter()
+            .any(|l| l.contains(&format!("encrypting with the key named {}", name(k))))
+    };
+    assert!(logged(&a, &k1), "{}", a.stderr_lines().join("\n"));
+    let p = client_with_ticket(a.port(), Tls::V13);
+    let q = client_with_ticket(a.port(), Tls::V13);
+
+    // Rotation 1: [k1, k2, k3]: k2 encrypts; k1's tickets still resume. R gets a k2 ticket.
+    write_keys(&keys, &[&k1, &k2, &k3]);
+    reload(&pid_file);
+    assert!(logged(&a, &k2), "{}", a.stderr_lines().join("\n"));
+    assert_eq!(visit(a.port(), &p), HandshakeKind::Resumed);
+    let r = client_with_ticket(a.port(), Tls::V13);
+    no_panic(&a);
+    let stats = a.stop();
+    assert_eq!(stats.get("reloads"), 1, "{stats:?}");
+
+    // A server that has not rotated yet ([k1, k2]) resumes a rotated one's tickets: it knew
+    // k2 as its next key.
+    write_keys(&keys, &[&k1, &k2]);
+    let behind = node(Some(&keys), None);
+    assert_eq!(visit(behind.port(), &r), HandshakeKind::Resumed);
+    behind.stop();
+
+    // The rotated server again, after a restart. S gets a k2 ticket.
+    write_keys(&keys, &[&k1, &k2, &k3]);
+    let a = node(Some(&keys), Some(&pid_file));
+    let s_client = client_with_ticket(a.port(), Tls::V13);
+
+    // Rotation 2: [k2, k3, k4]: k1 is gone and its tickets with it; k2's still resume.
+    write_keys(&keys, &[&k2, &k3, &k4]);
+    reload(&pid_file);
+    assert!(logged(&a, &k3));
+    assert_eq!(visit(a.port(), &q), HandshakeKind::Full);
+    assert_eq!(visit(a.port(), &s_client), HandshakeKind::Resumed);
+
+    // A broken file fails the reload and leaves the keys in force.
+    fs::write(&keys, "not base64!\n").unwrap();
+    let mut cmd = Command::new(server_bin());
+    cmd.args(["reload", "--pid-file"]).arg(&pid_file);
+    let _ = tools::run(cmd, b"", Duration::from_secs(40));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !a.stderr_lines().iter().any(|l| l.contains("reload failed")) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no reload failure logged"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        a.stderr_lines()
+            .iter()
+            .any(|l| l.contains("--ticket-keys") && l.contains("line 1: not base64")),
+        "{}",
+        a.stderr_lines().join("\n")
+    );
+    let k3_ticket = client_with_ticket(a.port(), Tls::V13);
+    assert_eq!(visit(a.port(), &k3_ticket), HandshakeKind::Resumed);
+    no_panic(&a);
+    let stats = a.stop();
+    assert_eq!(stats.get("reload_failures"), 1, "{stats:?}");
+}
+
+#[test]
+fn a_bad_key_file_is_refused_before_listening_with_its_reason() {
+    let dir = scratch("fleet-bad-keys");
+    let cases: [(&str, Vec<u8>, &str); 4] = [
+        ("missing", Vec::new(), "No such file"),
+        ("empty", b"# no keys yet\n".to_vec(), "no ticket key in it"),
+        (
+            "short",
+            format!(
+                "{}\n",
+                base64::engine::general_purpose::STANDARD.encode([7u8; 32])
+            )
+            .into_bytes(),
+            "line 1: a key is 48 or 80 bytes",
+        ),
+        ("binary", random_key(), "not"),
+    ];
+    let fx = fixtures::get();
+    let leaf = fixtures::pki().leaf(fixtures::CertKind::P256);
+    for (what, content, reason) in cases {
+        let path: PathBuf = dir.join(what);
+        if what != "missing" {
+            fs::write(&path, content).unwrap();
+        }
+        let mut cmd = Command::new(server_bin());
+        cmd.args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--keyd",
+            "off",
+            "--cert",
+        ])
+        .arg(&leaf.cert_pem)
+        .arg("--key")
+        .arg(&leaf.key_pem)
+        .arg("--ticket-keys")
+        .arg(&path)
+        .arg(&fx.www);
+        let out = tools::run(cmd, b"", Duration::from_secs(30));
+        let err = out.stderr_text();
+        assert!(!out.status.success(), "{what}: {}", out.describe());
+        assert!(
+            err.contains("--ticket-keys") && err.contains(reason),
+            "{what}: {err}"
+        );
+        assert!(!err.contains("listening on"), "{what}: {err}");
+        assert!(!err.contains("panicked"), "{what}: {err}");
+    }
+
+    // check-config reads the file as a server would.
+    let config = dir.join("tlsplane.toml");
+    fs::write(
+        &config,
+        format!(
+            "[server]\nticket-keys = {:?}\n[[site]]\nserver-names = [\"localhost\"]\n\
+             default = true\nroot = {:?}\n[[site.cert]]\nchain = {:?}\nkey = {:?}\n",
+            dir.join("short"),
+            fx.www,
+            leaf.cert_pem,
+            leaf.key_pem
+        ),
+    )
+    .unwrap();
+    let mut cmd = Command::new(server_bin());
+    cmd.arg("check-config").arg(&config);
+    let out = tools::run(cmd, b"", Duration::from_secs(30));
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(
+        out.stderr_text()
+            .contains("line 1: a key is 48 or 80 bytes"),
+        "{}",
+        out.describe()
+    );
+}

@@ -1,0 +1,382 @@
+//! Session-ticket keys that outlive the process and are shared by a fleet.
+//!
+//! rustls's own ticketer makes random keys in each process, so a ticket resumes only on the
+//! process that issued it, and not after a restart. [`TicketKeyRing`] instead encrypts tickets
+//! under keys given to it (`--ticket-keys FILE` today, a shared store later), installed again
+//! whenever they change, so that every server holding the same keys resumes every other's
+//! tickets.
+//!
+//! The keys follow HAProxy's `tls-ticket-keys` rotation: of the keys given, the last three
+//! count, and the one before the last encrypts. So the keys are *previous, current, next*: a
+//! rotation appends a key and drops the first, and because every server learns the next key
+//! one rotation before any of them encrypts with it, a ticket issued by a server that rotated
+//! first still resumes on one that has not.
+//!
+//! A ticket is `key name (16) ‖ nonce (12) ‖ AES-256-GCM(rustls's session state) ‖ tag (16)`,
+//! with the key name as associated data. The name picks the key, so a ticket costs at most
+//! one decryption whatever it holds.
+
+use std::sync::{Arc, RwLock};
+
+use aws_lc_rs::aead::{Aad, Nonce, RandomizedNonceKey, AES_256_GCM, NONCE_LEN};
+use aws_lc_rs::hkdf;
+use base64::Engine as _;
+use rustls::server::ProducesTickets;
+use zeroize::Zeroizing;
+
+/// Bytes of a key's name, at the front of each ticket it encrypts.
+pub const KEY_NAME_LEN: usize = 16;
+/// Lengths a key may have, as `openssl rand 80` (or 48) makes them, and as nginx's
+/// `ssl_session_ticket_key` and HAProxy's `tls-ticket-keys` take them: a 16-byte name, then
+/// the secret.
+pub const KEY_LENS: [usize; 2] = [48, 80];
+/// Keys that count: previous, current (encrypts) and next.
+pub const KEYS_USED: usize = 3;
+/// Seconds a ticket is announced for. Keys should rotate no more often: a ticket issued just
+/// before a rotation is then still decrypted (under the previous key) for as long as the
+/// client may offer it.
+pub const TICKET_LIFETIME: u32 = 6 * 3600;
+/// HKDF info: the AEAD key is derived from a key's secret, so the same file can never be used
+/// as the raw key of another cipher by mistake.
+const KDF_INFO: &[u8] = b"tlsplane session ticket key v1";
+const TAG_LEN: usize = 16;
+
+/// Why a set of ticket keys was refused.
+#[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TicketKeyError {
+    Empty,
+    NotBase64 { line: usize },
+    Length { line: usize, len: usize },
+    DuplicateName { line: usize, first: usize },
+}
+
+impl std::fmt::Display for TicketKeyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Empty => write!(
+                f,
+                "no ticket key in it (one base64 key per line, e.g. `openssl rand 80 | base64 -w0`)"
+            ),
+            Self::NotBase64 { line } => write!(f, "line {line}: not base64"),
+            Self::Length { line, len } => write!(
+                f,
+                "line {line}: a key is 48 or 80 bytes (`openssl rand 80 | base64 -w0`), this one is {len}"
+            ),
+            Self::DuplicateName { line, first } => write!(
+                f,
+                "line {line}: the same key name as line {first}: keys must be independent random bytes"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for TicketKeyError {}
+
+/// One key: its name and the AEAD key derived from its secret (key material stays inside
+/// aws-lc; the bytes it came from are zeroized).
+struct TicketKey {
+    name: [u8; KEY_NAME_LEN],
+    aead: RandomizedNonceKey,
+}
+
+impl TicketKey {
+    fn new(raw: &[u8]) -> Self {
+        let mut name = [0u8; KEY_NAME_LEN];
+        name.copy_from_slice(&raw[..KEY_NAME_LEN]);
+        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &[]).extract(&raw[KEY_NAME_LEN..]);
+        let mut secret = Zeroizing::new([0u8; 32]);
+        // The lengths are fixed (32 bytes out of HKDF-SHA256), so neither step can fail.
+        prk.expand(&[KDF_INFO], &AES_256_GCM)
+            .and_then(|okm| okm.fill(&mut secret[..]))
+            .expect("HKDF-SHA256 gives 32 bytes");
+        let aead = RandomizedNonceKey::new(&AES_256_GCM, &secret[..]).expect("a 32-byte key");
+        Self { name, aead }
+    }
+}
+
+/// The keys in use: previous (may be absent), current, next (may be absent).
+pub struct TicketKeys {
+    keys: Vec<TicketKey>,
+    /// Index of the key that encrypts.
+    current: usize,
+}
+
+impl std::fmt::Debug for TicketKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Names only: they are sent in every ticket anyway. Never the secrets.
+        f.debug_struct("TicketKeys")
+            .field("keys", &self.keys.len())
+            .field("current", &self.current)
+            .finish()
+    }
+}
+
+impl TicketKeys {
+    /// Keys from their raw bytes, oldest first (each 48 or 80 bytes: name, then secret).
+    /// The last [`KEYS_USED`] count and the one before the last encrypts (the only one, if
+    /// there is one).
+    pub fn from_raw<K: AsRef<[u8]>>(raw: &[K]) -> Result<Self, TicketKeyError> {
+        if raw.is_empty() {
+            return Err(TicketKeyError::Empty);
+        }
+        let first_used = raw.len().saturating_sub(KEYS_USED);
+        let mut keys: Vec<TicketKey> = Vec::with_capacity(KEYS_USED);
+        for (i, k) in raw.iter().enumerate() {
+            let k = k.as_ref();
+            if !KEY_LENS.contains(&k.len()) {
+                return Err(TicketKeyError::Length {
+                    line: i + 1,
+                    len: k.len(),
+                });
+            }
+            if i < first_used {
+                continue;
+            }
+            let key = TicketKey::new(k);
+            if let Some(j) = keys.iter().position(|o| o.name == key.name) {
+                return Err(TicketKeyError::DuplicateName {
+                    line: i + 1,
+                    first: first_used + j + 1,
+                });
+            }
+            keys.push(key);
+        }
+        let current = keys.len().saturating_sub(2);
+        Ok(Self { keys, current })
+    }
+
+    /// Keys from a file's text: one base64 key per line, oldest first; blank lines and lines
+    /// starting with `#` are skipped. The text is the caller's to zeroize.
+    pub fn parse(text: &str) -> Result<Self, TicketKeyError> {
+        let mut raw: Vec<Zeroizing<Vec<u8>>> = Vec::new();
+        let mut lines: Vec<usize> = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let mut key = Zeroizing::new(Vec::with_capacity(81));
+            base64::engine::general_purpose::STANDARD
+                .decode_vec(line, &mut key)
+                .map_err(|_| TicketKeyError::NotBase64 { line: n + 1 })?;
+            raw.push(key);
+            lines.push(n + 1);
+        }
+        // Errors name the file's line, not the key's place.
+        Self::from_raw(&raw).map_err(|e| match e {
+            TicketKeyError::Length { line, len } => TicketKeyError::Length {
+                line: lines[line - 1],
+                len,
+            },
+            TicketKeyError::DuplicateName { line, first } => TicketKeyError::DuplicateName {
+                line: lines[line - 1],
+                first: lines[first - 1],
+            },
+            e => e,
+        })
+    }
+
+    /// Keys held (1 to 3).
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// The name of the key that encrypts new tickets (it is in each ticket, not a secret).
+    pub fn current_name(&self) -> [u8; KEY_NAME_LEN] {
+        self.keys[self.current].name
+    }
+
+    fn encrypt(&self, plain: &[u8]) -> Option<Vec<u8>> {
+        let key = &self.keys[self.current];
+        let mut out = Vec::with_capacity(KEY_NAME_LEN + NONCE_LEN + plain.len() + TAG_LEN);
+        out.extend_from_slice(&key.name);
+        out.extend_from_slice(&[0u8; NONCE_LEN]);
+        out.extend_from_slice(plain);
+        let mut body = out.split_off(KEY_NAME_LEN + NONCE_LEN);
+        let nonce = key
+            .aead
+            .seal_in_place_append_tag(Aad::from(&key.name), &mut body)
+            .ok()?;
+        out[KEY_NAME_LEN..].copy_from_slice(nonce.as_ref());
+        out.append(&mut body);
+        Some(out)
+    }
+
+    fn decrypt(&self, ticket: &[u8]) -> Option<Vec<u8>> {
+        if ticket.len() < KEY_NAME_LEN + NONCE_LEN + TAG_LEN {
+            return None;
+        }
+        let (name, rest) = ticket.split_at(KEY_NAME_LEN);
+        let (nonce, sealed) = rest.split_at(NONCE_LEN);
+        let key = self.keys.iter().find(|k| k.name == name)?;
+        let nonce = Nonce::try_assume_unique_for_key(nonce).ok()?;
+        let mut body = sealed.to_vec();
+        let plain_len = key
+            .aead
+            .open_in_place(nonce, Aad::from(name), &mut body)
+            .ok()?
+            .len();
+        body.truncate(plain_len);
+        Some(body)
+    }
+}
+
+/// The ticketer of every site: encrypts and decrypts with the keys installed last.
+/// Cheap to share (`Arc`); a new set of keys is installed without a new rustls configuration.
+#[derive(Debug)]
+pub struct TicketKeyRing {
+    keys: RwLock<Arc<TicketKeys>>,
+}
+
+impl TicketKeyRing {
+    pub fn new(keys: Arc<TicketKeys>) -> Arc<Self> {
+        Arc::new(Self {
+            keys: RwLock::new(keys),
+        })
+    }
+
+    /// Installs `keys`: tickets are encrypted with their current key from now on, and
+    /// decrypted with any of them (a ticket under a key no longer held gets a full handshake).
+    pub fn install(&self, keys: Arc<TicketKeys>) {
+        *self.keys.write().unwrap_or_else(|e| e.into_inner()) = keys;
+    }
+
+    /// The keys in use.
+    pub fn keys(&self) -> Arc<TicketKeys> {
+        self.keys.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl ProducesTickets for TicketKeyRing {
+    fn enabled(&self) -> bool {
+        true
+    }
+
+    fn lifetime(&self) -> u32 {
+        TICKET_LIFETIME
+    }
+
+    fn encrypt(&self, plain: &[u8]) -> Option<Vec<u8>> {
+        self.keys().encrypt(plain)
+    }
+
+    fn decrypt(&self, cipher: &[u8]) -> Option<Vec<u8>> {
+        self.keys().decrypt(cipher)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(seed: u8) -> Vec<u8> {
+        (0..80)
+            .map(|i| seed.wrapping_mul(31).wrapping_add(i))
+            .collect()
+    }
+
+    fn b64(k: &[u8]) -> String {
+        base64::engine::general_purpose::STANDARD.encode(k)
+    }
+
+    #[test]
+    fn a_ticket_decrypts_under_the_same_keys_and_not_under_others() {
+        let a = TicketKeys::from_raw(&[key(1)]).unwrap();
+        let same = TicketKeys::from_raw(&[key(1)]).unwrap();
+        let other = TicketKeys::from_raw(&[key(2)]).unwrap();
+        let t = a.encrypt(b"session state").unwrap();
+        assert_eq!(&t[..KEY_NAME_LEN], &key(1)[..KEY_NAME_LEN]);
+        assert_eq!(same.decrypt(&t).as_deref(), Some(&b"session state"[..]));
+        assert_eq!(other.decrypt(&t), None);
+        // Two tickets of the same state differ (random nonces).
+        assert_ne!(a.encrypt(b"session state").unwrap(), t);
+    }
+
+    #[test]
+    fn a_changed_byte_anywhere_fails_the_ticket() {
+        let k = TicketKeys::from_raw(&[key(1)]).unwrap();
+        let t = k.encrypt(b"0123456789").unwrap();
+        for i in 0..t.len() {
+            let mut bad = t.clone();
+            bad[i] ^= 1;
+            assert_eq!(k.decrypt(&bad), None, "byte {i}");
+        }
+        for n in 0..t.len() {
+            assert_eq!(k.decrypt(&t[..n]), None, "cut at {n}");
+        }
+        assert_eq!(k.decrypt(&t).as_deref(), Some(&b"0123456789"[..]));
+    }
+
+    #[test]
+    fn the_key_before_the_last_encrypts_and_the_last_three_decrypt() {
+        let (k1, k2, k3, k4) = (key(1), key(2), key(3), key(4));
+        let one = TicketKeys::from_raw(&[&k1]).unwrap();
+        assert_eq!(one.current_name(), k1[..16]);
+        let two = TicketKeys::from_raw(&[&k1, &k2]).unwrap();
+        assert_eq!(
+            two.current_name(),
+            k1[..16],
+            "the second key is the next one"
+        );
+        let three = TicketKeys::from_raw(&[&k1, &k2, &k3]).unwrap();
+        assert_eq!(three.current_name(), k2[..16]);
+        let four = TicketKeys::from_raw(&[&k1, &k2, &k3, &k4]).unwrap();
+        assert_eq!(four.current_name(), k3[..16]);
+        assert_eq!(four.len(), 3);
+        // A rotation: the ticket of the old current key decrypts after one, not after two.
+        let t = two.encrypt(b"x").unwrap();
+        assert!(three.decrypt(&t).is_some());
+        assert!(four.decrypt(&t).is_none());
+        // A ticket of a server that rotated first decrypts on one that has not.
+        let ahead = three.encrypt(b"y").unwrap();
+        assert_eq!(two.decrypt(&ahead).as_deref(), Some(&b"y"[..]));
+    }
+
+    #[test]
+    fn the_file_format_is_base64_lines_with_comments() {
+        let text = format!(
+            "# rotated by cron\n{}\n\n  {}  \n{}\n",
+            b64(&key(1)),
+            b64(&key(2)),
+            b64(&key(3)[..48])
+        );
+        let k = TicketKeys::parse(&text).unwrap();
+        assert_eq!(k.len(), 3);
+        assert_eq!(k.current_name(), key(2)[..16]);
+        assert_eq!(
+            TicketKeys::parse("\n# none\n").unwrap_err(),
+            TicketKeyError::Empty
+        );
+        assert_eq!(
+            TicketKeys::parse(&format!("{}\nnot base64!\n", b64(&key(1)))).unwrap_err(),
+            TicketKeyError::NotBase64 { line: 2 }
+        );
+        assert_eq!(
+            TicketKeys::parse(&format!("# c\n{}\n", b64(&key(1)[..32]))).unwrap_err(),
+            TicketKeyError::Length { line: 2, len: 32 }
+        );
+        assert_eq!(
+            TicketKeys::parse(&format!("{}\n\n{}\n", b64(&key(1)), b64(&key(1)))).unwrap_err(),
+            TicketKeyError::DuplicateName { line: 3, first: 1 }
+        );
+    }
+
+    #[test]
+    fn installing_keys_changes_what_the_ring_encrypts_with() {
+        let ring = TicketKeyRing::new(Arc::new(TicketKeys::from_raw(&[key(1), key(2)]).unwrap()));
+        let before = ring.encrypt(b"a").unwrap();
+        ring.install(Arc::new(
+            TicketKeys::from_raw(&[key(1), key(2), key(3)]).unwrap(),
+        ));
+        let after = ring.encrypt(b"b").unwrap();
+        assert_eq!(&before[..16], &key(1)[..16]);
+        assert_eq!(&after[..16], &key(2)[..16]);
+        assert_eq!(ring.decrypt(&before).as_deref(), Some(&b"a"[..]));
+        assert!(format!("{:?}", ring.keys()).contains("keys: 3"));
+    }
+}
