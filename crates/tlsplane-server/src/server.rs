@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use tlsplane::tickets::TicketKeys;
+use tlsplane::tickets::{TicketKeyRing, TicketKeys};
 use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions};
 use zeroize::Zeroizing;
 
@@ -333,12 +333,13 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     for w in &sites.warnings {
         tracing::warn!("{w}");
     }
-    let ticket_keys = read_ticket_keys(server.ticket_keys.as_deref())?;
+    // One ticketer for the server's life; a reload installs the file's keys in it.
+    let ticket_ring = read_ticket_keys(server.ticket_keys.as_deref())?.map(TicketKeyRing::new);
     let acceptor = Acceptor::new(server_options(
         &server,
         &sites,
         P::HANDS_OFF_SOCKETS,
-        ticket_keys,
+        ticket_ring.clone(),
     ))?;
     tracing::info!(
         "data plane: {} ({})",
@@ -425,6 +426,8 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         let mut current = acceptor.clone();
         let keys = keys.clone();
         Box::new(move || {
+            // Read first, installed last: a reload that fails leaves the keys in force.
+            let ticket_keys = read_ticket_keys(P::server(&args).ticket_keys.as_deref())?;
             let key_generation = keys.reload()?;
             let mut not_applied = None;
             let reread = match &file {
@@ -447,17 +450,19 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
             for w in &sites.warnings {
                 tracing::warn!("{w}");
             }
-            let ticket_keys = read_ticket_keys(P::server(&args).ticket_keys.as_deref())?;
             let acceptor = current.reload(server_options(
                 P::server(&args),
                 &sites,
                 P::HANDS_OFF_SOCKETS,
-                ticket_keys,
+                ticket_ring.clone(),
             ))?;
             let handler = Arc::new(P::build(&args, sites, &stats, &runtime_stats)?);
             current = acceptor.clone();
             // Installed by the runtime as soon as this returns.
             keys.commit(key_generation);
+            if let (Some(ring), Some(new)) = (&ticket_ring, ticket_keys) {
+                ring.install(new);
+            }
             Ok((Generation { acceptor, handler }, not_applied))
         })
     };
@@ -563,7 +568,7 @@ fn server_options(
     args: &ServerArgs,
     sites: &Sites,
     hands_off_sockets: bool,
-    ticket_keys: Option<Arc<TicketKeys>>,
+    ticket_keys: Option<Arc<TicketKeyRing>>,
 ) -> ServerOptions {
     ServerOptions {
         ticket_keys,

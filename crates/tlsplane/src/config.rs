@@ -12,7 +12,7 @@ use rustls::ServerConfig;
 
 use crate::probe::KernelSupport;
 use crate::sites::{SiteCerts, SiteNames, UnknownName};
-use crate::tickets::{TicketKeyRing, TicketKeys};
+use crate::tickets::TicketKeyRing;
 use crate::Error;
 
 /// Where application records should be encrypted.
@@ -116,10 +116,11 @@ pub struct ServerOptions {
     /// program (which can only read what the socket holds). Costs one `MSG_PEEK` per client
     /// flight, and only on connections that may go to the kernel plane.
     pub exact_handshake_reads: bool,
-    /// Session-ticket keys given to the server (`--ticket-keys`), shared with the other
-    /// servers that hold them and kept across restarts: see [`crate::tickets`]. `None`: rustls
-    /// makes random keys for this process (rotated every 6 hours, kept across reloads).
-    pub ticket_keys: Option<Arc<TicketKeys>>,
+    /// The ticketer of given session-ticket keys (`--ticket-keys`, a shared store), shared
+    /// with the other servers that hold them and kept across restarts: see
+    /// [`crate::tickets`]. Whoever gives it installs new keys in it. `None`: rustls makes
+    /// random keys for this process (rotated every 6 hours, kept across reloads).
+    pub ticket_keys: Option<Arc<TicketKeyRing>>,
 }
 
 /// The default KeyUpdate rate: GnuTLS allows 8 per second.
@@ -192,14 +193,11 @@ pub fn crypto_provider() -> CryptoProvider {
 /// Every site's ticketer, and the same as a ring when its keys are given (to install new ones).
 type Ticketer = (Arc<dyn ProducesTickets>, Option<Arc<TicketKeyRing>>);
 
-/// The ticketer for `keys`: a ring of them, or without keys rustls's own (random keys made in
-/// this process).
-fn ticketer(keys: Option<Arc<TicketKeys>>) -> Result<Ticketer, Error> {
-    Ok(match keys {
-        Some(keys) => {
-            let ring = TicketKeyRing::new(keys);
-            (ring.clone(), Some(ring))
-        }
+/// The ticketer: the ring given, or without one rustls's own (random keys made in this
+/// process).
+fn ticketer(ring: Option<Arc<TicketKeyRing>>) -> Result<Ticketer, Error> {
+    Ok(match ring {
+        Some(ring) => (ring.clone(), Some(ring)),
         None => (
             provider::Ticketer::new().map_err(|e| Error::Config(e.to_string()))?,
             None,
@@ -249,11 +247,8 @@ impl Acceptor {
     }
 
     /// As [`Acceptor::new`] with an explicit kernel capability set (tests, forced fallbacks).
-    pub fn with_kernel_support(
-        mut opts: ServerOptions,
-        kernel: KernelSupport,
-    ) -> Result<Self, Error> {
-        let (ticketer, ring) = ticketer(opts.ticket_keys.take())?;
+    pub fn with_kernel_support(opts: ServerOptions, kernel: KernelSupport) -> Result<Self, Error> {
+        let (ticketer, ring) = ticketer(opts.ticket_keys.clone())?;
         let session_storage = rustls::server::ServerSessionMemoryCache::new(4096);
         Self::build(opts, Arc::new(kernel), (ticketer, ring), session_storage)
     }
@@ -262,10 +257,10 @@ impl Acceptor {
     /// ticket keys and session cache (clients resume across the reload), and the same kernel
     /// probe unless the data-plane policy changed.
     ///
-    /// Ticket keys given again are installed in the same ticketer (a rotation); keys given
-    /// now and not before, or the reverse, make a new ticketer, and tickets issued before the
+    /// The same ticket-key ring stays (its owner installs new keys in it); a ring given now
+    /// and not before, or the reverse, makes a new ticketer, and tickets issued before the
     /// reload then get full handshakes.
-    pub fn reload(&self, mut opts: ServerOptions) -> Result<Self, Error> {
+    pub fn reload(&self, opts: ServerOptions) -> Result<Self, Error> {
         let kernel = if opts.policy == self.policy {
             self.kernel.clone()
         } else {
@@ -274,13 +269,12 @@ impl Acceptor {
                 _ => KernelSupport::probe(),
             })
         };
-        let ticketer = match (opts.ticket_keys.take(), &self.ticket_ring) {
-            (Some(keys), Some(ring)) => {
-                ring.install(keys);
-                (self.ticketer.clone(), Some(ring.clone()))
+        let ticketer = match (&opts.ticket_keys, &self.ticket_ring) {
+            (Some(given), Some(held)) if Arc::ptr_eq(given, held) => {
+                (self.ticketer.clone(), Some(held.clone()))
             }
             (None, None) => (self.ticketer.clone(), None),
-            (keys, _) => ticketer(keys)?,
+            (given, _) => ticketer(given.clone())?,
         };
         Self::build(opts, kernel, ticketer, self.session_storage.clone())
     }
