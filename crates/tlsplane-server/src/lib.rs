@@ -26,3 +26,4 @@ pub mod privileges;
 pub mod runtime;
 pub mod server;
 mod stats;
+pub mod ticket_store;

@@ -122,6 +122,8 @@ pub struct ServerArgs {
     /// hours. Read again at each reload. Default: random keys made by this process.
     #[arg(long, value_name = "FILE")]
     pub ticket_keys: Option<PathBuf>,
+    #[command(flatten)]
+    pub store: crate::ticket_store::TicketStoreArgs,
     /// Testing aid: records per key before the kernel plane re-keys or closes (default: the
     /// suite's AEAD confidentiality limit).
     #[arg(long, hide = true)]
@@ -333,8 +335,13 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     for w in &sites.warnings {
         tracing::warn!("{w}");
     }
-    // One ticketer for the server's life; a reload installs the file's keys in it.
-    let ticket_ring = read_ticket_keys(server.ticket_keys.as_deref())?.map(TicketKeyRing::new);
+    let runtime_stats = Arc::new(RuntimeStats::default());
+    // One ticketer for the server's life; a reload installs the file's keys in it, a shared
+    // store's follower the store's.
+    let ticket_ring = match read_ticket_keys(server.ticket_keys.as_deref())? {
+        Some(keys) => Some(TicketKeyRing::new(keys)),
+        None => crate::ticket_store::start(&server.store, runtime_stats.ticket_store.clone())?,
+    };
     let acceptor = Acceptor::new(server_options(
         &server,
         &sites,
@@ -379,7 +386,6 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
             acceptor.kernel_support().ulp && server.data_plane != DataPlanePolicy::User,
         ),
     };
-    let runtime_stats = Arc::new(RuntimeStats::default());
     let stats = Arc::new(P::Stats::default());
     let first = Arc::new(P::build(&args, sites, &stats, &runtime_stats)?);
     // Kept to the end: its Unix socket is removed when it drops.
@@ -412,6 +418,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
                     ),
                 ];
                 gauges.extend(runtime.limits.gauges());
+                gauges.extend(store_gauges(&runtime));
                 gauges.extend(P::gauges(&product));
                 gauges
             },
@@ -487,12 +494,29 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
                 .limits
                 .gauges()
                 .into_iter()
+                .chain(store_gauges(&runtime_stats))
                 .chain(P::gauges(&stats))
                 .map(|(name, _, v)| (name, v.max(0) as u64)),
         );
         eprintln!("tlsplane-stats {}", tlsplane::stats::to_json(&pairs));
     }
     Ok(())
+}
+
+/// The shared ticket store's gauges.
+fn store_gauges(r: &RuntimeStats) -> Vec<(&'static str, &'static str, i64)> {
+    vec![
+        (
+            "ticket_store_connected",
+            "1 while the shared ticket-key store answers (--ticket-store)",
+            r.ticket_store.connected.load(Relaxed),
+        ),
+        (
+            "ticket_key_generation",
+            "Generation of the shared ticket keys in use (0: keys of this process)",
+            r.ticket_store.generation.load(Relaxed),
+        ),
+    ]
 }
 
 /// The keys of two `[server]` tables whose values differ (or that only one has), sorted.
@@ -524,6 +548,15 @@ fn counters<P: Product>(stats: &P::Stats, r: &RuntimeStats) -> Vec<(&'static str
         ("keyd_restarts", r.keyd_restarts.load(Relaxed)),
         ("keyd_stuck", r.keyd_stuck.load(Relaxed)),
         ("keyd_reconnects", r.keyd_reconnects.load(Relaxed)),
+        (
+            "ticket_store_rotations",
+            r.ticket_store.rotations.load(Relaxed),
+        ),
+        (
+            "ticket_store_installs",
+            r.ticket_store.installs.load(Relaxed),
+        ),
+        ("ticket_store_errors", r.ticket_store.errors.load(Relaxed)),
     ]);
     pairs.extend(r.limits.snapshot());
     pairs

@@ -47,5 +47,7 @@ pub struct RuntimeStats {
     /// Connections made again to a key daemon started by hand (`--keyd unix:PATH`) after it
     /// could not be reached (restarted, say).
     pub keyd_reconnects: Counter,
+    /// The shared ticket-key store's follower (`--ticket-store`).
+    pub ticket_store: Arc<crate::ticket_store::TicketStoreStats>,
     pub histograms: crate::admin::Histograms,
 }

@@ -231,12 +231,21 @@ impl TicketKeys {
 #[derive(Debug)]
 pub struct TicketKeyRing {
     keys: RwLock<Arc<TicketKeys>>,
+    /// Seconds tickets are announced for: at most the time between rotations.
+    lifetime: u32,
 }
 
 impl TicketKeyRing {
     pub fn new(keys: Arc<TicketKeys>) -> Arc<Self> {
+        Self::with_lifetime(keys, TICKET_LIFETIME)
+    }
+
+    /// A ring whose keys rotate every `lifetime` seconds (or more seldom): tickets are
+    /// announced for that long.
+    pub fn with_lifetime(keys: Arc<TicketKeys>, lifetime: u32) -> Arc<Self> {
         Arc::new(Self {
             keys: RwLock::new(keys),
+            lifetime: lifetime.clamp(1, TICKET_LIFETIME),
         })
     }
 
@@ -258,7 +267,7 @@ impl ProducesTickets for TicketKeyRing {
     }
 
     fn lifetime(&self) -> u32 {
-        TICKET_LIFETIME
+        self.lifetime
     }
 
     fn encrypt(&self, plain: &[u8]) -> Option<Vec<u8>> {

@@ -267,3 +267,237 @@ fn a_bad_key_file_is_refused_before_listening_with_its_reason() {
         out.describe()
     );
 }
+
+/// A Redis server of the test's own on a loopback port, with nothing kept on disk (so that a
+/// restart brings it back empty, as a store that lost its data).
+struct Redis {
+    child: Option<std::process::Child>,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl Redis {
+    fn start(dir: &Path) -> Redis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut r = Redis {
+            child: None,
+            port,
+            dir: dir.to_path_buf(),
+        };
+        r.restart();
+        r
+    }
+
+    fn restart(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--port")
+            .arg(self.port.to_string())
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server");
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Seconds between rotations in these tests: short, so that a test sees two, and long
+/// enough that a ticket issued just before one is still fresh (tickets are announced for it).
+const ROTATION: u64 = 4;
+
+fn store_node(redis: &Redis, kek: &Path) -> Server {
+    Server::builder()
+        .arg("--ticket-store")
+        .arg(redis.url())
+        .arg("--ticket-store-kek")
+        .arg(kek.to_str().unwrap())
+        .arg("--ticket-rotation")
+        .arg(ROTATION.to_string())
+        .start()
+}
+
+/// Waits for `server` to log `what`; when it saw it.
+fn wait_log(server: &Server, what: &str, within: Duration) -> std::time::Instant {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if server.stderr_lines().iter().any(|l| l.contains(what)) {
+            return std::time::Instant::now();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no `{what}` within {within:?}:\n{}",
+            server.stderr_lines().join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The generation `server` installed last, from its log.
+fn generation(server: &Server) -> u64 {
+    server
+        .stderr_lines()
+        .iter()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once("generation ")?;
+            rest.split_once(" installed")?.0.parse().ok()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+fn installed(n: u64) -> String {
+    format!("generation {n} installed")
+}
+
+#[test]
+fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
+    if !tools::require("redis-server") {
+        return;
+    }
+    let dir = scratch("fleet-store");
+    let kek = dir.join("kek");
+    fs::write(
+        &kek,
+        base64::engine::general_purpose::STANDARD.encode(&random_key()[..32]),
+    )
+    .unwrap();
+    let mut redis = Redis::start(&dir);
+    let a = store_node(&redis, &kek);
+    wait_log(&a, &installed(1), Duration::from_secs(5));
+    let b = store_node(&redis, &kek);
+    wait_log(&b, &installed(1), Duration::from_secs(5));
+
+    // A ticket from A resumes on B.
+    let c1 = client_with_ticket(a.port(), Tls::V13);
+    assert_eq!(
+        visit(b.port(), &c1),
+        HandshakeKind::Resumed,
+        "before a rotation"
+    );
+
+    // A ticket issued just before a rotation resumes on B after it (its key is B's previous
+    // one then).
+    let n = generation(&a) + 1;
+    let rotated = wait_log(&a, &installed(n), Duration::from_secs(2 * ROTATION));
+    std::thread::sleep(
+        (rotated + Duration::from_secs(ROTATION))
+            .saturating_duration_since(std::time::Instant::now() + Duration::from_millis(1200)),
+    );
+    assert_eq!(generation(&a), n, "rotated early");
+    let c2 = client_with_ticket(a.port(), Tls::V13);
+    wait_log(&a, &installed(n + 1), Duration::from_secs(ROTATION));
+    wait_log(&b, &installed(n + 1), Duration::from_secs(ROTATION));
+    assert_eq!(
+        visit(b.port(), &c2),
+        HandshakeKind::Resumed,
+        "after a rotation"
+    );
+
+    // A restarted: it takes the fleet's keys from the store before it listens.
+    no_panic(&a);
+    let a_stats = a.stop();
+    let a = store_node(&redis, &kek);
+    assert!(generation(&a) > n, "{}", a.stderr_lines().join("\n"));
+    let c3 = client_with_ticket(b.port(), Tls::V13);
+    assert_eq!(
+        visit(a.port(), &c3),
+        HandshakeKind::Resumed,
+        "after A's restart"
+    );
+
+    // The store goes away: handshakes and resumption go on with the keys held; it comes back
+    // empty and gets the fleet's generation back.
+    let held = generation(&a).max(generation(&b));
+    redis.kill();
+    wait_log(
+        &a,
+        "keeping the ticket keys held",
+        Duration::from_secs(ROTATION),
+    );
+    let c4 = client_with_ticket(a.port(), Tls::V13);
+    assert_eq!(visit(b.port(), &c4), HandshakeKind::Resumed, "store down");
+    redis.restart();
+    wait_log(&a, "reached again", Duration::from_secs(10));
+    wait_log(&b, "reached again", Duration::from_secs(10));
+    let c5 = client_with_ticket(b.port(), Tls::V13);
+    assert_eq!(visit(a.port(), &c5), HandshakeKind::Resumed, "store back");
+    assert!(
+        generation(&a) >= held && generation(&b) >= held,
+        "the store's generation went back: held {held}, now {} and {}",
+        generation(&a),
+        generation(&b)
+    );
+
+    // A server that joins now gets the fleet's keys from the store, not new ones.
+    let joined = store_node(&redis, &kek);
+    assert!(
+        generation(&joined) >= held,
+        "held {held}: {}",
+        joined.stderr_lines().join("\n")
+    );
+    let c8 = client_with_ticket(a.port(), Tls::V13);
+    assert_eq!(visit(joined.port(), &c8), HandshakeKind::Resumed, "joined");
+    no_panic(&joined);
+    joined.stop();
+
+    // A server with another key-encryption key cannot read the store's keys, and does not
+    // overwrite them.
+    let other_kek = dir.join("other-kek");
+    fs::write(
+        &other_kek,
+        base64::engine::general_purpose::STANDARD.encode(&random_key()[..32]),
+    )
+    .unwrap();
+    let stranger = store_node(&redis, &other_kek);
+    wait_log(
+        &stranger,
+        "does not open with --ticket-store-kek",
+        Duration::from_secs(5),
+    );
+    let c6 = client_with_ticket(a.port(), Tls::V13);
+    assert_eq!(visit(stranger.port(), &c6), HandshakeKind::Full);
+    let c7 = client_with_ticket(a.port(), Tls::V13);
+    assert_eq!(visit(b.port(), &c7), HandshakeKind::Resumed, "store intact");
+    no_panic(&stranger);
+    stranger.stop();
+
+    for s in [&a, &b] {
+        no_panic(s);
+    }
+    let (a_stats2, b_stats) = (a.stop(), b.stop());
+    let rotations = a_stats.get("ticket_store_rotations")
+        + a_stats2.get("ticket_store_rotations")
+        + b_stats.get("ticket_store_rotations");
+    assert!(rotations >= 3, "{a_stats:?} {a_stats2:?} {b_stats:?}");
+    assert!(a_stats2.get("ticket_store_errors") >= 1, "{a_stats2:?}");
+}

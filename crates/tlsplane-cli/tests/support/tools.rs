@@ -19,19 +19,20 @@ pub fn find_in_path(tool: &str) -> Option<PathBuf> {
         })
 }
 
-/// True when `tool` can be used. A missing tool fails the test loudly, except python3 in the
-/// kernel-mode guest (which has none): then the test is skipped with a notice.
+/// True when `tool` can be used. A missing tool fails the test loudly, except python3 and
+/// redis-server in the kernel-mode guest (which has neither): then the test is skipped with a
+/// notice.
 pub fn require(tool: &str) -> bool {
     if find_in_path(tool).is_some() {
         return true;
     }
-    if tool == "python3" && mode() == Mode::Kernel {
+    if matches!(tool, "python3" | "redis-server") && mode() == Mode::Kernel {
         eprintln!(
-            "SKIPPED: {tool} is not installed (allowed in kernel mode: the guest has no python3)"
+            "SKIPPED: {tool} is not installed (allowed in kernel mode: the guest has no {tool})"
         );
         return false;
     }
-    panic!("this test needs `{tool}` in PATH, and it is not there; install it (only python3 may be missing, and only in kernel mode)");
+    panic!("this test needs `{tool}` in PATH, and it is not there; install it (only python3 and redis-server may be missing, and only in kernel mode)");
 }
 
 pub struct Output {
