@@ -219,6 +219,10 @@ async fn relay(
         stats.early_responses.fetch_add(1, Relaxed);
     }
     let (parts, mut from) = response.into_parts();
+    if parts.status.is_informational() {
+        // h2 passes on no interim response as the final one, and 101 has no place in h2.
+        return Err(Fail::BadGateway(format!("final status {}", parts.status)));
+    }
     let head = http1_response_head(&parts, from.is_end_stream(), request);
     let response = match forward::parse_response_head(
         &head,
@@ -336,7 +340,7 @@ fn h2_can_carry(encoded: &[u8]) -> bool {
 /// gave one, unless trailers are to follow that the client takes (`TE: trailers`, and a
 /// `Trailer` field announcing them); `Content-Length: 0` for a response that ended with its
 /// head; else `Transfer-Encoding: chunked` (none to an HTTP/1.0 client: its body goes to the
-/// connection's close).
+/// connection's close). None of them for a response without a body (HEAD, 204, 304).
 fn http1_response_head(
     parts: &http::response::Parts,
     end_stream: bool,
@@ -374,7 +378,10 @@ fn http1_response_head(
         }
         field(name, value.as_bytes());
     }
-    if !length {
+    // A HEAD, 204 or 304 response has no body whatever its fields say, and the length of
+    // one to HEAD or 304 is the representation's: not to be made up.
+    let bodiless = request.is_head() || matches!(parts.status.as_u16(), 204 | 304);
+    if !length && !bodiless {
         if end_stream {
             field(b"Content-Length", b"0");
         } else if http11 {
@@ -562,11 +569,27 @@ mod tests {
         let (head, framing) = client_head(&head_req, 200, &[("content-length", "99")], true, true);
         assert_eq!(framing, Framing::Empty);
         assert!(head.contains("Content-Length: 99\r\n"), "{head}");
+        // Without a length from the backend, none is made up.
+        let (head, framing) = client_head(&head_req, 200, &[], true, true);
+        assert_eq!(framing, Framing::Empty);
+        assert!(
+            !head.to_ascii_lowercase().contains("content-length"),
+            "{head}"
+        );
+        let (head, _) = client_head(&head_req, 200, &[], false, true);
+        assert!(
+            !head.to_ascii_lowercase().contains("content-length"),
+            "{head}"
+        );
+        assert!(!head.contains("chunked"), "{head}");
         let get = request("GET / HTTP/1.1\r\nHost: a\r\n\r\n");
         for status in [204, 304] {
-            let (head, framing) = client_head(&get, status, &[], false, true);
-            assert_eq!(framing, Framing::Empty, "{status}");
-            assert!(!head.contains("chunked"), "{status}: {head}");
+            for end in [false, true] {
+                let (head, framing) = client_head(&get, status, &[], end, true);
+                assert_eq!(framing, Framing::Empty, "{status}");
+                assert!(!head.contains("chunked"), "{status}: {head}");
+                assert!(!head.contains("Content-Length"), "{status}: {head}");
+            }
         }
         // HTTP/1.0 cannot read chunked: to the close, said so.
         let old = request("GET / HTTP/1.0\r\nHost: a\r\nTE: trailers\r\n\r\n");

@@ -605,7 +605,9 @@ fn each_site_speaks_its_own_backend_protocol_and_a_reload_changes_it() {
 /// length; `GET /fields`: the request's pseudo-fields and fields, a line each; `GET
 /// /trailers`: `abc` in two DATA frames, then trailers `x-sum: t` and `grpc-status: 0`;
 /// `GET /reset/N`: the head of N bytes, N/2 of them, then RST_STREAM(INTERNAL_ERROR);
-/// `GET /refuse`: RST_STREAM(REFUSED_STREAM) before any head. Stopped when dropped.
+/// `GET /refuse`: RST_STREAM(REFUSED_STREAM) before any head; `GET /stall`: no answer for a
+/// minute; `GET /stall-body/N`: the head of N bytes, N/2 of them, then nothing for a minute.
+/// Stopped when dropped.
 struct H2cBackend {
     port: u16,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -759,6 +761,13 @@ async fn h2c_answer(
             s.send_reset(h2::Reason::INTERNAL_ERROR);
         } else if path == "/refuse" {
             respond.send_reset(h2::Reason::REFUSED_STREAM);
+        } else if path == "/stall" {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        } else if let Some(n) = path.strip_prefix("/stall-body/") {
+            let n: usize = n.parse().unwrap_or(0);
+            let mut s = respond.send_response(reply(Some(n)), false)?;
+            h2c_send(&mut s, pattern(n / 2).into(), false).await?;
+            tokio::time::sleep(Duration::from_secs(60)).await;
         } else {
             let mut r = reply(Some(0));
             *r.status_mut() = http::StatusCode::NOT_FOUND;
@@ -771,13 +780,16 @@ async fn h2c_answer(
 
 /// A proxy in HTTP mode in front of `backend` over h2c, with the default ALPN.
 fn h2c_proxy(backend: &H2cBackend) -> Server {
+    h2c_proxy_builder(backend).start()
+}
+
+fn h2c_proxy_builder(backend: &H2cBackend) -> crate::support::ServerBuilder {
     Server::builder()
         .proxy(&[format!("127.0.0.1:{}", backend.port)])
         .arg("--mode")
         .arg("http")
         .arg("--backend-protocol")
         .arg("h2c")
-        .start()
 }
 
 /// Sends `bytes` in pieces rustls takes (its buffer is bounded).
@@ -1054,4 +1066,80 @@ fn an_h2c_site_offers_h2_and_http1_to_curl() {
     drop(backend);
     assert_no_panic(&server);
     server.stop();
+}
+
+/// --backend-timeout and --request-timeout for HTTP/1.1 clients on an h2c site, as on the
+/// HTTP/1.1 path: 504 before the response head, 408 while the client's body is awaited, a
+/// reset once the response has begun; the access log names the protocol and the backend.
+#[test]
+fn http1_to_h2c_timeouts_and_the_access_log() {
+    let backend = h2c_backend();
+    let dir = crate::sites::scratch("h1-to-h2c-timeouts");
+    let log = dir.join("access.log");
+    let to = format!("127.0.0.1:{}", backend.port);
+    let server = h2c_proxy_builder(&backend)
+        .arg("--backend-timeout")
+        .arg("1")
+        .arg("--access-log-file")
+        .arg(log.to_str().expect("path"))
+        .arg("--access-log-format")
+        .arg("json")
+        .start();
+    let p = server.port();
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let r = c.get("/big/5");
+    assert_eq!((r.status, r.body), (200, pattern(5)));
+    let r = c.get("/stall");
+    assert_eq!(r.status, 504);
+    // Closed by the proxy after its 504 (lingering until this side goes).
+    drop(c);
+    let truncated = |p: u16, path: &str| {
+        let mut c = TlsClient::connect_version(p, Tls::V13);
+        c.write_all(&get_request(path, "")).expect("send");
+        let (status, _) = c.read_head().expect("head");
+        assert_eq!(status, 200);
+        let (body, end) = c.read_to_end();
+        assert!(
+            body.len() < 10000 && !matches!(end, End::CloseNotify),
+            "{path}: {} bytes, then {end:?}",
+            body.len()
+        );
+    };
+    truncated(p, "/stall-body/10000");
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_504"], 1, "{stats:?}");
+    assert_eq!(stats["proxy_backend_errors"], 1, "{stats:?}");
+    let text = std::fs::read_to_string(&log).expect("access log");
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect(l))
+        .collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    for (line, status) in lines.iter().zip([200, 504]) {
+        assert_eq!(line["status"], status, "{line}");
+        assert_eq!(line["protocol"], "HTTP/1.1", "{line}");
+        assert_eq!(line["backend"], to.as_str(), "{line}");
+    }
+
+    let server = h2c_proxy_builder(&backend)
+        .arg("--request-timeout")
+        .arg("1")
+        .start();
+    let p = server.port();
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let r = c.get("/stall");
+    assert_eq!(r.status, 504);
+    drop(c);
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    c.write_all(b"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10\r\n\r\nhalf.")
+        .expect("send");
+    let r = c.read_response(false).expect("408");
+    assert_eq!(r.status, 408);
+    drop(c);
+    truncated(p, "/stall-body/10000");
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_request_timeouts"], 3, "{stats:?}");
+    drop(backend);
 }
