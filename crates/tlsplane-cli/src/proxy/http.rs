@@ -5,7 +5,8 @@
 //! its body moved as it comes, framed but unread; then the response the same way. Backend
 //! connections are kept alive between requests in a per-thread idle list. A request that
 //! asks for a websocket `Upgrade` and gets `101` turns the connection into a TCP-mode relay
-//! (other upgrades, h2c, are not forwarded: see `tlsplane_http::forward`).
+//! (other upgrades, h2c, are not forwarded: see `tlsplane_http::forward`). On a site whose
+//! backends speak h2c, each request goes as an h2 stream instead (`h1_to_h2c`).
 //!
 //! Failures answer with a status when nothing of the response has reached the client yet: 502
 //! when the backend fails or answers with something that is not HTTP/1, 504 when it does not

@@ -497,8 +497,8 @@ fn curl_site(port: u16, name: &str, path: &str) -> (String, u16, String) {
 
 /// Two sites by server name in one HTTP-mode proxy, each speaking its own protocol to its
 /// backends (a site's `backend-protocol`): grpc.test to a grpcio server over h2c, web.test to
-/// a Python HTTP/1.1 server; each site's ALPN follows its backends (h2 for the h2c site,
-/// HTTP/1.1 for the other: neither has an `alpn` key). A reload that changes the key applies
+/// a Python HTTP/1.1 server; each site's ALPN follows its backends (h2 first for the h2c site,
+/// HTTP/1.1 only for the other: neither has an `alpn` key). A reload that changes the key applies
 /// to new connections: web.test first names h2c (its HTTP/1.1 backend refuses the h2c
 /// preface: 502 over h2), then http1 (200 over HTTP/1.1).
 #[test]
