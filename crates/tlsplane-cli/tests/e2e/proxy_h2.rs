@@ -605,7 +605,8 @@ fn each_site_speaks_its_own_backend_protocol_and_a_reload_changes_it() {
 /// length; `GET /fields`: the request's pseudo-fields and fields, a line each; `GET
 /// /trailers`: `abc` in two DATA frames, then trailers `x-sum: t` and `grpc-status: 0`;
 /// `GET /reset/N`: the head of N bytes, N/2 of them, then RST_STREAM(INTERNAL_ERROR);
-/// `GET /refuse`: RST_STREAM(REFUSED_STREAM) before any head; `GET /stall`: no answer for a
+/// `GET /refuse`: RST_STREAM(REFUSED_STREAM) before any head; `POST /early`: 413 before
+/// reading the body; `GET /stall`: no answer for a
 /// minute; `GET /stall-body/N`: the head of N bytes, N/2 of them, then nothing for a minute.
 /// Stopped when dropped.
 struct H2cBackend {
@@ -692,6 +693,16 @@ async fn h2c_answer(
 ) {
     let (parts, mut body) = req.into_parts();
     let path = parts.uri.path().to_string();
+    if path == "/early" {
+        // Before the body: the request is refused whole.
+        let r = http::Response::builder()
+            .status(413)
+            .header("content-length", "0")
+            .body(())
+            .expect("response");
+        let _ = respond.send_response(r, true);
+        return;
+    }
     let mut received = Vec::new();
     while let Some(Ok(d)) = body.data().await {
         let _ = body.flow_control().release_capacity(d.len());
@@ -1142,4 +1153,62 @@ fn http1_to_h2c_timeouts_and_the_access_log() {
     let stats = server.stop();
     assert_eq!(stats["proxy_request_timeouts"], 3, "{stats:?}");
     drop(backend);
+}
+
+/// A backend that answers before it has the request body (413): the answer is relayed, the
+/// rest of the body not sent, and the client's connection closed after it (as on the HTTP/1.1
+/// path).
+#[test]
+fn an_h2c_answer_before_the_whole_body_is_relayed_and_the_connection_closes() {
+    let backend = h2c_backend();
+    let server = h2c_proxy(&backend);
+    let p = server.port();
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let mut req =
+        b"POST /early HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5000000\r\n\r\n".to_vec();
+    req.extend_from_slice(&pattern(100_000));
+    send(&mut c, &req);
+    let r = c.read_response(false).expect("413");
+    assert_eq!(r.status, 413, "{:?}", r.headers);
+    assert_eq!(r.header("connection"), Some("close"));
+    drop(c);
+    // The backend connection serves the next client.
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let r = c.get("/big/7");
+    assert_eq!((r.status, r.body), (200, pattern(7)));
+    c.close();
+    drop(backend);
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_early_responses"], 1, "{stats:?}");
+    assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
+}
+
+/// An HTTP/1.0 client cannot read chunked: a response without a length goes to the
+/// connection's close (clean: close_notify), one with a length keeps it.
+#[test]
+fn http10_clients_on_an_h2c_site_get_a_length_or_the_close() {
+    let backend = h2c_backend();
+    let server = h2c_proxy(&backend);
+    let p = server.port();
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    c.write_all(b"GET /big/9 HTTP/1.0\r\nHost: localhost\r\nConnection: keep-alive\r\n\r\n")
+        .expect("send");
+    let r = c.read_response(false).expect("big");
+    assert_eq!((r.status, &r.body), (200, &pattern(9)));
+    assert_eq!(r.header("connection"), Some("keep-alive"));
+    c.write_all(b"GET /trailers HTTP/1.0\r\nHost: localhost\r\nConnection: keep-alive\r\nTE: trailers\r\n\r\n")
+        .expect("send");
+    let (status, fields) = c.read_head().expect("head");
+    assert_eq!(status, 200);
+    assert_eq!(header(&fields, "transfer-encoding"), None);
+    assert_eq!(header(&fields, "content-length"), None);
+    assert_eq!(header(&fields, "connection"), Some("close"));
+    let (body, end) = c.read_to_end();
+    assert_eq!(body, b"abc");
+    assert!(matches!(end, End::CloseNotify), "{end:?}");
+    drop(c);
+    drop(backend);
+    assert_no_panic(&server);
+    server.stop();
 }
