@@ -1212,3 +1212,31 @@ fn http10_clients_on_an_h2c_site_get_a_length_or_the_close() {
     assert_no_panic(&server);
     server.stop();
 }
+
+/// No h2c backend to reach: 502 to an HTTP/1.1 client, and its connection goes on (nothing of a
+/// body is left unread).
+#[test]
+fn an_h2c_site_whose_backend_is_down_answers_http1_clients_502() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let server = Server::builder()
+        .proxy(&[format!("127.0.0.1:{port}")])
+        .arg("--mode")
+        .arg("http")
+        .arg("--backend-protocol")
+        .arg("h2c")
+        .start();
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    for _ in 0..2 {
+        let r = c.get("/x");
+        assert_eq!(r.status, 502);
+    }
+    c.close();
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_502"], 2, "{stats:?}");
+    assert_eq!(stats["proxy_no_backend"], 2, "{stats:?}");
+}
