@@ -83,6 +83,9 @@ pub struct RequestHead {
     pub keep_alive: bool,
     /// `Expect: 100-continue` was sent (and is not forwarded: the proxy answers it).
     pub expect_continue: bool,
+    /// `TE` names `trailers`: the client takes trailer fields (RFC 9110 §10.1.4). `TE` itself
+    /// is hop-by-hop and not forwarded; an h2 backend is told again (the one `TE` h2 allows).
+    pub te_trailers: bool,
     /// The protocol asked for in `Upgrade`, when `Connection` names `upgrade` (HTTP/1.1 only).
     pub upgrade: Option<String>,
     /// `Host`, as sent, or the authority of an absolute-form target.
@@ -179,6 +182,7 @@ struct FieldFacts {
     connection: Vec<String>,
     upgrade: Option<String>,
     expect_continue: bool,
+    te_trailers: bool,
     hosts: Vec<String>,
 }
 
@@ -204,6 +208,8 @@ fn collect(headers: &[httparse::Header<'_>], request: bool) -> Result<FieldFacts
             } else {
                 return Err("unsupported expectation");
             }
+        } else if request && name.eq_ignore_ascii_case("te") {
+            f.te_trailers |= tokens(h.value).any(|t| t == "trailers");
         } else if request && name.eq_ignore_ascii_case("host") {
             f.hosts.push(String::from_utf8_lossy(h.value).into_owned());
         }
@@ -430,6 +436,7 @@ pub fn parse_request_head(
             framing,
             keep_alive,
             expect_continue,
+            te_trailers: facts.te_trailers,
             upgrade,
             host,
             fields,
@@ -1019,6 +1026,7 @@ mod tests {
                      Expect: 100-continue\r\nContent-Length: 3\r\nAccept: */*\r\n\r\n")
         .unwrap();
         assert!(h.expect_continue);
+        assert!(h.te_trailers);
         let out = forwarded(&h, ForwardedPolicy::Replace);
         assert_eq!(
             out,
@@ -1187,5 +1195,22 @@ mod tests {
             follow(Framing::Chunked, long.as_bytes(), 64),
             Err(BadBody::TooLong)
         );
+    }
+
+    #[test]
+    fn te_trailers_is_seen_among_the_codings_and_not_forwarded() {
+        for (te, want) in [
+            ("trailers", true),
+            ("gzip, Trailers", true),
+            ("gzip", false),
+            ("trailersx", false),
+        ] {
+            let h = req(&format!("GET / HTTP/1.1\r\nHost: a\r\nTE: {te}\r\n\r\n")).unwrap();
+            assert_eq!(h.te_trailers, want, "{te}");
+            let out = forwarded(&h, ForwardedPolicy::Off);
+            assert!(!out.to_ascii_lowercase().contains("\r\nte:"), "{out}");
+        }
+        let h = req("GET / HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
+        assert!(!h.te_trailers);
     }
 }

@@ -350,7 +350,7 @@ pub struct Alpn {
     /// For sites without an `alpn` key.
     pub default: Vec<Vec<u8>>,
     /// For proxy sites without an `alpn` key whose backends speak h2c, when it differs from
-    /// `default`: their backends are reached by h2 clients only.
+    /// `default`: h2 offered first, as their backends speak it.
     pub h2c_default: Option<Vec<Vec<u8>>>,
     /// The ids the product can speak, when it knows what it carries (`None`: anything, as
     /// the TCP proxy and hand-off, which do not read the protocol). Any other id would have

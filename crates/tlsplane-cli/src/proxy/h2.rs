@@ -621,46 +621,23 @@ impl Shared<'_> {
         send: &mut SendResponse<Bytes>,
     ) -> Outcome {
         let proxy = self.proxy;
-        let site = self.info.site;
         let encoded = self.encode(request);
-        if h2c_request(&encoded, request, te_trailers).is_none() {
-            proxy.stats.http_refused.fetch_add(1, Relaxed);
-            return Outcome::own(400, answer(send, 400));
-        }
         let deadline = request_deadline(proxy);
-        let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
         let ended = body.is_end_stream();
-        let mut retried = false;
-        let (lease, label, response, upstream) = loop {
-            let lease = match proxy.h2c_backend(site).await {
-                Ok(l) => l,
-                Err(why) => return self.unavailable(why, send),
-            };
-            proxy.stats.forwarded.fetch_add(1, Relaxed);
-            if lease.reused {
-                proxy.stats.backend_reused.fetch_add(1, Relaxed);
-            }
-            let label = proxy.pools[site].backends[lease.which].to_string();
-            let Some(req) = h2c_request(&encoded, request, te_trailers) else {
+        let opened = open_h2c_stream(proxy, self.info.site, &encoded, request, te_trailers, ended);
+        let H2cStream {
+            lease,
+            label,
+            response,
+            upstream,
+        } = match opened.await {
+            Ok(s) => s,
+            Err(NotOpened::Refused) => {
+                proxy.stats.http_refused.fetch_add(1, Relaxed);
                 return Outcome::own(400, answer(send, 400));
-            };
-            let sent = match timeout(backend_timeout, lease.send.clone().ready()).await {
-                Err(_) => return self.failed(Fail::Timeout, Some(label), send),
-                Ok(Ok(mut ready)) => ready.send_request(req, ended),
-                Ok(Err(e)) => Err(e),
-            };
-            match sent {
-                Ok((response, upstream)) => break (lease, label, response, upstream),
-                Err(e) => {
-                    lease.close();
-                    if retried {
-                        let why = format!("{label}: {e}");
-                        return self.failed(Fail::BadGateway(why), Some(label), send);
-                    }
-                    proxy.stats.backend_retries.fetch_add(1, Relaxed);
-                    retried = true;
-                }
             }
+            Err(NotOpened::Unavailable(why)) => return self.unavailable(why, send),
+            Err(NotOpened::Failed(fail, label)) => return self.failed(fail, Some(label), send),
         };
         let progress = Step::new(Progress::Waiting);
         let exchange = self.exchange_h2c(&mut body, upstream, response, send, &progress, ended);
@@ -720,7 +697,7 @@ impl Shared<'_> {
                 });
             }
             loop {
-                let mut data = match timeout(backend_timeout, from.data()).await {
+                let data = match timeout(backend_timeout, from.data()).await {
                     Err(_) => {
                         return Err(Fail::Midway("timed out in the middle of the body".into()))
                     }
@@ -729,12 +706,7 @@ impl Shared<'_> {
                     Ok(Some(Ok(d))) => d,
                 };
                 let n = data.len();
-                while !data.is_empty() {
-                    let stalls = Some(&proxy.stats.h2.stalls);
-                    let granted = grant(&mut to, data.len(), stall, stalls).await?;
-                    to.send_data(data.split_to(granted), false)
-                        .map_err(|_| Fail::Client)?;
-                }
+                send_granted(&mut to, data, stall, Some(&proxy.stats.h2.stalls)).await?;
                 // The backend may send more only as the client takes it.
                 let _ = from.flow_control().release_capacity(n);
                 proxy
@@ -791,20 +763,15 @@ impl Shared<'_> {
         let idle = Duration::from_secs(proxy.args.server.idle_timeout);
         let stall = Duration::from_secs(proxy.args.backend_timeout.max(1));
         loop {
-            let mut data = match timeout(idle, body.data()).await {
+            let data = match timeout(idle, body.data()).await {
                 Ok(None) => break,
                 Ok(Some(Ok(d))) => d,
                 Ok(Some(Err(_))) | Err(_) => return Err(Side::Client),
             };
             let n = data.len();
-            while !data.is_empty() {
-                let granted = grant(upstream, data.len(), stall, None)
-                    .await
-                    .map_err(|_| Side::Backend)?;
-                upstream
-                    .send_data(data.split_to(granted), false)
-                    .map_err(|_| Side::Backend)?;
-            }
+            send_granted(upstream, data, stall, None)
+                .await
+                .map_err(|_| Side::Backend)?;
             let _ = body.flow_control().release_capacity(n);
             proxy
                 .stats
@@ -820,6 +787,82 @@ impl Shared<'_> {
     }
 }
 
+/// A request's stream on an h2c backend connection, its head sent.
+pub(super) struct H2cStream {
+    /// The stream's place on the connection (held to the end of the exchange).
+    pub(super) lease: super::h2c::Lease,
+    /// The backend, as named in logs.
+    pub(super) label: String,
+    pub(super) response: h2::client::ResponseFuture,
+    pub(super) upstream: SendStream<Bytes>,
+}
+
+/// Why no stream was opened for a request on an h2c backend.
+pub(super) enum NotOpened {
+    /// The request cannot be written as an h2 request (no authority, a method h2 refuses):
+    /// 400.
+    Refused,
+    /// No backend would take it (503 or 502).
+    Unavailable(Unavailable),
+    /// The backend failed or did not take it in time (with its label).
+    Failed(Fail, String),
+}
+
+/// Opens a stream for `request` (its HTTP/1.1 head as the proxy encoded it, `encoded`) on an
+/// h2c connection to one of `site`'s backends and sends its head (`ended`: there is no body).
+/// A connection h2 finds dead before the request went is left and the request tried once more
+/// on another. For h2 and HTTP/1.1 clients alike.
+pub(super) async fn open_h2c_stream(
+    proxy: &Proxy,
+    site: usize,
+    encoded: &[u8],
+    request: &RequestHead,
+    te_trailers: bool,
+    ended: bool,
+) -> Result<H2cStream, NotOpened> {
+    if h2c_request(encoded, request, te_trailers).is_none() {
+        return Err(NotOpened::Refused);
+    }
+    let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
+    let mut retried = false;
+    loop {
+        let lease = proxy
+            .h2c_backend(site)
+            .await
+            .map_err(NotOpened::Unavailable)?;
+        proxy.stats.forwarded.fetch_add(1, Relaxed);
+        if lease.reused {
+            proxy.stats.backend_reused.fetch_add(1, Relaxed);
+        }
+        let label = proxy.pools[site].backends[lease.which].to_string();
+        let req = h2c_request(encoded, request, te_trailers).ok_or(NotOpened::Refused)?;
+        let sent = match timeout(backend_timeout, lease.send.clone().ready()).await {
+            Err(_) => return Err(NotOpened::Failed(Fail::Timeout, label)),
+            Ok(Ok(mut ready)) => ready.send_request(req, ended),
+            Ok(Err(e)) => Err(e),
+        };
+        match sent {
+            Ok((response, upstream)) => {
+                return Ok(H2cStream {
+                    lease,
+                    label,
+                    response,
+                    upstream,
+                })
+            }
+            Err(e) => {
+                lease.close();
+                if retried {
+                    let why = format!("{label}: {e}");
+                    return Err(NotOpened::Failed(Fail::BadGateway(why), label));
+                }
+                proxy.stats.backend_retries.fetch_add(1, Relaxed);
+                retried = true;
+            }
+        }
+    }
+}
+
 /// Which side of an exchange failed.
 enum Side {
     Client,
@@ -830,7 +873,7 @@ enum Side {
 /// so the forwarding rules are the HTTP/1.1 path's) as h2 fields: `Host` as `:authority`,
 /// without the connection-specific fields, and `TE: trailers` again when the client sent it
 /// (gRPC servers want it; it is the only `TE` h2 allows).
-fn h2c_request(
+pub(super) fn h2c_request(
     encoded: &[u8],
     request: &RequestHead,
     te_trailers: bool,
@@ -871,14 +914,14 @@ fn h2c_request(
 }
 
 /// When a request must be done by (`--request-timeout`; none when 0).
-fn request_deadline(proxy: &Proxy) -> Option<Instant> {
+pub(super) fn request_deadline(proxy: &Proxy) -> Option<Instant> {
     (proxy.args.request_timeout > 0)
         .then(|| Instant::now() + Duration::from_secs(proxy.args.request_timeout))
 }
 
 /// Runs one exchange with a backend to its end or `deadline`, which fails it with where it
 /// stood (`progress`).
-async fn within<T>(
+pub(super) async fn within<T>(
     deadline: Option<Instant>,
     progress: &Step,
     exchange: impl std::future::Future<Output = Result<T, Fail>>,
@@ -892,16 +935,16 @@ async fn within<T>(
 }
 
 /// How far a stream's exchange got ([`Progress`]), readable when a deadline cuts it off.
-struct Step(AtomicU8);
+pub(super) struct Step(AtomicU8);
 
 impl Step {
-    fn new(p: Progress) -> Self {
+    pub(super) fn new(p: Progress) -> Self {
         let s = Self(AtomicU8::new(0));
         s.set(p);
         s
     }
 
-    fn set(&self, p: Progress) {
+    pub(super) fn set(&self, p: Progress) {
         self.0.store(
             match p {
                 Progress::Receiving => 0,
@@ -912,7 +955,7 @@ impl Step {
         );
     }
 
-    fn get(&self) -> Progress {
+    pub(super) fn get(&self) -> Progress {
         match self.0.load(Relaxed) {
             0 => Progress::Receiving,
             1 => Progress::Waiting,
@@ -942,16 +985,28 @@ async fn send_all(
     if content.is_empty() {
         return Ok(0);
     }
-    let mut data = Bytes::from(std::mem::take(content));
+    let data = Bytes::from(std::mem::take(content));
     let n = data.len() as u64;
+    send_granted(stream, data, stall, Some(&stats.h2.stalls)).await?;
+    stats.bytes_to_client_copied.fetch_add(n, Relaxed);
+    Ok(n)
+}
+
+/// Sends `data` on `stream` as its flow-control window is granted ([`grant`]); a failure to
+/// send is [`Fail::Client`], whichever side `stream` goes to (callers say which it was).
+pub(super) async fn send_granted(
+    stream: &mut SendStream<Bytes>,
+    mut data: Bytes,
+    stall: Duration,
+    stalls: Option<&tlsplane::stats::Counter>,
+) -> Result<(), Fail> {
     while !data.is_empty() {
-        let granted = grant(stream, data.len(), stall, Some(&stats.h2.stalls)).await?;
+        let granted = grant(stream, data.len(), stall, stalls).await?;
         stream
             .send_data(data.split_to(granted), false)
             .map_err(|_| Fail::Client)?;
     }
-    stats.bytes_to_client_copied.fetch_add(n, Relaxed);
-    Ok(n)
+    Ok(())
 }
 
 /// Waits until `stream` may send some of `want` bytes; how many. A stream reset for want of
@@ -1111,8 +1166,9 @@ pub(super) fn answer(send: &mut SendResponse<Bytes>, status: u16) -> bool {
 /// The content of a chunked body, from bytes [`BodyFraming`] has checked and delimited
 /// (so that nothing here needs to refuse anything): chunk-size lines, extensions, the CRLF
 /// after each chunk and the trailer section are left out. Trailers of an HTTP/1.1 backend's
-/// chunked response are not forwarded.
-struct Dechunk {
+/// chunked response are not forwarded, nor those of an HTTP/1.1 client's chunked request to
+/// an h2c backend.
+pub(super) struct Dechunk {
     state: Chunk,
 }
 
@@ -1133,7 +1189,7 @@ enum Chunk {
 }
 
 impl Dechunk {
-    fn new(chunked: bool) -> Self {
+    pub(super) fn new(chunked: bool) -> Self {
         Self {
             state: if chunked {
                 Chunk::Size(0, false)
@@ -1144,7 +1200,7 @@ impl Dechunk {
     }
 
     /// Appends the content among `buf` (the next bytes of the body) to `out`.
-    fn content(&mut self, mut buf: &[u8], out: &mut Vec<u8>) {
+    pub(super) fn content(&mut self, mut buf: &[u8], out: &mut Vec<u8>) {
         if self.state == Chunk::Plain {
             out.extend_from_slice(buf);
             return;

@@ -5,7 +5,8 @@
 //! its body moved as it comes, framed but unread; then the response the same way. Backend
 //! connections are kept alive between requests in a per-thread idle list. A request that
 //! asks for a websocket `Upgrade` and gets `101` turns the connection into a TCP-mode relay
-//! (other upgrades, h2c, are not forwarded: see `tlsplane_http::forward`).
+//! (other upgrades, h2c, are not forwarded: see `tlsplane_http::forward`). On a site whose
+//! backends speak h2c, each request goes as an h2 stream instead (`h1_to_h2c`).
 //!
 //! Failures answer with a status when nothing of the response has reached the client yet: 502
 //! when the backend fails or answers with something that is not HTTP/1, 504 when it does not
@@ -61,7 +62,7 @@ impl Buf {
     }
 
     /// Full size, for moving a body.
-    fn grow_to_limit(&mut self) {
+    pub(super) fn grow_to_limit(&mut self) {
         if self.data.len() < self.limit {
             self.data.resize(self.limit, 0);
         }
@@ -142,7 +143,7 @@ pub(super) enum Progress {
 }
 
 /// How the client's connection goes on after one request.
-enum Next {
+pub(super) enum Next {
     /// Read the next request.
     KeepAlive,
     /// The connection has ended this way.
@@ -303,7 +304,11 @@ async fn read_request(
 
 /// Sends a response the proxy makes itself (an error), then closes unless `keep_alive`
 /// (lingering: the request's body, or more requests, may still be coming).
-async fn answer(tls: &mut TlsStream, status: u16, keep_alive: bool) -> std::io::Result<()> {
+pub(super) async fn answer(
+    tls: &mut TlsStream,
+    status: u16,
+    keep_alive: bool,
+) -> std::io::Result<()> {
     let r = error_response(status, keep_alive);
     let mut out = r.head;
     if let Body::Bytes(b) = r.body {
@@ -358,17 +363,6 @@ async fn exchange(
         let name = host_name(h);
         proxy.names.lookup(name) != Some(site)
     });
-    if proxy.protocols[site] == super::BackendProtocol::H2c {
-        // h2c backends are for h2 clients (docs/HTTP2.md, "Proxy"): the request is not
-        // forwarded, and its body, if any, is not read.
-        proxy.stats.http_refused.fetch_add(1, Relaxed);
-        let sent = answer(tls, 505, keep_alive && !has_body).await;
-        log(tls, 505, "-", None);
-        return match sent {
-            Ok(()) if keep_alive && !has_body => Next::KeepAlive,
-            _ => Next::End(Ended::Closed),
-        };
-    }
     if misdirected {
         // The Host belongs to another site than the one the TLS connection was set up for
         // (RFC 9110 §15.5.20). The body, if any, was not read: close after.
@@ -397,32 +391,20 @@ async fn exchange(
         proto: "https",
     };
     request.encode(origin, proxy.forwarded, &mut head);
+    if proxy.protocols[site] == super::BackendProtocol::H2c {
+        // The request becomes a stream to an h2c backend (docs/HTTP2.md, "Proxy").
+        return Box::pin(super::h1_to_h2c::exchange(
+            proxy, tls, peer, request, &head, client, keep_alive, &log,
+        ))
+        .await;
+    }
     let deadline = (proxy.args.request_timeout > 0)
         .then(|| Instant::now() + Duration::from_secs(proxy.args.request_timeout));
     let mut retried = false;
     let fail = loop {
         let (conn, which, reused) = match proxy.backend_for(site, !retried).await {
             Ok(c) => c,
-            Err(why) => {
-                proxy.stats.no_backend.fetch_add(1, Relaxed);
-                // 503 when backends are at their connection limit (try again later), 502
-                // when none could be reached.
-                let status = match why {
-                    Unavailable::Full => 503,
-                    Unavailable::Down => {
-                        proxy.stats.http_502.fetch_add(1, Relaxed);
-                        502
-                    }
-                };
-                // Nothing of the body was read: the connection can go on only without one.
-                let keep = keep_alive && !has_body;
-                let sent = answer(tls, status, keep).await;
-                log(tls, status, "-", None);
-                return match sent {
-                    Ok(()) if keep => Next::KeepAlive,
-                    _ => Next::End(Ended::NoBackend),
-                };
-            }
+            Err(why) => return unavailable(proxy, tls, why, keep_alive && !has_body, &log).await,
         };
         proxy.stats.forwarded.fetch_add(1, Relaxed);
         if reused {
@@ -518,6 +500,49 @@ async fn exchange(
             }
         }
     };
+    failed(proxy, tls, peer, fail, &log).await
+}
+
+/// What `exchange` logs a request with: its status, the backend (`-`: none), the body bytes
+/// relayed (`None`: the proxy's own error page).
+pub(super) type Log<'a> = dyn Fn(&TlsStream, u16, &str, Option<u64>) + Sync + 'a;
+
+/// No backend would take the request: 503 when backends are at their connection limit (try
+/// again later), 502 when none could be reached. `keep`: the connection may go on (nothing of
+/// a body is left unread).
+pub(super) async fn unavailable(
+    proxy: &Proxy,
+    tls: &mut TlsStream,
+    why: Unavailable,
+    keep: bool,
+    log: &Log<'_>,
+) -> Next {
+    proxy.stats.no_backend.fetch_add(1, Relaxed);
+    let status = match why {
+        Unavailable::Full => 503,
+        Unavailable::Down => {
+            proxy.stats.http_502.fetch_add(1, Relaxed);
+            502
+        }
+    };
+    let sent = answer(tls, status, keep).await;
+    log(tls, status, "-", None);
+    match sent {
+        Ok(()) if keep => Next::KeepAlive,
+        _ => Next::End(Ended::NoBackend),
+    }
+}
+
+/// Answers a failed exchange (a status while nothing of the response is out, else a reset)
+/// and ends the connection; counted by its side. What a failure logs with its backend is
+/// logged by the caller first.
+pub(super) async fn failed(
+    proxy: &Proxy,
+    tls: &mut TlsStream,
+    peer: SocketAddr,
+    fail: Fail,
+    log: &Log<'_>,
+) -> Next {
     if let Fail::Deadline(progress) = &fail {
         proxy.stats.request_timeouts.fetch_add(1, Relaxed);
         tracing::debug!(%peer, ?progress, "request past --request-timeout");

@@ -7,6 +7,7 @@
 //! close_notify to the client, and a reset on either side resets the other.
 
 pub(crate) mod backend;
+mod h1_to_h2c;
 mod h2;
 mod h2c;
 mod http;
@@ -44,9 +45,10 @@ pub struct ProxyArgs {
     /// HTTP mode: what the proxy speaks to backends (with --config, to those of the sites
     /// that do not say: a site's `backend-protocol`). http1: HTTP/1.1 (keep-alive pool), for
     /// HTTP/1.1 and h2 clients alike. h2c: cleartext HTTP/2 (prior knowledge), many streams on
-    /// one connection per backend, trailers relayed: gRPC end to end. h2c is for h2 clients
-    /// only: the ALPN offered becomes `h2` unless --alpn (or the site's `alpn`) says
-    /// otherwise, and an HTTP/1.1 request gets 505.
+    /// one connection per backend, trailers relayed: gRPC end to end. An HTTP/1.1 client's
+    /// request becomes an h2 stream too (its body as DATA, the response chunked with its
+    /// trailers when the client sent `TE: trailers`); the ALPN offered becomes `h2, http/1.1,
+    /// http/1.0` unless --alpn (or the site's `alpn`) says otherwise.
     #[arg(long, value_enum, default_value_t = BackendProtocol::Http1)]
     pub backend_protocol: BackendProtocol,
     /// HTTP mode: the client's own Forwarded / X-Forwarded-For / X-Forwarded-Proto fields are
@@ -108,9 +110,10 @@ pub enum Mode {
     Http,
 }
 
-/// ALPN of sites whose backends speak h2c when --alpn and the site's `alpn` do not say: their
-/// backends are reached by h2 clients only.
-const H2_ONLY_ALPN: [&[u8]; 1] = [b"h2"];
+/// ALPN of sites whose backends speak h2c when --alpn and the site's `alpn` do not say: h2
+/// first (an h2 client's streams go to the backend as they are), then HTTP/1 (each request
+/// made a stream).
+const H2C_SITE_ALPN: [&[u8]; 3] = [b"h2", b"http/1.1", b"http/1.0"];
 
 /// `--forwarded`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -211,7 +214,7 @@ impl Product for Proxy {
     }
 
     /// HTTP mode speaks HTTP/1, and h2 when the operator names it in --alpn (or a site's
-    /// `alpn`), as `serve` does; a site with h2c backends, h2 by default. TCP mode does not
+    /// `alpn`), as `serve` does; a site with h2c backends offers h2 first by default. TCP mode does not
     /// know what it carries, so it offers no ALPN unless told (a client offering any, or none,
     /// is served).
     fn alpn(args: &ProxyArgs) -> tlsplane_server::server::Alpn {
@@ -222,7 +225,7 @@ impl Product for Proxy {
         }
         let mut alpn = Alpn::new(flag, &HTTP1_ALPN, Some(&SERVE_ALPN));
         if flag.is_none() {
-            alpn.h2c_default = Some(H2_ONLY_ALPN.iter().map(|p| p.to_vec()).collect());
+            alpn.h2c_default = Some(H2C_SITE_ALPN.iter().map(|p| p.to_vec()).collect());
         }
         alpn
     }

@@ -10,9 +10,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::http2::{curl_h2, url};
+use crate::support::client::{End, Tls, TlsClient};
 use crate::support::fixtures::{self, sha256};
 use crate::support::tools::{self, require};
-use crate::support::Server;
+use crate::support::{get_request, Server};
 
 /// A Python HTTP/1.1 backend (keep-alive, threads). `GET /big/N`: N deterministic bytes;
 /// `GET /chunked/N`: the same, chunked in pieces of growing size, with a trailer and
@@ -496,8 +497,8 @@ fn curl_site(port: u16, name: &str, path: &str) -> (String, u16, String) {
 
 /// Two sites by server name in one HTTP-mode proxy, each speaking its own protocol to its
 /// backends (a site's `backend-protocol`): grpc.test to a grpcio server over h2c, web.test to
-/// a Python HTTP/1.1 server; each site's ALPN follows its backends (h2 for the h2c site,
-/// HTTP/1.1 for the other: neither has an `alpn` key). A reload that changes the key applies
+/// a Python HTTP/1.1 server; each site's ALPN follows its backends (h2 first for the h2c site,
+/// HTTP/1.1 only for the other: neither has an `alpn` key). A reload that changes the key applies
 /// to new connections: web.test first names h2c (its HTTP/1.1 backend refuses the h2c
 /// preface: 502 over h2), then http1 (200 over HTTP/1.1).
 #[test]
@@ -595,4 +596,647 @@ fn each_site_speaks_its_own_backend_protocol_and_a_reload_changes_it() {
     // Two gRPC runs of four calls, three requests to web.test.
     assert_eq!(stats["proxy_http_requests"], 11, "{stats:?}");
     assert_eq!(stats["proxy_http_502"], 1, "{stats:?}");
+}
+
+/// An h2c backend in Rust (h2's server side, prior knowledge), for HTTP/1.1 clients through
+/// the proxy: `GET|HEAD /big/N`: N bytes of [`pattern`] with `Content-Length`;
+/// `POST /echo`: the body back with `Content-Length`, and `x-got-length` (the request's
+/// `content-length` or `none`) and `x-got-te`; `POST /echo-unsized`: the same without a
+/// length; `GET /fields`: the request's pseudo-fields and fields, a line each; `GET
+/// /trailers`: `abc` in two DATA frames, then trailers `x-sum: t` and `grpc-status: 0`;
+/// `GET /reset/N`: the head of N bytes, N/2 of them, then RST_STREAM(INTERNAL_ERROR);
+/// `GET /refuse`: RST_STREAM(REFUSED_STREAM) before any head; `POST /early`: 413 before
+/// reading the body; `GET /stall`: no answer for a
+/// minute; `GET /stall-body/N`: the head of N bytes, N/2 of them, then nothing for a minute.
+/// Stopped when dropped.
+struct H2cBackend {
+    port: u16,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for H2cBackend {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn h2c_backend() -> H2cBackend {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let port = listener.local_addr().expect("addr").port();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+            let accepting = async {
+                loop {
+                    let Ok((sock, _)) = listener.accept().await else {
+                        continue;
+                    };
+                    tokio::spawn(async move {
+                        let Ok(mut conn) = h2::server::handshake(sock).await else {
+                            return;
+                        };
+                        while let Some(Ok((req, respond))) = conn.accept().await {
+                            tokio::spawn(h2c_answer(req, respond));
+                        }
+                    });
+                }
+            };
+            tokio::select! {
+                _ = accepting => {}
+                _ = stopped => {}
+            }
+        });
+    });
+    H2cBackend {
+        port,
+        stop: Some(stop),
+        thread: Some(thread),
+    }
+}
+
+/// Sends `data` within the stream's window; ends the stream unless trailers follow.
+async fn h2c_send(
+    stream: &mut h2::SendStream<bytes::Bytes>,
+    mut data: bytes::Bytes,
+    end: bool,
+) -> Result<(), h2::Error> {
+    while !data.is_empty() {
+        stream.reserve_capacity(data.len());
+        let granted = match std::future::poll_fn(|cx| stream.poll_capacity(cx)).await {
+            Some(r) => r?,
+            None => return Ok(()),
+        };
+        let piece = data.split_to(granted.min(data.len()));
+        stream.send_data(piece, false)?;
+    }
+    if end {
+        stream.send_data(bytes::Bytes::new(), true)?;
+    }
+    Ok(())
+}
+
+async fn h2c_answer(
+    req: http::Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<bytes::Bytes>,
+) {
+    let (parts, mut body) = req.into_parts();
+    let path = parts.uri.path().to_string();
+    if path == "/early" {
+        // Before the body: the request is refused whole.
+        let r = http::Response::builder()
+            .status(413)
+            .header("content-length", "0")
+            .body(())
+            .expect("response");
+        let _ = respond.send_response(r, true);
+        return;
+    }
+    let mut received = Vec::new();
+    while let Some(Ok(d)) = body.data().await {
+        let _ = body.flow_control().release_capacity(d.len());
+        received.extend_from_slice(&d);
+    }
+    let reply = |length: Option<usize>| {
+        let mut b = http::Response::builder()
+            .status(200)
+            .header("x-backend", "h2c");
+        if let Some(n) = length {
+            b = b.header("content-length", n);
+        }
+        b.body(()).expect("response")
+    };
+    let _ = async {
+        if let Some(n) = path.strip_prefix("/big/") {
+            let n: usize = n.parse().unwrap_or(0);
+            let head_only = parts.method == http::Method::HEAD;
+            let mut s = respond.send_response(reply(Some(n)), head_only)?;
+            if !head_only {
+                h2c_send(&mut s, pattern(n).into(), true).await?;
+            }
+        } else if path == "/echo" || path == "/echo-unsized" {
+            let field = |name| {
+                parts
+                    .headers
+                    .get(name)
+                    .map_or("none".to_string(), |v: &http::HeaderValue| {
+                        v.to_str().unwrap_or("?").to_string()
+                    })
+            };
+            let mut head = reply((path == "/echo").then_some(received.len()));
+            head.headers_mut().insert(
+                "x-got-length",
+                field("content-length").parse().expect("value"),
+            );
+            head.headers_mut()
+                .insert("x-got-te", field("te").parse().expect("value"));
+            let mut s = respond.send_response(head, false)?;
+            h2c_send(&mut s, received.into(), true).await?;
+        } else if path == "/fields" {
+            let mut text = format!(
+                ":method {}\n:scheme {}\n:authority {}\n:path {}\n",
+                parts.method,
+                parts.uri.scheme_str().unwrap_or("-"),
+                parts.uri.authority().map_or("-", |a| a.as_str()),
+                parts.uri.path_and_query().map_or("-", |p| p.as_str()),
+            );
+            for (k, v) in &parts.headers {
+                text.push_str(&format!("{k}: {}\n", v.to_str().unwrap_or("?")));
+            }
+            let mut s = respond.send_response(reply(Some(text.len())), false)?;
+            h2c_send(&mut s, text.into(), true).await?;
+        } else if path == "/trailers" {
+            let mut s = respond.send_response(reply(None), false)?;
+            h2c_send(&mut s, "ab".into(), false).await?;
+            h2c_send(&mut s, "c".into(), false).await?;
+            let mut t = http::HeaderMap::new();
+            t.insert("x-sum", "t".parse().expect("value"));
+            t.insert("grpc-status", "0".parse().expect("value"));
+            s.send_trailers(t)?;
+        } else if let Some(n) = path.strip_prefix("/reset/") {
+            let n: usize = n.parse().unwrap_or(0);
+            let mut s = respond.send_response(reply(Some(n)), false)?;
+            h2c_send(&mut s, pattern(n / 2).into(), false).await?;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            s.send_reset(h2::Reason::INTERNAL_ERROR);
+        } else if path == "/refuse" {
+            respond.send_reset(h2::Reason::REFUSED_STREAM);
+        } else if path == "/stall" {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        } else if let Some(n) = path.strip_prefix("/stall-body/") {
+            let n: usize = n.parse().unwrap_or(0);
+            let mut s = respond.send_response(reply(Some(n)), false)?;
+            h2c_send(&mut s, pattern(n / 2).into(), false).await?;
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        } else {
+            let mut r = reply(Some(0));
+            *r.status_mut() = http::StatusCode::NOT_FOUND;
+            respond.send_response(r, true)?;
+        }
+        Ok::<_, h2::Error>(())
+    }
+    .await;
+}
+
+/// A proxy in HTTP mode in front of `backend` over h2c, with the default ALPN.
+fn h2c_proxy(backend: &H2cBackend) -> Server {
+    h2c_proxy_builder(backend).start()
+}
+
+fn h2c_proxy_builder(backend: &H2cBackend) -> crate::support::ServerBuilder {
+    Server::builder()
+        .proxy(&[format!("127.0.0.1:{}", backend.port)])
+        .arg("--mode")
+        .arg("http")
+        .arg("--backend-protocol")
+        .arg("h2c")
+}
+
+/// Sends `bytes` in pieces rustls takes (its buffer is bounded).
+fn send(c: &mut TlsClient, bytes: &[u8]) {
+    for piece in bytes.chunks(16384) {
+        c.write_all(piece).expect("send");
+    }
+}
+
+/// Reads a chunked body from `c` (after its head): the content and the trailer lines.
+fn read_chunked(c: &mut TlsClient) -> (Vec<u8>, Vec<String>) {
+    let mut body = Vec::new();
+    loop {
+        let line = read_line(c);
+        let size = line.split(';').next().unwrap_or_default();
+        let n = u64::from_str_radix(size.trim(), 16)
+            .unwrap_or_else(|_| panic!("chunk size line {line:?}"));
+        if n == 0 {
+            break;
+        }
+        c.read_body_with(n, |b| body.extend_from_slice(b))
+            .expect("chunk");
+        assert_eq!(read_line(c), "", "CRLF after a chunk");
+    }
+    let mut trailers = Vec::new();
+    loop {
+        let line = read_line(c);
+        if line.is_empty() {
+            return (body, trailers);
+        }
+        trailers.push(line);
+    }
+}
+
+/// One CRLF-ended line of the response stream.
+fn read_line(c: &mut TlsClient) -> String {
+    let mut line = Vec::new();
+    while !line.ends_with(b"\r\n") {
+        c.read_body_with(1, |b| line.extend_from_slice(b))
+            .expect("a line");
+    }
+    line.truncate(line.len() - 2);
+    String::from_utf8(line).expect("text")
+}
+
+fn header<'a>(fields: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    tools::header(fields, name)
+}
+
+/// HTTP/1.1 clients on a site with h2c backends: each request goes as a stream of the h2c
+/// connection (was 505). All on one client connection (keep-alive) and one h2c connection.
+#[test]
+fn http1_clients_reach_an_h2c_backend_one_stream_per_request() {
+    let backend = h2c_backend();
+    let server = h2c_proxy(&backend);
+    let p = server.port();
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+
+    // A body of known size, byte-exact, with its length.
+    let n = (1 << 20) + 3;
+    c.write_all(&get_request(&format!("/big/{n}"), ""))
+        .expect("send");
+    let r = c.read_response(false).expect("big");
+    assert_eq!(r.status, 200, "{:?}", r.headers);
+    assert_eq!(r.content_length(), Some(n as u64));
+    assert_eq!(r.header("x-backend"), Some("h2c"));
+    assert!(sha256(&r.body) == sha256(&pattern(n)), "other bytes");
+    assert_eq!(r.header("transfer-encoding"), None);
+    assert_eq!(r.header("connection"), None);
+
+    // What the backend got: the HTTP/1.1 path's forwarding rules, as h2 fields.
+    c.write_all(
+        b"GET /fields?q=1 HTTP/1.1\r\nHost: localhost\r\nConnection: keep-alive, X-Hop\r\n\
+          X-Hop: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\nX-Forwarded-For: 6.6.6.6\r\n\
+          X-Test: yes\r\n\r\n",
+    )
+    .expect("send");
+    let r = c.read_response(false).expect("fields");
+    let text = String::from_utf8_lossy(&r.body).to_string();
+    for want in [
+        ":method GET\n",
+        ":authority localhost\n",
+        ":path /fields?q=1\n",
+        "x-test: yes\n",
+        "x-forwarded-for: 127.0.0.1\n",
+        "x-forwarded-proto: https\n",
+        "te: trailers\n",
+    ] {
+        assert!(text.contains(want), "{want:?} in {text}");
+    }
+    for gone in ["6.6.6.6", "x-hop", "keep-alive", "connection", "\nhost:"] {
+        assert!(!text.contains(gone), "{gone:?} in {text}");
+    }
+
+    // A Content-Length body, echoed byte-exact.
+    let data = pattern(300_001);
+    let mut req = format!(
+        "POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n",
+        data.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(&data);
+    send(&mut c, &req);
+    let r = c.read_response(false).expect("echo");
+    assert_eq!(r.status, 200);
+    assert!(
+        r.body == data,
+        "echo: {} bytes of {}",
+        r.body.len(),
+        data.len()
+    );
+    assert_eq!(r.header("x-got-length"), Some("300001"));
+    assert_eq!(r.header("x-got-te"), Some("none"));
+
+    // A chunked body (pieces of growing size, extensions, a trailer that is dropped).
+    let data = pattern(200_000);
+    let mut req =
+        b"POST /echo HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    let (mut at, mut k) = (0, 1);
+    while at < data.len() {
+        let piece = &data[at..(at + k).min(data.len())];
+        req.extend_from_slice(format!("{:x};ext=1\r\n", piece.len()).as_bytes());
+        req.extend_from_slice(piece);
+        req.extend_from_slice(b"\r\n");
+        at += piece.len();
+        k = k * 3 + 1;
+    }
+    req.extend_from_slice(b"0\r\nX-Req-Trailer: x\r\n\r\n");
+    send(&mut c, &req);
+    let r = c.read_response(false).expect("chunked echo");
+    assert_eq!(r.status, 200);
+    assert!(
+        r.body == data,
+        "chunked echo: {} bytes of {}",
+        r.body.len(),
+        data.len()
+    );
+    assert_eq!(r.header("x-got-length"), Some("none"));
+
+    // Expect: 100-continue: the proxy's 100, then the body.
+    c.write_all(
+        b"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .expect("send");
+    let (status, _) = c.read_head().expect("100");
+    assert_eq!(status, 100);
+    c.write_all(b"hello").expect("send");
+    let r = c.read_response(false).expect("after 100");
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"hello"[..]));
+
+    // HEAD: the length of the GET, no body (the next response follows at once).
+    c.write_all(b"HEAD /big/4321 HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .expect("send");
+    let r = c.read_response(true).expect("head");
+    assert_eq!((r.status, r.content_length()), (200, Some(4321)));
+
+    // No length from the backend: chunked to the client.
+    let mut req =
+        b"POST /echo-unsized HTTP/1.1\r\nHost: localhost\r\nContent-Length: 7\r\n\r\n".to_vec();
+    req.extend_from_slice(b"unsized");
+    c.write_all(&req).expect("send");
+    let (status, fields) = c.read_head().expect("unsized");
+    assert_eq!(status, 200);
+    assert_eq!(header(&fields, "transfer-encoding"), Some("chunked"));
+    assert_eq!(header(&fields, "content-length"), None);
+    let (body, trailers) = read_chunked(&mut c);
+    assert_eq!((body.as_slice(), trailers.len()), (&b"unsized"[..], 0));
+
+    // h2 trailers: chunked trailers for a client that said TE: trailers ...
+    c.write_all(&get_request(
+        "/trailers",
+        "TE: trailers\r\nConnection: TE\r\n",
+    ))
+    .expect("send");
+    let (status, fields) = c.read_head().expect("trailers");
+    assert_eq!(status, 200);
+    assert_eq!(header(&fields, "transfer-encoding"), Some("chunked"));
+    let (body, trailers) = read_chunked(&mut c);
+    assert_eq!(body, b"abc");
+    assert_eq!(trailers, ["x-sum: t", "grpc-status: 0"]);
+    // ... dropped for one that did not.
+    c.write_all(&get_request("/trailers", "")).expect("send");
+    let (status, _) = c.read_head().expect("trailers");
+    assert_eq!(status, 200);
+    let (body, trailers) = read_chunked(&mut c);
+    assert_eq!((body.as_slice(), trailers.len()), (&b"abc"[..], 0));
+
+    // Still the same connection, still open.
+    let r = c.get("/big/10");
+    assert_eq!((r.status, r.body), (200, pattern(10)));
+    c.close();
+    drop(backend);
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_requests"], 10, "{stats:?}");
+    assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
+    assert_eq!(stats["proxy_http_refused"], 0, "{stats:?}");
+    assert_eq!(stats["proxy_h2c_connections"], 1, "{stats:?}");
+}
+
+/// An h2c backend that resets the stream: before the response head, 502; after it began, the
+/// client's connection is reset (a truncated body, never a clean short one).
+#[test]
+fn an_h2c_reset_is_502_before_the_head_and_a_truncation_after() {
+    let backend = h2c_backend();
+    let server = h2c_proxy(&backend);
+    let p = server.port();
+
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let r = c.get("/refuse");
+    assert_eq!(r.status, 502);
+
+    let n = 1 << 20;
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    c.write_all(&get_request(&format!("/reset/{n}"), ""))
+        .expect("send");
+    let (status, fields) = c.read_head().expect("head");
+    assert_eq!(status, 200);
+    assert_eq!(
+        header(&fields, "content-length"),
+        Some(n.to_string().as_str())
+    );
+    let (body, end) = c.read_to_end();
+    assert!(
+        body.len() < n && !matches!(end, End::CloseNotify),
+        "{} bytes of {n}, then {end:?}",
+        body.len()
+    );
+    assert!(body == pattern(n / 2)[..body.len()], "other bytes");
+
+    // The proxy goes on: the same backend serves the next client.
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let r = c.get("/big/100");
+    assert_eq!((r.status, r.body), (200, pattern(100)));
+    c.close();
+    drop(backend);
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_502"], 1, "{stats:?}");
+    assert_eq!(stats["proxy_backend_errors"], 2, "{stats:?}");
+}
+
+/// The default ALPN of an h2c site offers h2 and HTTP/1.1: curl gets each as it asks.
+#[test]
+fn an_h2c_site_offers_h2_and_http1_to_curl() {
+    if !require("curl") {
+        return;
+    }
+    let backend = h2c_backend();
+    let server = h2c_proxy(&backend);
+    let p = server.port();
+    let n = (2 << 20) + 5;
+    for flag in ["--http1.1", "--http2"] {
+        let mut c = curl_h2(p);
+        c.arg(flag)
+            .args(["-w", "\n%{http_version} %{http_code}"])
+            .arg(url(p, &format!("/big/{n}")));
+        let out = tools::run(c, b"", Duration::from_secs(60));
+        assert!(out.status.success(), "curl {flag}: {}", out.describe());
+        let at = out
+            .stdout
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .expect("-w line");
+        let tail = String::from_utf8_lossy(&out.stdout[at + 1..]).to_string();
+        let want = if flag == "--http2" {
+            "2 200"
+        } else {
+            "1.1 200"
+        };
+        assert_eq!(tail, want, "{flag}");
+        assert!(out.stdout[..at] == pattern(n), "{flag}: other bytes");
+    }
+    drop(backend);
+    assert_no_panic(&server);
+    server.stop();
+}
+
+/// --backend-timeout and --request-timeout for HTTP/1.1 clients on an h2c site, as on the
+/// HTTP/1.1 path: 504 before the response head, 408 while the client's body is awaited, a
+/// reset once the response has begun; the access log names the protocol and the backend.
+#[test]
+fn http1_to_h2c_timeouts_and_the_access_log() {
+    let backend = h2c_backend();
+    let dir = crate::sites::scratch("h1-to-h2c-timeouts");
+    let log = dir.join("access.log");
+    let to = format!("127.0.0.1:{}", backend.port);
+    let server = h2c_proxy_builder(&backend)
+        .arg("--backend-timeout")
+        .arg("1")
+        .arg("--access-log-file")
+        .arg(log.to_str().expect("path"))
+        .arg("--access-log-format")
+        .arg("json")
+        .start();
+    let p = server.port();
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let r = c.get("/big/5");
+    assert_eq!((r.status, r.body), (200, pattern(5)));
+    let r = c.get("/stall");
+    assert_eq!(r.status, 504);
+    // Closed by the proxy after its 504 (lingering until this side goes).
+    drop(c);
+    let truncated = |p: u16, path: &str| {
+        let mut c = TlsClient::connect_version(p, Tls::V13);
+        c.write_all(&get_request(path, "")).expect("send");
+        let (status, _) = c.read_head().expect("head");
+        assert_eq!(status, 200);
+        let (body, end) = c.read_to_end();
+        assert!(
+            body.len() < 10000 && !matches!(end, End::CloseNotify),
+            "{path}: {} bytes, then {end:?}",
+            body.len()
+        );
+    };
+    truncated(p, "/stall-body/10000");
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_504"], 1, "{stats:?}");
+    assert_eq!(stats["proxy_backend_errors"], 1, "{stats:?}");
+    let text = std::fs::read_to_string(&log).expect("access log");
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect(l))
+        .collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    for (line, status) in lines.iter().zip([200, 504]) {
+        assert_eq!(line["status"], status, "{line}");
+        assert_eq!(line["protocol"], "HTTP/1.1", "{line}");
+        assert_eq!(line["backend"], to.as_str(), "{line}");
+    }
+
+    let server = h2c_proxy_builder(&backend)
+        .arg("--request-timeout")
+        .arg("1")
+        .start();
+    let p = server.port();
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let r = c.get("/stall");
+    assert_eq!(r.status, 504);
+    drop(c);
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    c.write_all(b"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10\r\n\r\nhalf.")
+        .expect("send");
+    let r = c.read_response(false).expect("408");
+    assert_eq!(r.status, 408);
+    drop(c);
+    truncated(p, "/stall-body/10000");
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_request_timeouts"], 3, "{stats:?}");
+    drop(backend);
+}
+
+/// A backend that answers before it has the request body (413): the answer is relayed, the
+/// rest of the body not sent, and the client's connection closed after it (as on the HTTP/1.1
+/// path).
+#[test]
+fn an_h2c_answer_before_the_whole_body_is_relayed_and_the_connection_closes() {
+    let backend = h2c_backend();
+    let server = h2c_proxy(&backend);
+    let p = server.port();
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let mut req =
+        b"POST /early HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5000000\r\n\r\n".to_vec();
+    req.extend_from_slice(&pattern(100_000));
+    send(&mut c, &req);
+    let r = c.read_response(false).expect("413");
+    assert_eq!(r.status, 413, "{:?}", r.headers);
+    assert_eq!(r.header("connection"), Some("close"));
+    drop(c);
+    // The backend connection serves the next client.
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let r = c.get("/big/7");
+    assert_eq!((r.status, r.body), (200, pattern(7)));
+    c.close();
+    drop(backend);
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_early_responses"], 1, "{stats:?}");
+    assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
+}
+
+/// An HTTP/1.0 client cannot read chunked: a response without a length goes to the
+/// connection's close (clean: close_notify), one with a length keeps it.
+#[test]
+fn http10_clients_on_an_h2c_site_get_a_length_or_the_close() {
+    let backend = h2c_backend();
+    let server = h2c_proxy(&backend);
+    let p = server.port();
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    c.write_all(b"GET /big/9 HTTP/1.0\r\nHost: localhost\r\nConnection: keep-alive\r\n\r\n")
+        .expect("send");
+    let r = c.read_response(false).expect("big");
+    assert_eq!((r.status, &r.body), (200, &pattern(9)));
+    assert_eq!(r.header("connection"), Some("keep-alive"));
+    c.write_all(b"GET /trailers HTTP/1.0\r\nHost: localhost\r\nConnection: keep-alive\r\nTE: trailers\r\n\r\n")
+        .expect("send");
+    let (status, fields) = c.read_head().expect("head");
+    assert_eq!(status, 200);
+    assert_eq!(header(&fields, "transfer-encoding"), None);
+    assert_eq!(header(&fields, "content-length"), None);
+    assert_eq!(header(&fields, "connection"), Some("close"));
+    let (body, end) = c.read_to_end();
+    assert_eq!(body, b"abc");
+    assert!(matches!(end, End::CloseNotify), "{end:?}");
+    drop(c);
+    drop(backend);
+    assert_no_panic(&server);
+    server.stop();
+}
+
+/// No h2c backend to reach: 502 to an HTTP/1.1 client, and its connection goes on (nothing of a
+/// body is left unread).
+#[test]
+fn an_h2c_site_whose_backend_is_down_answers_http1_clients_502() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let server = Server::builder()
+        .proxy(&[format!("127.0.0.1:{port}")])
+        .arg("--mode")
+        .arg("http")
+        .arg("--backend-protocol")
+        .arg("h2c")
+        .start();
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    for _ in 0..2 {
+        let r = c.get("/x");
+        assert_eq!(r.status, 502);
+    }
+    c.close();
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_502"], 2, "{stats:?}");
+    assert_eq!(stats["proxy_no_backend"], 2, "{stats:?}");
 }
