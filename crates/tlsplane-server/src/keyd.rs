@@ -6,8 +6,14 @@
 //! dies (`PR_SET_PDEATHSIG`, SIGKILL, which also ends a stopped daemon). Started by hand
 //! (`--keyd unix:PATH` on the server), it writes its token to `PATH.token` (mode 0600). Either
 //! way it is non-dumpable (`PR_SET_DUMPABLE 0`: no core file, no ptrace or /proc/PID/mem by
-//! other processes of its user), opens no network socket, and drops (zeroizes) its keys before
-//! it exits. SIGUSR1 makes it say on stderr how many signatures it made and their mean cost.
+//! other processes of its user), opens no network socket unless told to (`--listen-tls`), and
+//! drops (zeroizes) its keys before it exits. SIGUSR1 makes it say on stderr how many
+//! signatures it made and their mean cost.
+//!
+//! Started by hand with `--listen-tls HOST:PORT`, it also (or only) serves servers on other
+//! hosts (`serve --keyd tls://HOST:PORT`) over TCP and TLS 1.3: only clients whose certificate
+//! `--client-ca` issued, the same requests framed by their length (`tlsplane::keyd::tls`), one
+//! thread per connection, never a HANDOFF.
 //!
 //! `serve` keeps a spare daemon started with `--copy-from SOCKET`: it takes the keys of the
 //! daemon in use over that daemon's socket (HANDOFF) instead of reading any file, so that it

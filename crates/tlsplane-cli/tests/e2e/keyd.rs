@@ -1251,3 +1251,65 @@ fn with_two_keyds_over_tls_handshakes_go_on_through_the_other_when_one_dies() {
     assert_eq!(stats.get("signatures"), 0, "{stats:?}");
     assert!(!keyds[0].lines().iter().any(|l| l.contains("panicked")));
 }
+
+#[test]
+fn with_two_keyds_over_tls_a_stuck_one_fails_one_handshake_then_is_left_until_it_answers() {
+    let (config, _pki, keyds, site) = keyless_site("keyd-tls-stuck", 2);
+    fs::remove_file(&site.key_pem).unwrap();
+    let server = Server::builder()
+        .expect_user_fallbacks()
+        .arg("--keyd-timeout")
+        .arg("1")
+        .config_file(&config)
+        .start();
+    let port = server.port();
+    some_keyless_handshakes(port, 4);
+    let stuck = keyds[0].child.id();
+    send_signal(stuck, "-STOP");
+    wait_stopped(stuck);
+    // One handshake at a time: the first whose signature goes to the stopped daemon waits the
+    // timeout and fails; every later one goes to the other daemon.
+    let mut outcomes = Vec::new();
+    for _ in 0..20 {
+        outcomes.push(try_handshake(port));
+    }
+    let failed: Vec<_> = outcomes.iter().filter(|(r, _)| r.is_err()).collect();
+    assert_eq!(failed.len(), 1, "{outcomes:?}");
+    for (r, took) in &failed {
+        let e = r.as_ref().unwrap_err();
+        assert!(e.contains("InternalError"), "{e}");
+        assert!(
+            *took >= Duration::from_millis(900) && *took < Duration::from_secs(3),
+            "waited {took:?}"
+        );
+    }
+    let slow = outcomes
+        .iter()
+        .filter(|(_, took)| *took > Duration::from_millis(900))
+        .count();
+    assert!(
+        slow <= 1,
+        "the stopped daemon was waited for again: {outcomes:?}"
+    );
+    send_signal(stuck, "-CONT");
+    wait_line(&server, "is back in use");
+    some_keyless_handshakes(port, 4);
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_failovers"), 1, "{stats:?}");
+    assert_eq!(stats.get("keyd_reconnects"), 1, "{stats:?}");
+    assert_eq!(
+        stats.get("keyd_sign_failures"),
+        failed.len() as u64,
+        "{stats:?}"
+    );
+    for k in &keyds {
+        assert!(!k.lines().iter().any(|l| l.contains("panicked")));
+    }
+}
+
+/// `n` TLS 1.3 handshakes with a GET each, all served.
+fn some_keyless_handshakes(port: u16, n: usize) {
+    for _ in 0..n {
+        assert_eq!(index(port), "a");
+    }
+}
