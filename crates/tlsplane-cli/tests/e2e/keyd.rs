@@ -1028,6 +1028,7 @@ fn keyless_site(
 fn a_server_signs_through_a_keyd_over_tls_and_never_reads_the_key_file() {
     let (config, _pki, mut keyds, site) = keyless_site("keyd-tls", 1);
     // Nothing but the daemon's memory holds the key from now on.
+    let saved = fs::read(&site.key_pem).unwrap();
     fs::remove_file(&site.key_pem).unwrap();
     let server = Server::builder().config_file(&config).start();
     let port = server.port();
@@ -1039,10 +1040,17 @@ fn a_server_signs_through_a_keyd_over_tls_and_never_reads_the_key_file() {
         c.close();
     }
     assert_eq!(index(port), "a");
+    // A reload has the daemon read its files again (so the key must be back on its host) and
+    // commit the new generation, over TLS.
+    fs::write(&site.key_pem, &saved).unwrap();
+    hup(server.pid());
+    wait_line(&server, "configuration reloaded");
+    assert_eq!(index(port), "a");
     keyds[0].assert_alive();
     let stats = server.stop();
+    assert_eq!(stats.get("reloads"), 1, "{stats:?}");
     assert_eq!(stats.get("signatures"), 0, "the server signed: {stats:?}");
-    assert!(stats.get("keyd_signatures") >= 3, "{stats:?}");
+    assert!(stats.get("keyd_signatures") >= 4, "{stats:?}");
     assert_eq!(stats.get("keyd_sign_failures"), 0, "{stats:?}");
     assert!(!keyds[0].lines().iter().any(|l| l.contains("panicked")));
 }
