@@ -45,8 +45,8 @@ pub struct ServerArgs {
     /// their --client-ca.
     #[arg(long, value_name = "PEM")]
     pub keyd_tls_cert: Option<PathBuf>,
-    /// The private key of --keyd-tls-cert (PEM; read into this process: it opens the daemons,
-    /// which is why only this server's certificate should be issued for it).
+    /// The private key of --keyd-tls-cert (PEM). It is read into this process, and whoever
+    /// holds it can have the daemons sign: issue its certificate for this server alone.
     #[arg(long, value_name = "PEM")]
     pub keyd_tls_key: Option<PathBuf>,
     /// With --keyd tls://: the CA (PEM) that issued the key daemons' certificates.

@@ -1026,7 +1026,7 @@ fn keyless_site(
 
 #[test]
 fn a_server_signs_through_a_keyd_over_tls_and_never_reads_the_key_file() {
-    let (config, _pki, mut keyds, site) = keyless_site("keyd-tls", 1);
+    let (config, pki, mut keyds, site) = keyless_site("keyd-tls", 1);
     // Nothing but the daemon's memory holds the key from now on.
     let saved = fs::read(&site.key_pem).unwrap();
     fs::remove_file(&site.key_pem).unwrap();
@@ -1047,12 +1047,20 @@ fn a_server_signs_through_a_keyd_over_tls_and_never_reads_the_key_file() {
     wait_line(&server, "configuration reloaded");
     assert_eq!(index(port), "a");
     keyds[0].assert_alive();
+    assert!(!keyds[0].lines().iter().any(|l| l.contains("panicked")));
+    // Restarted on its port between two handshakes: the server's idle connections to it are
+    // dead, and the next handshake still succeeds (its call is made again on a new one).
+    let keyd_port = keyds[0].port;
+    keyds.clear();
+    keyds.push(TlsKeyd::start(&pki, &site.key_pem, keyd_port));
+    let (first, _) = try_handshake(port);
+    first.expect("the first handshake after a restart of the daemon");
     let stats = server.stop();
+    assert_eq!(stats.get("keyd_failovers"), 0, "{stats:?}");
     assert_eq!(stats.get("reloads"), 1, "{stats:?}");
     assert_eq!(stats.get("signatures"), 0, "the server signed: {stats:?}");
     assert!(stats.get("keyd_signatures") >= 4, "{stats:?}");
     assert_eq!(stats.get("keyd_sign_failures"), 0, "{stats:?}");
-    assert!(!keyds[0].lines().iter().any(|l| l.contains("panicked")));
 }
 
 /// A raw client of a daemon's TLS port: `client` is the certificate it shows, if any.

@@ -368,13 +368,29 @@ impl KeydFleet {
     }
 
     /// One call on daemon `i`, on an idle connection or a new one.
+    ///
+    /// An idle connection may have been closed since it was last used (the daemon restarted,
+    /// a firewall forgot it): a call lost on one is made once more on a new connection,
+    /// unless it went unanswered (the daemon is there but stuck: waiting again would pass
+    /// the handshake's deadline).
     fn call_on(&self, i: usize, request: &[u8]) -> io::Result<Vec<u8>> {
         let d = &self.daemons[i];
         let pooled = lock(&d.idle).pop();
-        let mut conn = match pooled {
-            Some(c) => c,
-            None => Conn::open(d, &self.config, self.timeout)?,
+        let reply = match pooled {
+            Some(conn) => match self.call_keep(d, conn, request) {
+                Err(e) if !is_refusal(&e) && e.kind() != io::ErrorKind::TimedOut => None,
+                r => Some(r),
+            },
+            None => None,
         };
+        match reply {
+            Some(r) => r,
+            None => self.call_keep(d, Conn::open(d, &self.config, self.timeout)?, request),
+        }
+    }
+
+    /// One call on `conn`, which goes back to the idle ones if it is still fine.
+    fn call_keep(&self, d: &Daemon, mut conn: Conn, request: &[u8]) -> io::Result<Vec<u8>> {
         let reply = conn.call(request, self.timeout);
         // A refusal leaves the connection fine; any other error, in an unknown state.
         if reply.is_ok() || reply.as_ref().is_err_and(is_refusal) {
