@@ -6,8 +6,14 @@
 //! dies (`PR_SET_PDEATHSIG`, SIGKILL, which also ends a stopped daemon). Started by hand
 //! (`--keyd unix:PATH` on the server), it writes its token to `PATH.token` (mode 0600). Either
 //! way it is non-dumpable (`PR_SET_DUMPABLE 0`: no core file, no ptrace or /proc/PID/mem by
-//! other processes of its user), opens no network socket, and drops (zeroizes) its keys before
-//! it exits. SIGUSR1 makes it say on stderr how many signatures it made and their mean cost.
+//! other processes of its user), opens no network socket unless told to (`--listen-tls`), and
+//! drops (zeroizes) its keys before it exits. SIGUSR1 makes it say on stderr how many
+//! signatures it made and their mean cost.
+//!
+//! Started by hand with `--listen-tls HOST:PORT`, it also (or only) serves servers on other
+//! hosts (`serve --keyd tls://HOST:PORT`) over TCP and TLS 1.3: only clients whose certificate
+//! `--client-ca` issued, the same requests framed by their length (`tlsplane::keyd::tls`), one
+//! thread per connection, never a HANDOFF.
 //!
 //! `serve` keeps a spare daemon started with `--copy-from SOCKET`: it takes the keys of the
 //! daemon in use over that daemon's socket (HANDOFF) instead of reading any file, so that it
@@ -31,8 +37,28 @@ use tlsplane::keyd::{self as proto, op, TOKEN_LEN};
 #[derive(Args, Debug)]
 pub struct KeydArgs {
     /// Unix socket to listen on (created, mode 0600; keep its directory private).
-    #[arg(long, value_name = "PATH")]
-    pub socket: PathBuf,
+    #[arg(long, value_name = "PATH", required_unless_present = "listen_tls")]
+    pub socket: Option<PathBuf>,
+    /// Also (or only) listen on TCP at HOST:PORT with TLS, for servers on other hosts
+    /// (`serve --keyd tls://HOST:PORT`): only clients with a certificate issued by --client-ca
+    /// are served. Port 0 picks a free port (the "listening" line says which).
+    #[arg(
+        long,
+        value_name = "HOST:PORT",
+        requires_all = ["tls_cert", "tls_key", "client_ca"]
+    )]
+    pub listen_tls: Option<String>,
+    /// The daemon's certificate chain for --listen-tls (PEM); servers check it against their
+    /// --keyd-ca.
+    #[arg(long, value_name = "PEM", requires = "listen_tls")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "PEM", requires = "listen_tls")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA whose client certificates --listen-tls accepts (PEM; one or more certificates):
+    /// a client certificate is what authenticates a server there.
+    #[arg(long, value_name = "PEM", requires = "listen_tls")]
+    pub client_ca: Option<PathBuf>,
     /// Configuration file: the daemon loads every key its [[site.cert]] entries name.
     #[arg(long, value_name = "FILE", conflicts_with = "key")]
     pub config: Option<PathBuf>,
@@ -43,7 +69,7 @@ pub struct KeydArgs {
     #[arg(long, value_name = "UID")]
     pub allow_uid: Vec<u32>,
     /// Started by `serve` (its pid): the token comes on stdin, and the daemon exits with it.
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, requires = "socket")]
     pub parent: Option<u32>,
     /// The socket's mode, octal: 666 when it serves a server of another user (`serve --user`;
     /// then its directory is root's and the peer's uid and the token decide).
@@ -388,7 +414,9 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
             .secure_random
             .fill(token.as_mut())
             .map_err(|_| anyhow::anyhow!("no random token"))?;
-        write_token_file(&token_path(&args.socket), &token)?;
+        if let Some(socket) = &args.socket {
+            write_token_file(&token_path(socket), &token)?;
+        }
     }
     let (store, loaded) = match &args.copy_from {
         Some(from) => {
@@ -415,15 +443,32 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
     };
     let store = Arc::new(RwLock::new(store));
 
-    let _ = std::fs::remove_file(&args.socket);
-    let listener = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
-    listener.bind(&SockAddr::unix(&args.socket)?)?;
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(
-        &args.socket,
-        std::fs::Permissions::from_mode(args.socket_mode),
-    )?;
-    listener.listen(128)?;
+    let tls = match &args.listen_tls {
+        Some(addr) => {
+            let (Some(cert), Some(key), Some(ca)) =
+                (&args.tls_cert, &args.tls_key, &args.client_ca)
+            else {
+                anyhow::bail!("--listen-tls needs --tls-cert, --tls-key and --client-ca");
+            };
+            let config = proto::tls::server_config(cert, key, ca).map_err(anyhow::Error::msg)?;
+            let listener = std::net::TcpListener::bind(addr)
+                .map_err(|e| anyhow::anyhow!("--listen-tls {addr}: {e}"))?;
+            Some((listener, config))
+        }
+        None => None,
+    };
+    let listener = match &args.socket {
+        Some(socket) => {
+            let _ = std::fs::remove_file(socket);
+            let listener = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
+            listener.bind(&SockAddr::unix(socket)?)?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(socket, std::fs::Permissions::from_mode(args.socket_mode))?;
+            listener.listen(128)?;
+            Some(listener)
+        }
+        None => None,
+    };
     let mut allowed = vec![tlsplane_sys::current_uid(), 0];
     allowed.extend(&args.allow_uid);
 
@@ -434,7 +479,9 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
         move |why: &str| {
             // Drop every key (aws-lc clears key memory as it frees it).
             *store.write().unwrap_or_else(|e| e.into_inner()) = Store::default();
-            let _ = std::fs::remove_file(&socket_path);
+            if let Some(socket) = &socket_path {
+                let _ = std::fs::remove_file(socket);
+            }
             tracing::debug!("keyd exits: {why}");
             std::process::exit(0);
         }
@@ -472,9 +519,25 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
         });
         exit(why);
     });
-    tracing::info!("keyd: {loaded}; listening on {}", args.socket.display());
-
     let source = Arc::new(source);
+    let mut listening = Vec::new();
+    if let Some(socket) = &args.socket {
+        listening.push(socket.display().to_string());
+    }
+    if let Some((listener, config)) = tls {
+        listening.push(format!("tls://{}", listener.local_addr()?));
+        let (store, source) = (store.clone(), source.clone());
+        std::thread::Builder::new()
+            .name("keyd-tls".into())
+            .spawn(move || serve_tls(listener, config, &store, &source))?;
+    }
+    tracing::info!("keyd: {loaded}; listening on {}", listening.join(" and "));
+    let Some(listener) = listener else {
+        // Only TCP: its thread serves, and a signal or the end of stdin ends the process.
+        loop {
+            std::thread::park();
+        }
+    };
     let token = Arc::new(token);
     loop {
         let (conn, _) = match listener.accept() {
@@ -522,7 +585,10 @@ fn serve_conn(
             hand_off(&sock, store, parent);
             return;
         }
-        let reply = answer(&buf[..n], store, source);
+        let reply = match &buf[..n] {
+            [op::PING] => vec![proto::OK],
+            request => answer(request, store, source),
+        };
         loop {
             match sock.send(&reply) {
                 Ok(_) => break,
@@ -530,6 +596,96 @@ fn serve_conn(
                 Err(_) => return,
             }
         }
+    }
+}
+
+/// Connections at most served at once over TLS (each a thread), handshakes included: an
+/// unauthenticated peer can hold a slot for the handshake's 10 s, no more.
+const MAX_TLS_CONNECTIONS: usize = 1024;
+/// How long a client may take to complete its TLS handshake.
+const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `--listen-tls`: accepts connections, each served by a thread of its own.
+fn serve_tls(
+    listener: std::net::TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    store: &Arc<RwLock<Store>>,
+    source: &Arc<Source>,
+) {
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    loop {
+        let (tcp, peer) = match listener.accept() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "keyd: accept failed");
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                continue;
+            }
+        };
+        use std::sync::atomic::Ordering::Relaxed;
+        if open.fetch_add(1, Relaxed) >= MAX_TLS_CONNECTIONS {
+            open.fetch_sub(1, Relaxed);
+            tracing::warn!("keyd: connection from {peer} refused: {MAX_TLS_CONNECTIONS} open");
+            continue;
+        }
+        let (config, store, source, open) =
+            (config.clone(), store.clone(), source.clone(), open.clone());
+        let spawned = std::thread::Builder::new()
+            .name("keyd-tls-conn".into())
+            .spawn(move || {
+                if let Err(why) = serve_tls_conn(tcp, config, &store, &source) {
+                    tracing::warn!("keyd: connection from {peer} closed: {why}");
+                }
+                open.fetch_sub(1, Relaxed);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "keyd: no thread for a connection");
+        }
+    }
+}
+
+/// One client over TLS: the handshake (its certificate checked), then framed requests, each
+/// answered as over the Unix socket. Returns at the client's close; an error says why the
+/// connection ended otherwise (a refused certificate, a bad frame).
+fn serve_tls_conn(
+    mut tcp: std::net::TcpStream,
+    config: Arc<rustls::ServerConfig>,
+    store: &RwLock<Store>,
+    source: &Source,
+) -> Result<(), String> {
+    let mut tls = rustls::ServerConnection::new(config).map_err(|e| e.to_string())?;
+    tcp.set_read_timeout(Some(TLS_HANDSHAKE_TIMEOUT))
+        .and_then(|()| tcp.set_write_timeout(Some(TLS_HANDSHAKE_TIMEOUT)))
+        .and_then(|()| tcp.set_nodelay(true))
+        .map_err(|e| e.to_string())?;
+    while tls.is_handshaking() {
+        if let Err(e) = tls.complete_io(&mut tcp) {
+            // The alert, if rustls made one (a refused certificate), before the close.
+            let _ = tls.write_tls(&mut tcp);
+            return Err(format!("TLS handshake: {e}"));
+        }
+    }
+    // Servers keep idle connections for their next signatures: no read deadline from now on.
+    // A peer gone silently is found by keepalive.
+    tcp.set_read_timeout(None).map_err(|e| e.to_string())?;
+    let _ = socket2::SockRef::from(&tcp).set_keepalive(true);
+    let mut stream = rustls::StreamOwned::new(tls, tcp);
+    let mut request = Vec::with_capacity(proto::MAX_MESSAGE);
+    loop {
+        match proto::tls::read_frame(&mut stream, &mut request) {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
+        }
+        let reply = match request.as_slice() {
+            [op::PING] => vec![proto::OK],
+            [op::HANDOFF, ..] => err("HANDOFF is not served over TLS"),
+            _ => answer(&request, store, source),
+        };
+        stream
+            .write_all(&proto::tls::frame(&reply))
+            .and_then(|()| stream.flush())
+            .map_err(|e| e.to_string())?;
     }
 }
 

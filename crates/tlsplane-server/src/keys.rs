@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rustls::sign::SigningKey;
+use tlsplane::keyd::tls::KeydFleet;
 use tlsplane::keyd::{Endpoint, KeydClient, TOKEN_LEN};
 
 use crate::privileges::{Launcher, RunAs};
@@ -23,6 +24,19 @@ pub enum KeydMode {
     Off,
     /// Use a daemon started by hand (`tlsplane keyd --socket PATH ...`).
     Unix(PathBuf),
+    /// Use daemons on other hosts (`tlsplane keyd --listen-tls ...`), over TLS: `tls://HOST:PORT`
+    /// each, used in turn, a signature that one loses made by the next.
+    Tls(Vec<String>),
+}
+
+/// The server's TLS client credentials towards `--keyd tls://` daemons.
+#[derive(Clone, Debug, Default)]
+pub struct KeydTls {
+    /// Its client certificate and key (PEM), which the daemons' --client-ca issued.
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    /// The CA that issued the daemons' certificates.
+    pub ca: Option<PathBuf>,
 }
 
 impl FromStr for KeydMode {
@@ -31,9 +45,18 @@ impl FromStr for KeydMode {
         match s {
             "on" => Ok(Self::On),
             "off" => Ok(Self::Off),
+            _ if s.starts_with(tlsplane::keyd::tls::URL_PREFIX) => {
+                let urls: Vec<String> = s.split(',').map(|u| u.trim().to_string()).collect();
+                for u in &urls {
+                    tlsplane::keyd::tls::parse_url(u)?;
+                }
+                Ok(Self::Tls(urls))
+            }
             _ => match s.strip_prefix("unix:") {
                 Some(p) if !p.is_empty() => Ok(Self::Unix(PathBuf::from(p))),
-                _ => Err(format!("{s:?}: expected on, off or unix:PATH")),
+                _ => Err(format!(
+                    "{s:?}: expected on, off, unix:PATH or tls://HOST:PORT[,tls://HOST:PORT...]"
+                )),
             },
         }
     }
@@ -89,6 +112,8 @@ pub struct Keys {
     /// to the spare, and a spare shows it to the daemon whose keys it takes.
     token: zeroize::Zeroizing<[u8; TOKEN_LEN]>,
     client: Mutex<Option<Arc<KeydClient>>>,
+    /// With `--keyd tls://...`: the daemons on other hosts.
+    fleet: Option<Arc<KeydFleet>>,
     daemons: Mutex<Daemons>,
     /// With `--user`: what starts daemons as root once this server is not.
     launcher: Mutex<Option<Launcher>>,
@@ -111,6 +136,7 @@ impl Keys {
         daemon_args: Vec<OsString>,
         run_as: Option<&RunAs>,
         sign_timeout: Duration,
+        tls: &KeydTls,
     ) -> anyhow::Result<Arc<Self>> {
         let launcher = match (&mode, run_as) {
             (KeydMode::On, Some(user)) => Some(Launcher::start(user.uid, &daemon_args)?),
@@ -121,11 +147,23 @@ impl Keys {
             .secure_random
             .fill(token.as_mut())
             .map_err(|_| anyhow::anyhow!("no random token"))?;
+        let fleet = match &mode {
+            KeydMode::Tls(urls) => Some(connect_fleet(urls, tls, sign_timeout)?),
+            _ => {
+                if tls.cert.is_some() || tls.key.is_some() || tls.ca.is_some() {
+                    anyhow::bail!(
+                        "--keyd-tls-cert, --keyd-tls-key and --keyd-ca go with --keyd tls://"
+                    );
+                }
+                None
+            }
+        };
         let keys = Arc::new(Self {
             mode,
             daemon_args,
             token,
             client: Mutex::new(None),
+            fleet,
             daemons: Mutex::default(),
             launcher: Mutex::new(launcher),
             sign_timeout,
@@ -133,7 +171,7 @@ impl Keys {
             reload_owed: AtomicBool::new(false),
         });
         match &keys.mode {
-            KeydMode::Off => {}
+            KeydMode::Off | KeydMode::Tls(_) => {}
             KeydMode::On => {
                 let first = keys.launch(None)?;
                 keys.set_client(KeydClient::connect(
@@ -276,6 +314,12 @@ impl Keys {
 
     /// The signing key for the key file `path`.
     pub fn load(&self, path: &Path) -> Result<Arc<dyn SigningKey>, tlsplane::Error> {
+        if let Some(fleet) = &self.fleet {
+            return fleet
+                .key(path)
+                .map(|k| k as Arc<dyn SigningKey>)
+                .map_err(|e| tlsplane::Error::Config(e.to_string()));
+        }
         match self.client() {
             None => tlsplane::cert::load_key(path),
             Some(c) => c
@@ -288,6 +332,11 @@ impl Keys {
     /// Has the daemon re-read its key files (a reload); the generation to commit once the
     /// configuration built on them is in force. Nothing to do without a daemon.
     pub fn reload(&self) -> anyhow::Result<Option<u32>> {
+        if let Some(fleet) = &self.fleet {
+            // Each daemon has its own generation; the fleet keeps them for the commit.
+            fleet.reload()?;
+            return Ok(Some(0));
+        }
         match self.client() {
             Some(c) => Ok(Some(c.reload()?)),
             None => Ok(None),
@@ -300,6 +349,9 @@ impl Keys {
     /// serves a handshake.
     pub fn commit(&self, g: Option<u32>) {
         self.reload_owed.store(false, Relaxed);
+        if let (Some(fleet), Some(_)) = (&self.fleet, g) {
+            fleet.commit();
+        }
         if let (Some(c), Some(g)) = (self.client(), g) {
             if let Err(e) = c.commit(g) {
                 tracing::warn!(error = %e, "the key daemon did not take the commit");
@@ -343,6 +395,15 @@ impl Keys {
                     }
                     let back = match &keys.mode {
                         KeydMode::Unix(socket) => keys.reconnect_if_broken(socket, &stats),
+                        KeydMode::Tls(_) => {
+                            // Keys learn their handles on a daemon back in use as they sign
+                            // there: no reload.
+                            if let Some(fleet) = &keys.fleet {
+                                let back = fleet.probe();
+                                stats.keyd_reconnects.fetch_add(back as u64, Relaxed);
+                            }
+                            None
+                        }
                         _ => {
                             let back = keys.replace_if_dead_or_stuck(&stats);
                             keys.keep_a_spare(&mut spare);
@@ -573,6 +634,20 @@ struct SpareRetry {
     next_try: Option<Instant>,
     delay: Duration,
     last_error: String,
+}
+
+/// The daemons of `--keyd tls://...`, with the server's client certificate.
+fn connect_fleet(
+    urls: &[String],
+    tls: &KeydTls,
+    sign_timeout: Duration,
+) -> anyhow::Result<Arc<KeydFleet>> {
+    let (Some(cert), Some(key), Some(ca)) = (&tls.cert, &tls.key, &tls.ca) else {
+        anyhow::bail!("--keyd tls:// needs --keyd-tls-cert, --keyd-tls-key and --keyd-ca");
+    };
+    let config = tlsplane::keyd::tls::client_config(cert, key, ca).map_err(anyhow::Error::msg)?;
+    KeydFleet::connect(urls, config, sign_timeout)
+        .map_err(|e| anyhow::anyhow!("--keyd {}: {e}", urls.join(",")))
 }
 
 /// Connects to a daemon started by hand (`--keyd unix:PATH`), with the token it wrote beside

@@ -32,9 +32,26 @@ pub struct ServerArgs {
     /// Where private keys live: `on` starts a key daemon (`tlsplane keyd`, a child process that
     /// alone reads the key files and signs for the server, restarted if it dies); `off` reads
     /// them into this process (weaker: a memory disclosure here would disclose them);
-    /// `unix:PATH` uses a daemon started by hand with `tlsplane keyd --socket PATH`.
-    #[arg(long, default_value = "on", value_name = "on|off|unix:PATH")]
+    /// `unix:PATH` uses a daemon started by hand with `tlsplane keyd --socket PATH`;
+    /// `tls://HOST:PORT[,tls://HOST:PORT...]` uses daemons on other hosts (`tlsplane keyd
+    /// --listen-tls`) over mutual TLS, in turn, a signature one loses made by the next.
+    #[arg(
+        long,
+        default_value = "on",
+        value_name = "on|off|unix:PATH|tls://HOST:PORT,..."
+    )]
     pub keyd: crate::keys::KeydMode,
+    /// With --keyd tls://: the certificate (PEM) this server shows the key daemons, issued by
+    /// their --client-ca.
+    #[arg(long, value_name = "PEM")]
+    pub keyd_tls_cert: Option<PathBuf>,
+    /// The private key of --keyd-tls-cert (PEM). It is read into this process, and whoever
+    /// holds it can have the daemons sign: issue its certificate for this server alone.
+    #[arg(long, value_name = "PEM")]
+    pub keyd_tls_key: Option<PathBuf>,
+    /// With --keyd tls://: the CA (PEM) that issued the key daemons' certificates.
+    #[arg(long, value_name = "PEM")]
+    pub keyd_ca: Option<PathBuf>,
     /// Seconds a handshake waits for the key daemon's signature before it fails with an
     /// internal_error alert. A daemon this server started that lets a signature time out is
     /// stuck: it is replaced, as a dead one is.
@@ -320,6 +337,11 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         daemon_args,
         server.user.as_ref(),
         Duration::from_secs_f64(server.keyd_timeout),
+        &crate::keys::KeydTls {
+            cert: server.keyd_tls_cert.clone(),
+            key: server.keyd_tls_key.clone(),
+            ca: server.keyd_ca.clone(),
+        },
     )?;
     tracing::info!(
         "private keys: {}",
@@ -328,6 +350,8 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
                 "in a key daemon (tlsplane keyd) started for this server".to_string(),
             crate::keys::KeydMode::Off => "read into this process (--keyd off)".to_string(),
             crate::keys::KeydMode::Unix(p) => format!("in the key daemon at {}", p.display()),
+            crate::keys::KeydMode::Tls(urls) =>
+                format!("in the key daemons at {}", urls.join(", ")),
         }
     );
     let loader = |p: &std::path::Path| keys.load(p);

@@ -101,6 +101,10 @@ pub fn load_key_der(key_path: &Path) -> Result<(Arc<dyn SigningKey>, KeyDer), Er
 
 /// The signing key that `der` encodes.
 pub fn key_from_der(der: &KeyDer) -> Result<Arc<dyn SigningKey>, rustls::Error> {
+    Ok(Arc::new(TimedKey(uncounted_key_from_der(der)?)))
+}
+
+fn uncounted_key_from_der(der: &KeyDer) -> Result<Arc<dyn SigningKey>, rustls::Error> {
     use rustls_pki_types::{PrivatePkcs1KeyDer, PrivatePkcs8KeyDer, PrivateSec1KeyDer};
     let bytes = der.der.as_slice();
     let key = match der.format {
@@ -108,7 +112,20 @@ pub fn key_from_der(der: &KeyDer) -> Result<Arc<dyn SigningKey>, rustls::Error> 
         2 => PrivateKeyDer::Sec1(PrivateSec1KeyDer::from(bytes)),
         _ => PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(bytes)),
     };
-    Ok(Arc::new(TimedKey(any_supported_type(&key)?)))
+    any_supported_type(&key)
+}
+
+/// [`load_key`] for a key that authenticates a connection of the key daemon's own (its TLS
+/// certificate, a server's client certificate towards it), not a site: its signatures are not
+/// counted with the sites' (`signatures`).
+pub fn load_transport_key(key_path: &Path) -> Result<Arc<dyn SigningKey>, Error> {
+    let (_, der) = load_key_der(key_path)?;
+    uncounted_key_from_der(&der).map_err(|e| {
+        Error::Config(format!(
+            "{}: unsupported private key: {e}",
+            key_path.display()
+        ))
+    })
 }
 
 /// A key this process holds, whose signatures are counted and timed (`signatures`,

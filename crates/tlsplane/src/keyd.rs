@@ -32,6 +32,8 @@ use rustls::{SignatureAlgorithm, SignatureScheme};
 use rustls_pki_types::SubjectPublicKeyInfoDer;
 use socket2::{Domain, SockAddr, Socket, Type};
 
+pub mod tls;
+
 /// Length of the per-start authentication token.
 pub const TOKEN_LEN: usize = 32;
 /// Longest message either side sends (a signature is at most 512 bytes for RSA-4096; the
@@ -65,6 +67,9 @@ pub mod op {
     /// the daemon that will stand in for this one, and refused to anyone else (the daemon
     /// checks the asking process, see `tlsplane keyd`).
     pub const HANDOFF: u8 = 6;
+    /// `[]` → `[]`: the daemon answers (a client over TLS checks with it that the daemon took
+    /// its certificate).
+    pub const PING: u8 = 7;
 }
 
 /// Reply status bytes.
@@ -197,7 +202,7 @@ impl Conn {
 /// The daemon answered, with a refusal (an unknown handle, a key it could not load): the
 /// connection itself is fine.
 #[derive(Debug)]
-struct Refused(String);
+pub(crate) struct Refused(pub(crate) String);
 
 impl std::fmt::Display for Refused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -207,7 +212,7 @@ impl std::fmt::Display for Refused {
 
 impl std::error::Error for Refused {}
 
-fn is_refusal(e: &io::Error) -> bool {
+pub(crate) fn is_refusal(e: &io::Error) -> bool {
     e.get_ref().is_some_and(|r| r.is::<Refused>())
 }
 
@@ -219,7 +224,7 @@ fn as_timeout(e: io::Error, timeout: Duration) -> io::Error {
     }
 }
 
-fn timed_out(timeout: Duration) -> io::Error {
+pub(crate) fn timed_out(timeout: Duration) -> io::Error {
     io::Error::new(
         io::ErrorKind::TimedOut,
         format!("keyd did not answer within {} s", timeout.as_secs_f64()),
@@ -337,27 +342,13 @@ impl KeydClient {
         let mut req = vec![op::KEY];
         req.extend_from_slice(path.as_os_str().as_encoded_bytes());
         let r = self.call(&req)?;
-        let bad = || io::Error::new(io::ErrorKind::InvalidData, "keyd: malformed KEY reply");
-        if r.len() < 6 {
-            return Err(bad());
-        }
-        let handle = u32::from_be_bytes([r[0], r[1], r[2], r[3]]);
-        let algorithm = SignatureAlgorithm::from(r[4]);
-        let n = r[5] as usize;
-        let schemes_end = 6 + 2 * n;
-        if r.len() < schemes_end {
-            return Err(bad());
-        }
-        let schemes = r[6..schemes_end]
-            .chunks(2)
-            .map(|c| SignatureScheme::from(u16::from_be_bytes([c[0], c[1]])))
-            .collect();
+        let k = parse_key_reply(&r)?;
         Ok(Arc::new(RemoteKey {
             client: self.clone(),
-            handle,
-            algorithm,
-            schemes,
-            public_key: r[schemes_end..].to_vec(),
+            handle: k.handle,
+            algorithm: k.algorithm,
+            schemes: k.schemes,
+            public_key: k.public_key,
         }))
     }
 
@@ -381,6 +372,51 @@ impl KeydClient {
     pub fn endpoint(&self) -> Endpoint {
         self.target().endpoint.clone()
     }
+}
+
+/// What a daemon says of one of its keys (its answer to KEY).
+pub(crate) struct KeyInfo {
+    pub handle: u32,
+    pub algorithm: SignatureAlgorithm,
+    /// Schemes the key can make, most preferred first.
+    pub schemes: Vec<SignatureScheme>,
+    /// SubjectPublicKeyInfo, DER.
+    pub public_key: Vec<u8>,
+}
+
+/// A KEY reply's payload (after its OK byte).
+pub(crate) fn parse_key_reply(r: &[u8]) -> io::Result<KeyInfo> {
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, "keyd: malformed KEY reply");
+    if r.len() < 6 {
+        return Err(bad());
+    }
+    let handle = u32::from_be_bytes([r[0], r[1], r[2], r[3]]);
+    let algorithm = SignatureAlgorithm::from(r[4]);
+    let n = r[5] as usize;
+    let schemes_end = 6 + 2 * n;
+    if r.len() < schemes_end {
+        return Err(bad());
+    }
+    let schemes = r[6..schemes_end]
+        .chunks(2)
+        .map(|c| SignatureScheme::from(u16::from_be_bytes([c[0], c[1]])))
+        .collect();
+    Ok(KeyInfo {
+        handle,
+        algorithm,
+        schemes,
+        public_key: r[schemes_end..].to_vec(),
+    })
+}
+
+/// A SIGN request: `[op][handle][scheme][message]`.
+pub(crate) fn sign_request(handle: u32, scheme: SignatureScheme, message: &[u8]) -> Vec<u8> {
+    let mut req = Vec::with_capacity(7 + message.len());
+    req.push(op::SIGN);
+    req.extend_from_slice(&handle.to_be_bytes());
+    req.extend_from_slice(&u16::from(scheme).to_be_bytes());
+    req.extend_from_slice(message);
+    req
 }
 
 /// A private key held by the daemon: what rustls needs to choose a scheme and check the
@@ -424,11 +460,7 @@ struct RemoteSigner {
 
 impl Signer for RemoteSigner {
     fn sign(&self, message: &[u8]) -> Result<Vec<u8>, rustls::Error> {
-        let mut req = Vec::with_capacity(7 + message.len());
-        req.push(op::SIGN);
-        req.extend_from_slice(&self.handle.to_be_bytes());
-        req.extend_from_slice(&u16::from(self.scheme).to_be_bytes());
-        req.extend_from_slice(message);
+        let req = sign_request(self.handle, self.scheme, message);
         let started = std::time::Instant::now();
         let signature = self.client.call(&req);
         if signature.is_ok() {
@@ -451,7 +483,7 @@ impl Signer for RemoteSigner {
 /// A failed signature fails a handshake with an internal_error alert, which tells the client
 /// nothing: the operator must hear why. At most one line a second (a dead daemon fails every
 /// handshake); `keyd_sign_failures` counts them all.
-fn warn_sign_failure(e: &io::Error) {
+pub(crate) fn warn_sign_failure(e: &io::Error) {
     use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
     static LAST_SECOND: AtomicU64 = AtomicU64::new(0);
     let now = std::time::SystemTime::now()

@@ -181,6 +181,9 @@ counters! {
     /// Signatures the key daemon did not deliver (it is down, slow or refused): each failed
     /// a handshake.
     keyd_sign_failures,
+    /// Key daemons reached over TLS (`--keyd tls://...`) taken out of use after a call to one
+    /// was lost or not answered: the next signatures go to the others until it is back.
+    keyd_failovers,
     /// Signatures made by this process with a key it holds (the server with `--keyd off`, or
     /// the key daemon), and the time spent making them (in the signing library, ns).
     signatures,

@@ -850,3 +850,482 @@ fn with_both_daemons_killed_service_heals_by_itself_once_the_key_file_is_right_a
     );
     server.stop();
 }
+
+// ---- Key daemons on other hosts: `keyd --listen-tls`, `serve --keyd tls://...` ----
+
+/// A CA of its own, a certificate for a key daemon (127.0.0.1) and one for a server (its
+/// client certificate towards the daemons), as PEM files in `dir`.
+struct KeydPki {
+    ca_pem: std::path::PathBuf,
+    daemon: fixtures::CertFiles,
+    client: fixtures::CertFiles,
+}
+
+fn keyd_pki(dir: &Path, stem: &str) -> KeydPki {
+    let ca_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, format!("{stem} keyd CA"));
+    params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca = params.self_signed(&ca_key).unwrap();
+    let ca_pem = dir.join(format!("{stem}-ca.pem"));
+    fs::write(&ca_pem, ca.pem()).unwrap();
+    let issue = |name: &str, names: &[&str]| {
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let mut params =
+            rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                .unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        params.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+        let files = fixtures::CertFiles {
+            cert_pem: dir.join(format!("{stem}-{name}.crt.pem")),
+            key_pem: dir.join(format!("{stem}-{name}.key.pem")),
+        };
+        fs::write(&files.cert_pem, cert.pem()).unwrap();
+        fs::write(&files.key_pem, key.serialize_pem()).unwrap();
+        files
+    };
+    KeydPki {
+        daemon: issue("daemon", &["127.0.0.1"]),
+        client: issue("server", &["server.example"]),
+        ca_pem,
+    }
+}
+
+/// `tlsplane keyd --listen-tls 127.0.0.1:PORT` holding `key`, its stderr kept; killed when
+/// dropped.
+struct TlsKeyd {
+    child: std::process::Child,
+    port: u16,
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl TlsKeyd {
+    /// On `port` (0: any), once it listens.
+    fn start(pki: &KeydPki, key: &Path, port: u16) -> TlsKeyd {
+        use std::io::BufRead;
+        let mut child = Command::new(server_bin())
+            .arg("keyd")
+            .arg("--listen-tls")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--tls-cert")
+            .arg(&pki.daemon.cert_pem)
+            .arg("--tls-key")
+            .arg(&pki.daemon.key_pem)
+            .arg("--client-ca")
+            .arg(&pki.ca_pem)
+            .arg("--key")
+            .arg(key)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("tlsplane keyd");
+        let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let kept = lines.clone();
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                if let Some(p) = line
+                    .split("listening on tls://127.0.0.1:")
+                    .nth(1)
+                    .and_then(|r| r.split_whitespace().next())
+                    .and_then(|p| p.parse::<u16>().ok())
+                {
+                    let _ = tx.send(p);
+                }
+                kept.lock().unwrap().push(line);
+            }
+        });
+        let mut keyd = TlsKeyd {
+            child,
+            port: 0,
+            lines,
+        };
+        keyd.port = rx
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("keyd did not listen: {:#?}", keyd.lines()));
+        keyd
+    }
+
+    fn url(&self) -> String {
+        format!("tls://127.0.0.1:{}", self.port)
+    }
+
+    fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    fn assert_alive(&mut self) {
+        assert!(
+            self.child.try_wait().unwrap().is_none(),
+            "keyd exited: {:#?}",
+            self.lines()
+        );
+    }
+}
+
+impl Drop for TlsKeyd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A site `localhost` whose key exists only in the daemons' memory: its file is removed once
+/// `daemons` have loaded it, before the server starts. The configuration names the daemons.
+fn keyless_site(
+    test: &str,
+    daemons: usize,
+) -> (
+    std::path::PathBuf,
+    KeydPki,
+    Vec<TlsKeyd>,
+    fixtures::CertFiles,
+) {
+    let dir = crate::sites::scratch(test);
+    let pki = keyd_pki(&dir, "k");
+    let site = fixtures::pki().issue_in(&dir, "site", &["localhost", "127.0.0.1"], CertKind::P256);
+    let keyds: Vec<TlsKeyd> = (0..daemons)
+        .map(|_| TlsKeyd::start(&pki, &site.key_pem, 0))
+        .collect();
+    let urls: Vec<String> = keyds.iter().map(TlsKeyd::url).collect();
+    let server_lines = format!(
+        "keyd = {:?}\nkeyd-tls-cert = {:?}\nkeyd-tls-key = {:?}\nkeyd-ca = {:?}\n",
+        urls.join(","),
+        pki.client.cert_pem,
+        pki.client.key_pem,
+        pki.ca_pem
+    );
+    let config = crate::sites::write_config(
+        &dir,
+        &server_lines,
+        &[crate::sites::SiteSpec {
+            names: &["localhost"],
+            default: true,
+            certs: vec![fixtures::CertFiles {
+                cert_pem: site.cert_pem.clone(),
+                key_pem: site.key_pem.clone(),
+            }],
+            content: "a",
+        }],
+    );
+    (config, pki, keyds, site)
+}
+
+#[test]
+fn a_server_signs_through_a_keyd_over_tls_and_never_reads_the_key_file() {
+    let (config, pki, mut keyds, site) = keyless_site("keyd-tls", 1);
+    // Nothing but the daemon's memory holds the key from now on.
+    let saved = fs::read(&site.key_pem).unwrap();
+    fs::remove_file(&site.key_pem).unwrap();
+    let server = Server::builder().config_file(&config).start();
+    let port = server.port();
+    // TLS 1.3 and 1.2, each a full handshake signed by the daemon.
+    for v in [Tls::V13, Tls::V12] {
+        let mut c = TlsClient::connect_version(port, v);
+        let r = c.get("/");
+        assert_eq!((r.status, &r.body[..]), (200, &b"a"[..]));
+        c.close();
+    }
+    assert_eq!(index(port), "a");
+    // A reload has the daemon read its files again (so the key must be back on its host) and
+    // commit the new generation, over TLS.
+    fs::write(&site.key_pem, &saved).unwrap();
+    hup(server.pid());
+    wait_line(&server, "configuration reloaded");
+    assert_eq!(index(port), "a");
+    keyds[0].assert_alive();
+    assert!(!keyds[0].lines().iter().any(|l| l.contains("panicked")));
+    // Restarted on its port between two handshakes: the server's idle connections to it are
+    // dead, and the next handshake still succeeds (its call is made again on a new one).
+    let keyd_port = keyds[0].port;
+    keyds.clear();
+    keyds.push(TlsKeyd::start(&pki, &site.key_pem, keyd_port));
+    let (first, _) = try_handshake(port);
+    first.expect("the first handshake after a restart of the daemon");
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_failovers"), 0, "{stats:?}");
+    assert_eq!(stats.get("reloads"), 1, "{stats:?}");
+    assert_eq!(stats.get("signatures"), 0, "the server signed: {stats:?}");
+    assert!(stats.get("keyd_signatures") >= 4, "{stats:?}");
+    assert_eq!(stats.get("keyd_sign_failures"), 0, "{stats:?}");
+}
+
+/// A raw client of a daemon's TLS port: `client` is the certificate it shows, if any.
+fn keyd_tls_client(
+    port: u16,
+    ca: &Path,
+    client: Option<&fixtures::CertFiles>,
+) -> rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream> {
+    use rustls_pki_types::pem::PemObject;
+    let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = match client {
+        Some(c) => builder
+            .with_client_auth_cert(
+                rustls_pki_types::CertificateDer::pem_file_iter(&c.cert_pem)
+                    .unwrap()
+                    .map(|c| c.unwrap())
+                    .collect(),
+                rustls_pki_types::PrivateKeyDer::from_pem_file(&c.key_pem).unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    let tcp = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let conn =
+        rustls::ClientConnection::new(std::sync::Arc::new(config), "127.0.0.1".try_into().unwrap())
+            .unwrap();
+    rustls::StreamOwned::new(conn, tcp)
+}
+
+/// Sends `bytes` and reads the daemon's answer: its frame, or why there was none.
+fn keyd_exchange(
+    s: &mut rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream>,
+    bytes: &[u8],
+) -> Result<Vec<u8>, String> {
+    use std::io::Write;
+    s.write_all(bytes).map_err(|e| format!("write: {e}"))?;
+    s.flush().map_err(|e| format!("flush: {e}"))?;
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).map_err(|e| format!("read: {e}"))?;
+    let mut reply = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut reply).map_err(|e| format!("read: {e}"))?;
+    Ok(reply)
+}
+
+/// PING (op 7), framed.
+const PING: [u8; 5] = [0, 0, 0, 1, 7];
+
+#[test]
+fn a_keyd_over_tls_serves_only_clients_with_a_certificate_from_its_ca() {
+    let dir = crate::sites::scratch("keyd-tls-refusals");
+    let pki = keyd_pki(&dir, "k");
+    let other = keyd_pki(&dir, "other");
+    let site = fixtures::pki().issue_in(&dir, "site", &["localhost"], CertKind::P256);
+    let mut keyd = TlsKeyd::start(&pki, &site.key_pem, 0);
+    let port = keyd.port;
+
+    // A client of its CA is answered (else the refusals below would prove nothing).
+    let mut good = keyd_tls_client(port, &pki.ca_pem, Some(&pki.client));
+    assert_eq!(keyd_exchange(&mut good, &PING), Ok(vec![0]));
+    // KEY for a path the daemon loaded: a handle and the public key.
+    let mut key = vec![2u8];
+    key.extend_from_slice(site.key_pem.as_os_str().as_encoded_bytes());
+    let mut framed = (key.len() as u32).to_be_bytes().to_vec();
+    framed.extend_from_slice(&key);
+    let reply = keyd_exchange(&mut good, &framed).unwrap();
+    assert_eq!(reply[0], 0, "{reply:?}");
+
+    // No certificate, or one from another CA: refused, nothing answered.
+    let mut none = keyd_tls_client(port, &pki.ca_pem, None);
+    let e = keyd_exchange(&mut none, &PING).expect_err("served without a certificate");
+    assert!(
+        e.contains("CertificateRequired") || e.contains("read"),
+        "{e}"
+    );
+    let mut stranger = keyd_tls_client(port, &pki.ca_pem, Some(&other.client));
+    let e = keyd_exchange(&mut stranger, &PING).expect_err("served another CA's client");
+    assert!(e.contains("UnknownCA") || e.contains("read"), "{e}");
+    // Not TLS at all.
+    let mut plain = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    plain
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    use std::io::Write;
+    plain.write_all(&PING).unwrap();
+    let mut sink = Vec::new();
+    let _ = plain.read_to_end(&mut sink);
+    assert!(!sink.starts_with(&[0, 0, 0, 1, 0]), "{sink:?}");
+
+    // Bad frames from an authenticated client end its connection, not the daemon.
+    for bad in [
+        &[0u8, 0, 0, 0][..],
+        &[0xff, 0xff, 0xff, 0xff],
+        &[0, 0, 0x20, 0x01],
+    ] {
+        let mut c = keyd_tls_client(port, &pki.ca_pem, Some(&pki.client));
+        assert_eq!(keyd_exchange(&mut c, &PING), Ok(vec![0]));
+        let e = keyd_exchange(&mut c, bad).expect_err("an answer to a bad length");
+        assert!(e.contains("read"), "{e}");
+    }
+    // Requests that are not the protocol's: refused in words, the connection kept.
+    for request in [
+        &[0u8, 0, 0, 1, 99][..],
+        &[0, 0, 0, 2, 3, 1],
+        &[0, 0, 0, 1, 6],
+    ] {
+        let reply = keyd_exchange(&mut good, request).unwrap();
+        assert_eq!(reply[0], 1, "{request:?}: {reply:?}");
+    }
+    assert_eq!(keyd_exchange(&mut good, &PING), Ok(vec![0]));
+    keyd.assert_alive();
+    let lines = keyd.lines();
+    assert!(!lines.iter().any(|l| l.contains("panicked")), "{lines:#?}");
+    let refused = lines
+        .iter()
+        .filter(|l| l.contains("closed: TLS handshake"))
+        .count();
+    assert!(refused >= 2, "the refusals are logged: {lines:#?}");
+}
+
+#[test]
+fn with_two_keyds_over_tls_handshakes_go_on_through_the_other_when_one_dies() {
+    let (config, pki, mut keyds, site) = keyless_site("keyd-tls-failover", 2);
+    // Kept aside to start a daemon again; the server never sees a key file.
+    let saved = fs::read(&site.key_pem).unwrap();
+    fs::remove_file(&site.key_pem).unwrap();
+    let server = Server::builder()
+        .expect_user_fallbacks()
+        .config_file(&config)
+        .start();
+    let port = server.port();
+
+    // Handshakes in a loop, each success and failure with when it happened.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (stop2, started) = (stop.clone(), Instant::now());
+    let looper = std::thread::spawn(move || {
+        let (mut ok, mut failed) = (Vec::new(), Vec::new());
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+            let (r, _) = try_handshake(port);
+            match r {
+                Ok(()) => ok.push(started.elapsed()),
+                Err(e) => failed.push((started.elapsed(), e)),
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (ok, failed)
+    });
+    let ok_between = |ok: &[Duration], from: Duration, to: Duration| {
+        ok.iter().filter(|t| **t >= from && **t < to).count()
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    // A dies (SIGKILL): the next handshakes go to B.
+    let a_port = keyds[0].port;
+    let killed_a = started.elapsed();
+    drop(keyds.remove(0));
+    std::thread::sleep(Duration::from_millis(700));
+    // A is started again on its port, from the key file (put back for it alone).
+    let back_a = started.elapsed();
+    fs::write(&site.key_pem, &saved).unwrap();
+    let a = TlsKeyd::start(&pki, &site.key_pem, a_port);
+    fs::remove_file(&site.key_pem).unwrap();
+    wait_line(&server, "is back in use");
+    // B dies: only A is left, and serves again.
+    let killed_b = started.elapsed();
+    keyds.clear();
+    keyds.push(a);
+    std::thread::sleep(Duration::from_millis(700));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (ok, failed) = looper.join().unwrap();
+    let end = started.elapsed();
+    eprintln!(
+        "{} handshakes, {} failed: {failed:?}; A killed at {killed_a:?}, started again at {back_a:?}, B killed at {killed_b:?}",
+        ok.len() + failed.len(),
+        failed.len()
+    );
+    assert!(
+        failed.len() <= 2,
+        "more than the in-flight handshakes failed: {failed:?}"
+    );
+    assert!(ok_between(&ok, Duration::ZERO, killed_a) >= 5, "{ok:?}");
+    assert!(
+        ok_between(&ok, killed_a + Duration::from_millis(200), back_a) >= 5,
+        "no handshakes through B after A died: {ok:?}"
+    );
+    assert!(
+        ok_between(&ok, killed_b + Duration::from_millis(200), end) >= 5,
+        "no handshakes through A, back, after B died: {ok:?}"
+    );
+    keyds[0].assert_alive();
+    let lines = server.stderr_lines();
+    let count = |what: &str| lines.iter().filter(|l| l.contains(what)).count();
+    assert_eq!(count("is back in use"), 1, "{lines:#?}");
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_failovers"), 2, "{stats:?}");
+    assert_eq!(stats.get("keyd_reconnects"), 1, "{stats:?}");
+    assert_eq!(stats.get("signatures"), 0, "{stats:?}");
+    assert!(!keyds[0].lines().iter().any(|l| l.contains("panicked")));
+}
+
+#[test]
+fn with_two_keyds_over_tls_a_stuck_one_fails_one_handshake_then_is_left_until_it_answers() {
+    let (config, _pki, keyds, site) = keyless_site("keyd-tls-stuck", 2);
+    fs::remove_file(&site.key_pem).unwrap();
+    let server = Server::builder()
+        .expect_user_fallbacks()
+        .arg("--keyd-timeout")
+        .arg("1")
+        .config_file(&config)
+        .start();
+    let port = server.port();
+    some_keyless_handshakes(port, 4);
+    let stuck = keyds[0].child.id();
+    send_signal(stuck, "-STOP");
+    wait_stopped(stuck);
+    // One handshake at a time: the first whose signature goes to the stopped daemon waits the
+    // timeout and fails; every later one goes to the other daemon.
+    let mut outcomes = Vec::new();
+    for _ in 0..20 {
+        outcomes.push(try_handshake(port));
+    }
+    let failed: Vec<_> = outcomes.iter().filter(|(r, _)| r.is_err()).collect();
+    assert_eq!(failed.len(), 1, "{outcomes:?}");
+    for (r, took) in &failed {
+        let e = r.as_ref().unwrap_err();
+        assert!(e.contains("InternalError"), "{e}");
+        assert!(
+            *took >= Duration::from_millis(900) && *took < Duration::from_secs(3),
+            "waited {took:?}"
+        );
+    }
+    let slow = outcomes
+        .iter()
+        .filter(|(_, took)| *took > Duration::from_millis(900))
+        .count();
+    assert!(
+        slow <= 1,
+        "the stopped daemon was waited for again: {outcomes:?}"
+    );
+    send_signal(stuck, "-CONT");
+    wait_line(&server, "is back in use");
+    some_keyless_handshakes(port, 4);
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_failovers"), 1, "{stats:?}");
+    assert_eq!(stats.get("keyd_reconnects"), 1, "{stats:?}");
+    assert_eq!(
+        stats.get("keyd_sign_failures"),
+        failed.len() as u64,
+        "{stats:?}"
+    );
+    for k in &keyds {
+        assert!(!k.lines().iter().any(|l| l.contains("panicked")));
+    }
+}
+
+/// `n` TLS 1.3 handshakes with a GET each, all served.
+fn some_keyless_handshakes(port: u16, n: usize) {
+    for _ in 0..n {
+        assert_eq!(index(port), "a");
+    }
+}
