@@ -173,6 +173,12 @@ pub struct HandshakeArgs {
     /// whole response; a non-2xx status counts as a failure.
     #[arg(long, value_name = "PATH")]
     pub request: Option<String>,
+    /// More servers of the same fleet (comma list or repeated): each connection loop connects
+    /// to TARGET and these in turn, with one server name and one session store, as a client
+    /// behind a round-robin balancer would (so `--resume` shows how many resumptions survive
+    /// landing on another server).
+    #[arg(long, value_name = "HOST:PORT", value_delimiter = ',')]
+    pub also: Vec<String>,
 }
 
 /// `tlsplane bench throughput URL`
@@ -666,6 +672,17 @@ pub(crate) fn parse_alpn(list: &str) -> Result<Vec<Vec<u8>>> {
 }
 
 impl HandshakeArgs {
+    /// The addresses of `--also`, resolved as TARGET is.
+    pub(crate) fn also_addrs(&self) -> Result<Vec<SocketAddr>> {
+        self.also
+            .iter()
+            .map(|t| {
+                let (host, port) = split_host_port(t)?;
+                resolve(&host, port, &self.tls.resolve)
+            })
+            .collect()
+    }
+
     pub(crate) fn plan(&self) -> Result<(Plan, Option<Vec<u8>>)> {
         let (host, port) = split_host_port(&self.target)?;
         let stop = match (self.count, self.load.duration) {

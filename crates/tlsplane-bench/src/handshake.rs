@@ -16,7 +16,8 @@ use crate::stats::{Failure, Negotiated, Stats};
 use crate::http::MAX_HEAD;
 
 pub(crate) struct HsParams {
-    pub addr: SocketAddr,
+    /// The server, or the fleet's servers taken in turn by each loop (`--also`).
+    pub addrs: Vec<SocketAddr>,
     pub server_name: ServerName<'static>,
     /// Complete `GET ... Connection: close` request, if `--request`.
     pub request: Option<Vec<u8>>,
@@ -63,8 +64,11 @@ pub(crate) fn blocking_loop(p: &HsParams, ctl: &Control, cfg: Arc<ClientConfig>)
     let mut st = Stats::default();
     // One read buffer per loop, reused by every cycle.
     let mut buf = vec![0u8; if p.request.is_some() { 64 * 1024 } else { 4096 }];
+    let mut turn = 0usize;
     while let Some(measured) = ctl.next() {
-        let c = blocking_cycle(p, &cfg, &mut buf);
+        let addr = p.addrs[turn % p.addrs.len()];
+        turn = turn.wrapping_add(1);
+        let c = blocking_cycle(p, addr, &cfg, &mut buf);
         if measured {
             c.record(&mut st, ctl);
         }
@@ -72,9 +76,14 @@ pub(crate) fn blocking_loop(p: &HsParams, ctl: &Control, cfg: Arc<ClientConfig>)
     st
 }
 
-fn blocking_cycle(p: &HsParams, cfg: &Arc<ClientConfig>, buf: &mut [u8]) -> Cycle {
+fn blocking_cycle(
+    p: &HsParams,
+    addr: SocketAddr,
+    cfg: &Arc<ClientConfig>,
+    buf: &mut [u8],
+) -> Cycle {
     let t0 = Instant::now();
-    let mut sock = match crate::net::connect(&p.addr, p.timeout) {
+    let mut sock = match crate::net::connect(&addr, p.timeout) {
         Ok(s) => s,
         Err(e) => return Cycle::failed(Failure::from_connect(e)),
     };
@@ -247,10 +256,13 @@ pub(crate) async fn tokio_loop(
     let mut st = Stats::default();
     let mut buf = vec![0u8; if p.request.is_some() { 64 * 1024 } else { 4096 }];
     let mut net = vec![0u8; NET_READ];
+    let mut turn = 0usize;
     while let Some(measured) = ctl.next() {
         let mut c = Cycle::default();
         let t0 = Instant::now();
-        let cycle = tokio_cycle(&p, &cfg, &mut buf, &mut net, t0, &mut c);
+        let addr = p.addrs[turn % p.addrs.len()];
+        turn = turn.wrapping_add(1);
+        let cycle = tokio_cycle(&p, addr, &cfg, &mut buf, &mut net, t0, &mut c);
         if tokio::time::timeout(p.timeout, cycle).await.is_err() {
             c.failure = Some(Failure::Timeout);
         }
@@ -340,13 +352,14 @@ impl AsyncClient {
 
 async fn tokio_cycle(
     p: &HsParams,
+    addr: SocketAddr,
     cfg: &Arc<ClientConfig>,
     buf: &mut [u8],
     net: &mut [u8],
     t0: Instant,
     c: &mut Cycle,
 ) {
-    let tcp = match tokio::net::TcpStream::connect(p.addr).await {
+    let tcp = match tokio::net::TcpStream::connect(addr).await {
         Ok(s) => s,
         Err(e) => return c.failure = Some(Failure::from_connect(e)),
     };

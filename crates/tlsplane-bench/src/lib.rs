@@ -167,8 +167,10 @@ pub fn run_hold(a: &HoldArgs) -> Result<HoldReport> {
 pub fn run_handshake(a: &HandshakeArgs) -> Result<Report> {
     let (plan, request) = a.plan()?;
     let with_request = request.is_some();
+    let mut addrs = vec![plan.addr];
+    addrs.extend(a.also_addrs()?);
     let params = Arc::new(handshake::HsParams {
-        addr: plan.addr,
+        addrs,
         server_name: plan.server_name.clone(),
         request,
         timeout: plan.timeout,
