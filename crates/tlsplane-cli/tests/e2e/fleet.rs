@@ -501,3 +501,162 @@ fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
     assert!(rotations >= 3, "{a_stats:?} {a_stats2:?} {b_stats:?}");
     assert!(a_stats2.get("ticket_store_errors") >= 1, "{a_stats2:?}");
 }
+
+/// Runs `redis-cli -p PORT ARGS...` and returns its output.
+fn redis_cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .arg("-p")
+        .arg(port.to_string())
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn wait_for(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + within;
+    while !ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn servers_follow_a_sentinel_failover_and_keep_resuming() {
+    if !tools::require("redis-server") {
+        return;
+    }
+    let dir = scratch("fleet-sentinel");
+    let kek = dir.join("kek");
+    fs::write(
+        &kek,
+        base64::engine::general_purpose::STANDARD.encode(&random_key()[..32]),
+    )
+    .unwrap();
+    // A primary, its replica and one Sentinel (quorum 1) that fails over half a second after
+    // the primary stops answering.
+    let mut primary = Redis::start(&mkdir(dir.join("primary")));
+    let replica_dir = mkdir(dir.join("replica"));
+    let replica_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut replica = Command::new("redis-server")
+        .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .arg("--port")
+        .arg(replica_port.to_string())
+        .arg("--dir")
+        .arg(&replica_dir)
+        .arg("--replicaof")
+        .arg("127.0.0.1")
+        .arg(primary.port.to_string())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server replica");
+    let sentinel_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let sentinel_conf = dir.join("sentinel.conf");
+    fs::write(
+        &sentinel_conf,
+        format!(
+            "port {sentinel_port}\nbind 127.0.0.1\ndir {}\n\
+             sentinel monitor fleet 127.0.0.1 {} 1\n\
+             sentinel down-after-milliseconds fleet 500\n\
+             sentinel failover-timeout fleet 3000\n",
+            dir.display(),
+            primary.port
+        ),
+    )
+    .unwrap();
+    let mut sentinel = Command::new("redis-server")
+        .arg(&sentinel_conf)
+        .arg("--sentinel")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis sentinel");
+    wait_for("the replica in sync", Duration::from_secs(10), || {
+        redis_cli(replica_port, &["info", "replication"]).contains("master_link_status:up")
+    });
+    wait_for(
+        "the Sentinel knowing the replica",
+        Duration::from_secs(15),
+        || {
+            redis_cli(sentinel_port, &["sentinel", "replicas", "fleet"])
+                .contains(&replica_port.to_string())
+        },
+    );
+
+    let url = format!("redis-sentinel://127.0.0.1:{sentinel_port}/fleet");
+    let node = || {
+        Server::builder()
+            .arg("--ticket-store")
+            .arg(url.as_str())
+            .arg("--ticket-store-kek")
+            .arg(kek.to_str().unwrap())
+            .arg("--ticket-rotation")
+            .arg(ROTATION.to_string())
+            .start()
+    };
+    let a = node();
+    wait_log(&a, &installed(1), Duration::from_secs(5));
+    let b = node();
+    wait_log(&b, &installed(1), Duration::from_secs(5));
+    let c1 = client_with_ticket(a.port(), Tls::V13);
+    assert_eq!(
+        visit(b.port(), &c1),
+        HandshakeKind::Resumed,
+        "before the failover"
+    );
+
+    // The primary dies; the Sentinel promotes the replica; the servers follow it.
+    primary.kill();
+    wait_for("the failover", Duration::from_secs(20), || {
+        redis_cli(
+            sentinel_port,
+            &["sentinel", "get-master-addr-by-name", "fleet"],
+        )
+        .contains(&replica_port.to_string())
+    });
+    let c2 = client_with_ticket(a.port(), Tls::V13);
+    assert_eq!(
+        visit(b.port(), &c2),
+        HandshakeKind::Resumed,
+        "during the failover"
+    );
+    wait_log(&a, "reached again", Duration::from_secs(10));
+    wait_log(&b, "reached again", Duration::from_secs(10));
+    // Rotations go on, written to the new primary.
+    let n = generation(&a).max(generation(&b));
+    wait_log(&a, &installed(n + 1), Duration::from_secs(3 * ROTATION));
+    wait_log(&b, &installed(n + 1), Duration::from_secs(3 * ROTATION));
+    assert!(redis_cli(replica_port, &["role"]).starts_with("master"));
+    let c3 = client_with_ticket(b.port(), Tls::V13);
+    assert_eq!(
+        visit(a.port(), &c3),
+        HandshakeKind::Resumed,
+        "after the failover"
+    );
+
+    for s in [&a, &b] {
+        no_panic(s);
+    }
+    let (a_stats, b_stats) = (a.stop(), b.stop());
+    assert!(a_stats.get("ticket_store_errors") >= 1, "{a_stats:?}");
+    assert!(b_stats.get("handshakes_resumed") >= 2, "{b_stats:?}");
+    let _ = sentinel.kill();
+    let _ = sentinel.wait();
+    let _ = replica.kill();
+    let _ = replica.wait();
+}
+
+fn mkdir(p: PathBuf) -> PathBuf {
+    fs::create_dir_all(&p).unwrap();
+    p
+}

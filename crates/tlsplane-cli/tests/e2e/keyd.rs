@@ -1053,8 +1053,16 @@ fn a_server_signs_through_a_keyd_over_tls_and_never_reads_the_key_file() {
     let keyd_port = keyds[0].port;
     keyds.clear();
     keyds.push(TlsKeyd::start(&pki, &site.key_pem, keyd_port));
-    let (first, _) = try_handshake(port);
-    first.expect("the first handshake after a restart of the daemon");
+    // With a request: a client that closes right after its handshake may have its FIN reach
+    // the server before the handshake ends there, which the kernel plane refuses (README,
+    // Current limits) and the guests' check of every connection's plane would count.
+    let mut first = TlsClient::connect_version(port, Tls::V13);
+    assert_eq!(
+        first.get("/").status,
+        200,
+        "the first handshake after a restart of the daemon"
+    );
+    first.close();
     let stats = server.stop();
     assert_eq!(stats.get("keyd_failovers"), 0, "{stats:?}");
     assert_eq!(stats.get("reloads"), 1, "{stats:?}");
