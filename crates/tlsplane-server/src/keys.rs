@@ -654,16 +654,17 @@ fn connect_fleet(
 /// its socket.
 fn connect_external(socket: &Path, sign_timeout: Duration) -> anyhow::Result<Arc<KeydClient>> {
     let token_file = crate::keyd::token_path(socket);
-    let hex = zeroize::Zeroizing::new(std::fs::read_to_string(&token_file).map_err(|e| {
+    let context = |e: &dyn std::fmt::Display| {
         anyhow::anyhow!(
             "--keyd unix:{}: {}: {e}",
             socket.display(),
             token_file.display()
         )
-    })?);
+    };
+    let file = crate::secret_file::read(&token_file, 4096).map_err(|e| context(&e))?;
     let mut token = zeroize::Zeroizing::new([0u8; TOKEN_LEN]);
-    crate::keyd::decode_hex(hex.trim(), &mut token)
-        .ok_or_else(|| anyhow::anyhow!("{}: not a token", token_file.display()))?;
+    crate::keyd::decode_hex(file.text().map_err(|e| context(&e))?, &mut token)
+        .ok_or_else(|| context(&"not a token"))?;
     KeydClient::connect(
         Endpoint {
             socket: socket.to_path_buf(),

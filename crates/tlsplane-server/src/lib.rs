@@ -24,6 +24,7 @@ pub mod limits;
 mod lobby;
 pub mod privileges;
 pub mod runtime;
+pub mod secret_file;
 pub mod server;
 mod stats;
 pub mod ticket_store;

@@ -12,7 +12,6 @@ use std::time::Duration;
 use clap::Args;
 use tlsplane::tickets::{TicketKeyRing, TicketKeys};
 use tlsplane::{Acceptor, DataPlanePolicy, ServerOptions};
-use zeroize::Zeroizing;
 
 // Alpn and HTTP1_ALPN live with the configuration that checks them; products name them here.
 pub use crate::config::{Alpn, HTTP1_ALPN, SERVE_ALPN};
@@ -656,23 +655,10 @@ pub fn read_ticket_keys(path: Option<&std::path::Path>) -> anyhow::Result<Option
     };
     let context =
         |e: &dyn std::fmt::Display| anyhow::anyhow!("--ticket-keys {}: {e}", path.display());
-    // Read into one buffer sized from the start, so that no copy of the keys is left behind
-    // in a freed one; a key file is a few hundred bytes.
-    const MAX_FILE: u64 = 64 * 1024;
-    let mut file = std::fs::File::open(path).map_err(|e| context(&e))?;
-    let meta = file.metadata().map_err(|e| context(&e))?;
-    if meta.len() > MAX_FILE {
-        return Err(context(&format!(
-            "{} bytes: too large for a key file ({MAX_FILE} at most)",
-            meta.len()
-        )));
-    }
-    let mut raw = Zeroizing::new(Vec::with_capacity(meta.len() as usize + 1));
-    std::io::Read::read_to_end(&mut std::io::Read::take(&mut file, MAX_FILE), &mut raw)
-        .map_err(|e| context(&e))?;
-    let text = std::str::from_utf8(&raw).map_err(|_| context(&"not text"))?;
-    let keys = TicketKeys::parse(text).map_err(|e| context(&e))?;
-    if std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o004 != 0 {
+    // A key file is a few hundred bytes.
+    let file = crate::secret_file::read(path, 64 * 1024).map_err(|e| context(&e))?;
+    let keys = TicketKeys::parse(file.text().map_err(|e| context(&e))?).map_err(|e| context(&e))?;
+    if file.world_readable {
         tracing::warn!(
             "--ticket-keys {}: readable by every user of this machine; whoever reads it can decrypt the sessions it resumes (chmod o-r)",
             path.display()

@@ -24,8 +24,7 @@ use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use aws_lc_rs::aead::{Aad, Nonce, RandomizedNonceKey, AES_256_GCM, NONCE_LEN};
-use aws_lc_rs::hkdf;
+use aws_lc_rs::aead::{Aad, Nonce, RandomizedNonceKey, NONCE_LEN};
 use base64::Engine as _;
 use clap::Args;
 use tlsplane::stats::Counter;
@@ -195,13 +194,8 @@ struct Sealer {
 
 impl Sealer {
     fn new(kek_bytes: &[u8], fleet: &str) -> Self {
-        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &[]).extract(kek_bytes);
-        let mut key = Zeroizing::new([0u8; 32]);
-        prk.expand(&[KEK_INFO], &AES_256_GCM)
-            .and_then(|okm| okm.fill(&mut key[..]))
-            .expect("HKDF-SHA256 gives 32 bytes");
         Self {
-            kek: RandomizedNonceKey::new(&AES_256_GCM, &key[..]).expect("a 32-byte key"),
+            kek: tlsplane::tickets::derive_aead_key(kek_bytes, KEK_INFO),
             fleet: fleet.to_string(),
         }
     }
@@ -268,10 +262,14 @@ impl Sealer {
 fn read_kek(path: &Path) -> anyhow::Result<Zeroizing<Vec<u8>>> {
     let context =
         |e: &dyn std::fmt::Display| anyhow::anyhow!("--ticket-store-kek {}: {e}", path.display());
-    let text = Zeroizing::new(std::fs::read(path).map_err(|e| context(&e))?);
-    let line = std::str::from_utf8(&text)
-        .map_err(|_| context(&"not text"))?
-        .trim();
+    let file = crate::secret_file::read(path, 4096).map_err(|e| context(&e))?;
+    let line = file.text().map_err(|e| context(&e))?;
+    if file.world_readable {
+        tracing::warn!(
+            "--ticket-store-kek {}: readable by every user of this machine; whoever reads it and the store can decrypt the sessions the fleet resumes (chmod o-r)",
+            path.display()
+        );
+    }
     let mut kek = Zeroizing::new(Vec::with_capacity(line.len()));
     base64::engine::general_purpose::STANDARD
         .decode_vec(line, &mut kek)

@@ -84,15 +84,22 @@ impl TicketKey {
     fn new(raw: &[u8]) -> Self {
         let mut name = [0u8; KEY_NAME_LEN];
         name.copy_from_slice(&raw[..KEY_NAME_LEN]);
-        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &[]).extract(&raw[KEY_NAME_LEN..]);
-        let mut secret = Zeroizing::new([0u8; 32]);
-        // The lengths are fixed (32 bytes out of HKDF-SHA256), so neither step can fail.
-        prk.expand(&[KDF_INFO], &AES_256_GCM)
-            .and_then(|okm| okm.fill(&mut secret[..]))
-            .expect("HKDF-SHA256 gives 32 bytes");
-        let aead = RandomizedNonceKey::new(&AES_256_GCM, &secret[..]).expect("a 32-byte key");
+        let aead = derive_aead_key(&raw[KEY_NAME_LEN..], KDF_INFO);
         Self { name, aead }
     }
+}
+
+/// An AES-256-GCM key derived from `secret` by HKDF-SHA256 (no salt) with `info`, which
+/// names what the key is for, so that one secret never keys two purposes. The derived bytes
+/// are zeroized; the key lives inside aws-lc.
+pub fn derive_aead_key(secret: &[u8], info: &[u8]) -> RandomizedNonceKey {
+    let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &[]).extract(secret);
+    let mut key = Zeroizing::new([0u8; 32]);
+    // The lengths are fixed (32 bytes out of HKDF-SHA256), so neither step can fail.
+    prk.expand(&[info], &AES_256_GCM)
+        .and_then(|okm| okm.fill(&mut key[..]))
+        .expect("HKDF-SHA256 gives 32 bytes");
+    RandomizedNonceKey::new(&AES_256_GCM, &key[..]).expect("a 32-byte key")
 }
 
 /// The keys in use: previous (may be absent), current, next (may be absent).
