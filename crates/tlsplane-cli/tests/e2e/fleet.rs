@@ -274,19 +274,30 @@ struct Redis {
     child: Option<std::process::Child>,
     port: u16,
     dir: PathBuf,
+    /// `--replicaof 127.0.0.1 PORT`, for a replica.
+    primary: Option<u16>,
+}
+
+/// A loopback port free now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 impl Redis {
     fn start(dir: &Path) -> Redis {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        Redis::start_replica(dir, None)
+    }
+
+    fn start_replica(dir: &Path, primary: Option<u16>) -> Redis {
         let mut r = Redis {
             child: None,
-            port,
+            port: free_port(),
             dir: dir.to_path_buf(),
+            primary,
         };
         r.restart();
         r
@@ -299,6 +310,11 @@ impl Redis {
             .arg(self.port.to_string())
             .arg("--dir")
             .arg(&self.dir)
+            .args(
+                self.primary
+                    .iter()
+                    .flat_map(|p| ["--replicaof".to_string(), "127.0.0.1".into(), p.to_string()]),
+            )
             .stdout(std::process::Stdio::null())
             .spawn()
             .expect("redis-server");
@@ -335,10 +351,11 @@ impl Drop for Redis {
 /// enough that a ticket issued just before one is still fresh (tickets are announced for it).
 const ROTATION: u64 = 4;
 
-fn store_node(redis: &Redis, kek: &Path) -> Server {
+/// A server that follows the store at `url`.
+fn store_node(url: &str, kek: &Path) -> Server {
     Server::builder()
         .arg("--ticket-store")
-        .arg(redis.url())
+        .arg(url)
         .arg("--ticket-store-kek")
         .arg(kek.to_str().unwrap())
         .arg("--ticket-rotation")
@@ -348,18 +365,26 @@ fn store_node(redis: &Redis, kek: &Path) -> Server {
 
 /// Waits for `server` to log `what`; when it saw it.
 fn wait_log(server: &Server, what: &str, within: Duration) -> std::time::Instant {
-    let deadline = std::time::Instant::now() + within;
-    loop {
-        if server.stderr_lines().iter().any(|l| l.contains(what)) {
-            return std::time::Instant::now();
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
+    let logged = || server.stderr_lines().iter().any(|l| l.contains(what));
+    if !poll_until(within, logged) {
+        panic!(
             "no `{what}` within {within:?}:\n{}",
             server.stderr_lines().join("\n")
         );
+    }
+    std::time::Instant::now()
+}
+
+/// Polls `ok` until it holds (true) or `within` has passed (false).
+fn poll_until(within: Duration, mut ok: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + within;
+    while !ok() {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
+    true
 }
 
 /// The generation `server` installed last, from its log.
@@ -392,9 +417,9 @@ fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
     )
     .unwrap();
     let mut redis = Redis::start(&dir);
-    let a = store_node(&redis, &kek);
+    let a = store_node(&redis.url(), &kek);
     wait_log(&a, &installed(1), Duration::from_secs(5));
-    let b = store_node(&redis, &kek);
+    let b = store_node(&redis.url(), &kek);
     wait_log(&b, &installed(1), Duration::from_secs(5));
 
     // A ticket from A resumes on B.
@@ -426,7 +451,7 @@ fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
     // A restarted: it takes the fleet's keys from the store before it listens.
     no_panic(&a);
     let a_stats = a.stop();
-    let a = store_node(&redis, &kek);
+    let a = store_node(&redis.url(), &kek);
     assert!(generation(&a) > n, "{}", a.stderr_lines().join("\n"));
     let c3 = client_with_ticket(b.port(), Tls::V13);
     assert_eq!(
@@ -459,7 +484,7 @@ fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
     );
 
     // A server that joins now gets the fleet's keys from the store, not new ones.
-    let joined = store_node(&redis, &kek);
+    let joined = store_node(&redis.url(), &kek);
     assert!(
         generation(&joined) >= held,
         "held {held}: {}",
@@ -478,7 +503,7 @@ fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
         base64::engine::general_purpose::STANDARD.encode(&random_key()[..32]),
     )
     .unwrap();
-    let stranger = store_node(&redis, &other_kek);
+    let stranger = store_node(&redis.url(), &other_kek);
     wait_log(
         &stranger,
         "does not open with --ticket-store-kek",
@@ -513,15 +538,8 @@ fn redis_cli(port: u16, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn wait_for(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + within;
-    while !ok() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what} within {within:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+fn wait_for(what: &str, within: Duration, ok: impl FnMut() -> bool) {
+    assert!(poll_until(within, ok), "{what} within {within:?}");
 }
 
 #[test]
@@ -539,29 +557,9 @@ fn servers_follow_a_sentinel_failover_and_keep_resuming() {
     // A primary, its replica and one Sentinel (quorum 1) that fails over half a second after
     // the primary stops answering.
     let mut primary = Redis::start(&mkdir(dir.join("primary")));
-    let replica_dir = mkdir(dir.join("replica"));
-    let replica_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut replica = Command::new("redis-server")
-        .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-        .arg("--port")
-        .arg(replica_port.to_string())
-        .arg("--dir")
-        .arg(&replica_dir)
-        .arg("--replicaof")
-        .arg("127.0.0.1")
-        .arg(primary.port.to_string())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("redis-server replica");
-    let sentinel_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let replica = Redis::start_replica(&mkdir(dir.join("replica")), Some(primary.port));
+    let replica_port = replica.port;
+    let sentinel_port = free_port();
     let sentinel_conf = dir.join("sentinel.conf");
     fs::write(
         &sentinel_conf,
@@ -594,19 +592,9 @@ fn servers_follow_a_sentinel_failover_and_keep_resuming() {
     );
 
     let url = format!("redis-sentinel://127.0.0.1:{sentinel_port}/fleet");
-    let node = || {
-        Server::builder()
-            .arg("--ticket-store")
-            .arg(url.as_str())
-            .arg("--ticket-store-kek")
-            .arg(kek.to_str().unwrap())
-            .arg("--ticket-rotation")
-            .arg(ROTATION.to_string())
-            .start()
-    };
-    let a = node();
+    let a = store_node(&url, &kek);
     wait_log(&a, &installed(1), Duration::from_secs(5));
-    let b = node();
+    let b = store_node(&url, &kek);
     wait_log(&b, &installed(1), Duration::from_secs(5));
     let c1 = client_with_ticket(a.port(), Tls::V13);
     assert_eq!(
@@ -652,8 +640,7 @@ fn servers_follow_a_sentinel_failover_and_keep_resuming() {
     assert!(b_stats.get("handshakes_resumed") >= 2, "{b_stats:?}");
     let _ = sentinel.kill();
     let _ = sentinel.wait();
-    let _ = replica.kill();
-    let _ = replica.wait();
+    drop(replica);
 }
 
 fn mkdir(p: PathBuf) -> PathBuf {
