@@ -218,7 +218,7 @@ pub struct Acceptor {
     pub(crate) ticketer: Arc<dyn ProducesTickets>,
     /// The ticketer when the keys are given (`ServerOptions::ticket_keys`): a reload installs
     /// the keys read again into it.
-    ticket_ring: Option<Arc<TicketKeyRing>>,
+    pub(crate) ticket_ring: Option<Arc<TicketKeyRing>>,
     /// TLS 1.2 session-ID resumption state, shared as the ticketer is.
     session_storage: Arc<dyn StoresServerSessions + Send + Sync>,
     pub(crate) policy: DataPlanePolicy,

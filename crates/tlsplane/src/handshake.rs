@@ -406,7 +406,7 @@ pub(crate) struct Gate<'a> {
     pub(crate) max_client_hello: usize,
     /// See `ServerOptions::max_client_hello_records`.
     pub(crate) max_client_hello_records: usize,
-    pub(crate) ticketer: &'a dyn rustls::server::ProducesTickets,
+    pub(crate) ticketer: hello::Ticketer<'a>,
     /// The caller's admission decision on the ClientHello (true: go ahead).
     pub(crate) admit: &'a mut (dyn FnMut(&HelloInfo) -> bool + Send),
 }

@@ -22,6 +22,8 @@ pub struct HelloInfo {
     /// The host name it asks for (SNI), lowercased, when it sends one that is plain ASCII
     /// (rustls validates it afterwards).
     pub server_name: Option<String>,
+    /// Who issued the ticket, when it is one of the shared keys (`ServerOptions::ticket_keys`).
+    pub ticket_issuer: Option<crate::tickets::TicketIssuer>,
 }
 
 /// What the buffered bytes are, so far.
@@ -78,7 +80,7 @@ impl HelloReader {
         buf: &[u8],
         max_len: usize,
         max_records: usize,
-        ticketer: &dyn ProducesTickets,
+        ticketer: Ticketer<'_>,
     ) -> Peek {
         loop {
             let pos = self.next_record;
@@ -143,14 +145,31 @@ impl HelloReader {
 }
 
 /// What a whole ClientHello body offers.
-fn info(body: &[u8], ticketer: &dyn ProducesTickets) -> HelloInfo {
+fn info(body: &[u8], ticketer: Ticketer<'_>) -> HelloInfo {
     let ext = Extensions::find(body).unwrap_or_default();
+    // Some(issuer if known): the ticket opens.
+    let opened = ext.ticket.and_then(|t| match ticketer.1 {
+        Some(ring) => ring.issuer_of(t).map(Some),
+        None => ticketer.0.decrypt(t).map(|plain| {
+            // The session state inside holds the resumption secret.
+            drop(zeroize::Zeroizing::new(plain));
+            None
+        }),
+    });
     HelloInfo {
         len: body.len(),
-        resumption: ext.ticket.is_some_and(|t| ticketer.decrypt(t).is_some()),
+        resumption: opened.is_some(),
         server_name: ext.server_name.and_then(host_name),
+        ticket_issuer: opened.flatten(),
     }
 }
+
+/// The ticketer, and the same as a ring of shared keys when it is one (which tells who
+/// issued a ticket).
+pub(crate) type Ticketer<'a> = (
+    &'a dyn ProducesTickets,
+    Option<&'a crate::tickets::TicketKeyRing>,
+);
 
 /// A cursor over the ClientHello body; every read is bounds-checked (None: malformed).
 struct Reader<'a>(&'a [u8]);
@@ -313,7 +332,7 @@ mod tests {
     const MAX_RECORDS: usize = crate::config::DEFAULT_MAX_CLIENT_HELLO_RECORDS;
 
     fn peek_all(wire: &[u8]) -> Peek {
-        HelloReader::default().peek(wire, 16384, usize::MAX, &OneTicket(OURS))
+        HelloReader::default().peek(wire, 16384, usize::MAX, (&OneTicket(OURS), None))
     }
 
     /// Feeds `wire` to one reader in steps of `step` bytes, as reads would bring it; every
@@ -323,7 +342,7 @@ mod tests {
         let mut upto = 0;
         loop {
             upto = (upto + step).min(wire.len());
-            let got = reader.peek(&wire[..upto], 16384, max_records, &OneTicket(OURS));
+            let got = reader.peek(&wire[..upto], 16384, max_records, (&OneTicket(OURS), None));
             if got != Peek::More || upto == wire.len() {
                 return got;
             }
@@ -348,6 +367,7 @@ mod tests {
                 len: msg.len() - 4,
                 resumption,
                 server_name: None,
+                ticket_issuer: None,
             });
             assert_eq!(peek_all(&records(msg, 16384)), want);
             // The same, fragmented over many records.
@@ -458,7 +478,7 @@ mod tests {
             let mut upto = 0;
             let got = loop {
                 upto = (upto + step).min(wire.len());
-                match reader.peek(&wire[..upto], 16384, MAX_RECORDS, &OneTicket(OURS)) {
+                match reader.peek(&wire[..upto], 16384, MAX_RECORDS, (&OneTicket(OURS), None)) {
                     Peek::More => continue,
                     other => break other,
                 }

@@ -192,6 +192,11 @@ counters! {
     /// them (request sent to reply read, ns: the round trip and the daemon's signature).
     keyd_signatures,
     keyd_wait_ns,
+    /// Of the resumptions, those on a ticket of the shared keys (`--ticket-keys`,
+    /// `--ticket-store`) that this process issued, and those that another issued (another
+    /// server of the fleet, or this one before a restart).
+    handshakes_resumed_local,
+    handshakes_resumed_remote,
     /// Closes that read and dropped the client's input until its end or a deadline after the
     /// last byte was sent (see `linger`): a close with unread input would reset the connection
     /// and destroy the response still on its way.

@@ -21,6 +21,7 @@ use crate::plane::user::UserPlane;
 use crate::plane::{confidentiality_limit, kernel_suite, FallbackReason, PlaneKind};
 use crate::sites::UnknownName;
 use crate::stats::{add, bump, global};
+use crate::tickets::TicketIssuer;
 use crate::Error;
 
 /// What was negotiated, and which plane the connection got.
@@ -119,7 +120,7 @@ impl Acceptor {
             plain_http_response: self.plain_http_response.as_deref(),
             max_client_hello: self.max_client_hello,
             max_client_hello_records: self.max_client_hello_records,
-            ticketer: self.ticketer.as_ref(),
+            ticketer: (self.ticketer.as_ref(), self.ticket_ring.as_deref()),
             admit,
         };
         let failed = |e: Error| {
@@ -135,6 +136,7 @@ impl Acceptor {
             Ok(h) => h,
             Err(e) => return Err(self.close_refused(&sock, failed(e)).await),
         };
+        let issuer = hello.as_ref().and_then(|h| h.ticket_issuer);
         let (site, server_name) = match hello {
             // Not a ClientHello: any site's rustls refuses it as well.
             None => (Some(self.names.default_site().unwrap_or(0)), None),
@@ -175,6 +177,11 @@ impl Acceptor {
         let resumed = conn.handshake_kind() == Some(HandshakeKind::Resumed);
         if resumed {
             bump(&global().handshakes_resumed);
+            match issuer {
+                Some(TicketIssuer::Here) => bump(&global().handshakes_resumed_local),
+                Some(TicketIssuer::Elsewhere) => bump(&global().handshakes_resumed_remote),
+                None => {}
+            }
         }
         let version = conn
             .protocol_version()

@@ -12,9 +12,11 @@
 //! one rotation before any of them encrypts with it, a ticket issued by a server that rotated
 //! first still resumes on one that has not.
 //!
-//! A ticket is `key name (16) ‖ nonce (12) ‖ AES-256-GCM(rustls's session state) ‖ tag (16)`,
-//! with the key name as associated data. The name picks the key, so a ticket costs at most
-//! one decryption whatever it holds.
+//! A ticket is `key name (16) ‖ nonce (12) ‖ AES-256-GCM(issuer (8) ‖ rustls's session state)
+//! ‖ tag (16)`, with the key name as associated data. The name picks the key, so a ticket
+//! costs at most one decryption whatever it holds. The issuer, random per process and sealed
+//! with the rest, tells a resumption of this process's ticket from one issued elsewhere in
+//! the fleet (`handshakes_resumed_local`, `handshakes_resumed_remote`).
 
 use std::sync::{Arc, RwLock};
 
@@ -240,6 +242,20 @@ pub struct TicketKeyRing {
     keys: RwLock<Arc<TicketKeys>>,
     /// Seconds tickets are announced for: at most the time between rotations.
     lifetime: u32,
+    /// This process's mark in the tickets it issues.
+    issuer: [u8; ISSUER_LEN],
+}
+
+/// Bytes of the issuer's mark at the front of each ticket's plaintext.
+const ISSUER_LEN: usize = 8;
+
+/// Who issued a ticket of the shared keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TicketIssuer {
+    /// This process.
+    Here,
+    /// Another process holding the same keys: another server, or this one before a restart.
+    Elsewhere,
 }
 
 impl TicketKeyRing {
@@ -250,9 +266,12 @@ impl TicketKeyRing {
     /// A ring whose keys rotate every `lifetime` seconds (or more seldom): tickets are
     /// announced for that long.
     pub fn with_lifetime(keys: Arc<TicketKeys>, lifetime: u32) -> Arc<Self> {
+        let mut issuer = [0u8; ISSUER_LEN];
+        aws_lc_rs::rand::fill(&mut issuer).expect("the system's random source");
         Arc::new(Self {
             keys: RwLock::new(keys),
             lifetime: lifetime.clamp(1, TICKET_LIFETIME),
+            issuer,
         })
     }
 
@@ -266,6 +285,17 @@ impl TicketKeyRing {
     pub fn keys(&self) -> Arc<TicketKeys> {
         self.keys.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
+
+    /// Who issued `ticket`, if it opens under the keys held (what rustls's decryption will
+    /// then find, short of a key installed in between).
+    pub fn issuer_of(&self, ticket: &[u8]) -> Option<TicketIssuer> {
+        // The session state inside holds the resumption secret.
+        let plain = Zeroizing::new(self.keys().decrypt(ticket)?);
+        match plain.get(..ISSUER_LEN)? == self.issuer {
+            true => Some(TicketIssuer::Here),
+            false => Some(TicketIssuer::Elsewhere),
+        }
+    }
 }
 
 impl ProducesTickets for TicketKeyRing {
@@ -278,11 +308,19 @@ impl ProducesTickets for TicketKeyRing {
     }
 
     fn encrypt(&self, plain: &[u8]) -> Option<Vec<u8>> {
-        self.keys().encrypt(plain)
+        let mut marked = Zeroizing::new(Vec::with_capacity(ISSUER_LEN + plain.len()));
+        marked.extend_from_slice(&self.issuer);
+        marked.extend_from_slice(plain);
+        self.keys().encrypt(&marked)
     }
 
     fn decrypt(&self, cipher: &[u8]) -> Option<Vec<u8>> {
-        self.keys().decrypt(cipher)
+        let mut plain = self.keys().decrypt(cipher)?;
+        if plain.len() < ISSUER_LEN {
+            return None;
+        }
+        plain.drain(..ISSUER_LEN);
+        Some(plain)
     }
 }
 
@@ -311,6 +349,29 @@ mod tests {
         assert_eq!(other.decrypt(&t), None);
         // Two tickets of the same state differ (random nonces).
         assert_ne!(a.encrypt(b"session state").unwrap(), t);
+    }
+
+    #[test]
+    fn rings_tell_their_own_tickets_from_the_fleets() {
+        let keys = || Arc::new(TicketKeys::from_raw(&[key(1)]).unwrap());
+        let (a, b) = (TicketKeyRing::new(keys()), TicketKeyRing::new(keys()));
+        let t = ProducesTickets::encrypt(&*a, b"state").unwrap();
+        assert_eq!(
+            ProducesTickets::decrypt(&*a, &t).as_deref(),
+            Some(&b"state"[..])
+        );
+        assert_eq!(
+            ProducesTickets::decrypt(&*b, &t).as_deref(),
+            Some(&b"state"[..])
+        );
+        assert_eq!(a.issuer_of(&t), Some(TicketIssuer::Here));
+        assert_eq!(b.issuer_of(&t), Some(TicketIssuer::Elsewhere));
+        let other = TicketKeyRing::new(Arc::new(TicketKeys::from_raw(&[key(2)]).unwrap()));
+        assert_eq!(other.issuer_of(&t), None);
+        // A ticket sealed without an issuer's mark (shorter than one) does not open.
+        let bare = keys().encrypt(b"1234567").unwrap();
+        assert_eq!(ProducesTickets::decrypt(&*a, &bare), None);
+        assert_eq!(a.issuer_of(&bare), None);
     }
 
     #[test]

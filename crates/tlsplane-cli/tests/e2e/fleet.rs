@@ -102,9 +102,14 @@ fn tickets_resume_on_every_server_holding_the_keys_and_only_there() {
     let b = node(Some(&keys), None);
     assert_eq!(visit(b.port(), &on_b), HandshakeKind::Resumed, "TLS 1.3");
     assert_eq!(visit(b.port(), &on_b12), HandshakeKind::Resumed, "TLS 1.2");
+    // The newest ticket the client holds is B's own now.
+    assert_eq!(visit(b.port(), &on_b12), HandshakeKind::Resumed, "B's own");
     no_panic(&b);
     let stats = b.stop();
-    assert_eq!(stats.get("handshakes_resumed"), 2, "{stats:?}");
+    assert_eq!(stats.get("handshakes_resumed"), 3, "{stats:?}");
+    // B tells the tickets A issued from its own.
+    assert_eq!(stats.get("handshakes_resumed_remote"), 2, "{stats:?}");
+    assert_eq!(stats.get("handshakes_resumed_local"), 1, "{stats:?}");
 
     // A server with keys of its own, or with another file, cannot read them: full handshakes,
     // and the connection goes on.
