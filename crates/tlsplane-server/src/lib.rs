@@ -20,6 +20,7 @@ pub mod admin;
 pub mod config;
 pub mod keyd;
 pub mod keys;
+pub mod limit_sync;
 pub mod limits;
 mod lobby;
 pub mod privileges;

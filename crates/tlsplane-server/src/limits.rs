@@ -106,6 +106,16 @@ pub struct LimitArgs {
     /// timeout applies).
     #[arg(long, default_value_t = 5.0)]
     pub first_byte_timeout: f64,
+    /// Share the per-client rates (--client-handshake-rate, --client-resumed-rate,
+    /// --client-incomplete-rate) with the other servers of the fleet through --ticket-store:
+    /// each server counts locally and exchanges its counts in batches (--fleet-limits-period),
+    /// so that an address spreading its connections over the fleet gets about its rate in
+    /// total. Connections are never held for the store.
+    #[arg(long)]
+    pub fleet_limits: bool,
+    /// Seconds between two exchanges of counts with the store (--fleet-limits).
+    #[arg(long, default_value_t = 0.2, value_name = "S")]
+    pub fleet_limits_period: f64,
 }
 
 impl LimitArgs {
@@ -312,14 +322,31 @@ impl LimitStats {
     }
 }
 
+/// A client address as the limits count it: IPv4 /32, IPv6 /64.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-enum ClientKey {
+pub enum ClientKey {
     V4(u32),
     /// The /64 prefix.
     V6(u64),
 }
 
 impl ClientKey {
+    /// Its bytes: a tag and the address (or prefix), for a keyed hash.
+    pub fn bytes(&self) -> [u8; 9] {
+        let mut b = [0u8; 9];
+        match *self {
+            ClientKey::V4(a) => {
+                b[0] = 4;
+                b[1..5].copy_from_slice(&a.to_be_bytes());
+            }
+            ClientKey::V6(p) => {
+                b[0] = 6;
+                b[1..].copy_from_slice(&p.to_be_bytes());
+            }
+        }
+        b
+    }
+
     fn of(addr: IpAddr) -> Self {
         match addr {
             IpAddr::V4(v4) => ClientKey::V4(v4.into()),
@@ -387,7 +414,17 @@ struct Client {
     /// When this client last finished a handshake or offered one of our tickets: it may hold
     /// a ticket, so it may resume (see [`Admission::admit`]).
     resumer_at: Option<Instant>,
+    /// With --fleet-limits: tokens taken here that the fleet has not been told of yet, by
+    /// [`Usage`] kind.
+    unsynced: Usage,
 }
+
+/// Tokens taken from one client's buckets, by kind: full handshakes, resumed handshakes,
+/// incomplete handshakes (what --fleet-limits exchanges).
+pub type Usage = [u32; 3];
+const FULL: usize = 0;
+const RESUMED: usize = 1;
+const INCOMPLETE: usize = 2;
 
 impl Client {
     /// Whether forgetting this client would give it nothing back: its buckets are full again
@@ -437,6 +474,10 @@ struct Shard {
     /// Entries with no connection open, most recently seen first.
     newest: u32,
     oldest: u32,
+    /// With --fleet-limits: the keys whose `unsynced` went from nothing to something since
+    /// the last [`Admission::take_usage`] (a key may be here twice if it was evicted and came
+    /// back; the second finds nothing left).
+    dirty: Vec<ClientKey>,
 }
 
 struct Slot {
@@ -463,6 +504,7 @@ impl ClientTable {
                     cap,
                     newest: NIL,
                     oldest: NIL,
+                    dirty: Vec::new(),
                 })
             })
             .collect();
@@ -492,6 +534,21 @@ impl Shard {
     fn get_mut(&mut self, key: ClientKey) -> Option<&mut Client> {
         let i = *self.index.get(&key)?;
         Some(&mut self.slots[i as usize].client)
+    }
+
+    /// A token of `kind` taken from `key`'s bucket, for the fleet to hear of.
+    fn note_use(&mut self, key: ClientKey, kind: usize) {
+        let cap = self.cap;
+        let Some(c) = self.get_mut(key) else {
+            return;
+        };
+        let first = c.unsynced == [0; 3];
+        c.unsynced[kind] = c.unsynced[kind].saturating_add(1);
+        // Bounded: each entry joins once per exchange, and more than twice the shard's
+        // entries can only be evictions coming back, whose earlier place finds nothing.
+        if first && self.dirty.len() < 2 * cap {
+            self.dirty.push(key);
+        }
     }
 
     /// The entry of `key`, now the most recently seen: found, new, or in the place of the
@@ -666,24 +723,26 @@ impl Ticket {
         let Some(c) = shard.get_mut(key) else {
             return Ok(());
         };
-        let verdict = if resumption {
+        let (verdict, kind) = if resumption {
             c.resumer_at = Some(now);
             let r = a.client_resumed_rate;
             if r.is_limit() && !c.resumed.take(r, r.double_burst(), now) {
-                Err(Refusal::ClientResumedRate)
+                (Err(Refusal::ClientResumedRate), RESUMED)
             } else {
-                Ok(())
+                (Ok(()), RESUMED)
             }
         } else {
             let r = a.client_handshake_rate;
             if r.is_limit() && !c.handshakes.take(r, burst, now) {
-                Err(Refusal::ClientHandshakeRate)
+                (Err(Refusal::ClientHandshakeRate), FULL)
             } else {
-                Ok(())
+                (Ok(()), FULL)
             }
         };
         if verdict.is_err() {
             self.handshake_done = true;
+        } else if a.fleet_limits {
+            shard.note_use(key, kind);
         }
         verdict
     }
@@ -697,8 +756,12 @@ impl Drop for Ticket {
         let rate = self.admission.args.client_incomplete_rate;
         let mut shard = self.admission.clients.shard(key);
         if let Some(c) = shard.disconnect(key) {
-            if !self.handshake_done && rate.is_limit() {
-                c.incomplete.take(rate, rate.double_burst(), Instant::now());
+            if !self.handshake_done
+                && rate.is_limit()
+                && c.incomplete.take(rate, rate.double_burst(), Instant::now())
+                && self.admission.args.fleet_limits
+            {
+                shard.note_use(key, INCOMPLETE);
             }
         }
     }
@@ -785,6 +848,7 @@ impl Admission {
             resumed: Bucket::full(a.client_resumed_rate.double_burst(), now),
             incomplete: Bucket::full(inc.double_burst(), now),
             resumer_at: None,
+            unsynced: [0; 3],
         };
         let is_hot = |c: &mut Client| !c.is_cold(a, burst, now);
         let Some(i) = shard.entry(key, fresh, is_hot, &self.clients.stats) else {
@@ -813,6 +877,77 @@ impl Admission {
             key: Some(key),
             handshake_done: false,
         })
+    }
+}
+
+/// --fleet-limits: what the fleet's exchange of counts takes from the table and gives back.
+impl Admission {
+    /// Whether this server shares its per-client rates with the fleet.
+    pub fn fleet_limits(&self) -> bool {
+        self.args.fleet_limits && self.per_client
+    }
+
+    /// Moves the tokens taken since the last call into `out`, by client.
+    pub fn take_usage(&self, out: &mut Vec<(ClientKey, Usage)>) {
+        for shard in self.clients.shards.iter() {
+            let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+            let dirty = std::mem::take(&mut shard.dirty);
+            for key in &dirty {
+                if let Some(c) = shard.get_mut(*key) {
+                    let used = std::mem::take(&mut c.unsynced);
+                    if used != [0; 3] {
+                        out.push((*key, used));
+                    }
+                }
+            }
+            // The allocation back, for the next exchange.
+            let mut dirty = dirty;
+            dirty.clear();
+            shard.dirty = dirty;
+        }
+    }
+
+    /// Takes from `key`'s buckets the tokens the rest of the fleet took: its next
+    /// connections here see what it spent everywhere. A bucket goes at most one burst below
+    /// empty, so that a count the store gave twice (a retried exchange) costs the client a
+    /// bounded wait, not a long one. Nothing for a client this table does not hold.
+    pub fn debit(&self, key: ClientKey, remote: Usage) {
+        let a = &self.args;
+        let now = Instant::now();
+        let mut shard = self.clients.shard(key);
+        let Some(c) = shard.get_mut(key) else {
+            return;
+        };
+        let take = |b: &mut Bucket, r: Rate, burst: f64, n: u32| {
+            if r.is_limit() && n > 0 {
+                b.refill(r, burst, now);
+                b.tokens = (b.tokens - n as f64).max(-burst);
+            }
+        };
+        let (q, inc) = (a.client_resumed_rate, a.client_incomplete_rate);
+        take(
+            &mut c.handshakes,
+            a.client_handshake_rate,
+            self.handshake_burst(),
+            remote[FULL],
+        );
+        take(&mut c.resumed, q, q.double_burst(), remote[RESUMED]);
+        take(
+            &mut c.incomplete,
+            inc,
+            inc.double_burst(),
+            remote[INCOMPLETE],
+        );
+    }
+
+    /// The kinds of [`Usage`] that have a limit (the others are not exchanged).
+    pub fn limited_kinds(&self) -> [bool; 3] {
+        let a = &self.args;
+        [
+            a.client_handshake_rate.is_limit(),
+            a.client_resumed_rate.is_limit(),
+            a.client_incomplete_rate.is_limit(),
+        ]
     }
 }
 
@@ -957,6 +1092,8 @@ mod tests {
             key_updates_per_second: 8,
             client_block: false,
             client_table_size: 100_000,
+            fleet_limits: false,
+            fleet_limits_period: 0.2,
         }
     }
 
@@ -1044,6 +1181,58 @@ mod tests {
 
     fn peer(s: &str) -> SocketAddr {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn tokens_taken_on_one_server_are_taken_from_the_others_buckets() {
+        let mut a = args();
+        a.client_handshake_rate = "6/min".parse().unwrap();
+        a.client_handshake_burst = Some(3);
+        a.client_incomplete_rate = "6/min".parse().unwrap();
+        a.fleet_limits = true;
+        let (one, two) = (
+            Admission::new(a.clone(), Default::default()),
+            Admission::new(a, Default::default()),
+        );
+        assert!(one.fleet_limits());
+        let p = peer("10.0.0.1:1000");
+        // Two full handshakes on the first server, one finished, one not.
+        let mut t = one.admit(p, 0, 0).unwrap();
+        t.on_hello(false, 0).unwrap();
+        t.handshake_done();
+        drop(t);
+        let mut t = one.admit(p, 0, 0).unwrap();
+        t.on_hello(false, 0).unwrap();
+        drop(t);
+        let mut used = Vec::new();
+        one.take_usage(&mut used);
+        assert_eq!(used, vec![(ClientKey::of(p.ip()), [2, 0, 1])]);
+        used.clear();
+        one.take_usage(&mut used);
+        assert!(used.is_empty(), "taken once");
+
+        // The second server has seen the client once; told of the first's two, it has one
+        // token of three left.
+        let t = two.admit(p, 0, 0).unwrap();
+        t.refused();
+        two.debit(ClientKey::of(p.ip()), [2, 0, 1]);
+        let mut t = two.admit(p, 0, 0).unwrap();
+        t.on_hello(false, 0).unwrap();
+        t.handshake_done();
+        drop(t);
+        // (It finished a handshake lately, so it is heard out to its ClientHello.)
+        let mut t = two.admit(p, 0, 0).unwrap();
+        assert_eq!(
+            t.on_hello(false, 0),
+            Err(Refusal::ClientHandshakeRate),
+            "the fleet's three are spent"
+        );
+        drop(t);
+        // A count given twice costs at most one burst below empty.
+        two.debit(ClientKey::of(p.ip()), [1000, 0, 0]);
+        let mut shard = two.clients.shard(ClientKey::of(p.ip()));
+        let c = shard.get_mut(ClientKey::of(p.ip())).unwrap();
+        assert!(c.handshakes.tokens >= -3.0 && c.handshakes.tokens < -2.9);
     }
 
     #[test]

@@ -51,6 +51,8 @@ pub struct RuntimeConfig {
     /// Descriptors one client connection may hold at once (its socket, and in the proxy its
     /// backend's): divides the open-files limit into the default --max-connections.
     pub descriptors_per_connection: usize,
+    /// --fleet-limits: the exchange of per-client counts with the fleet's store.
+    pub limit_sync: Option<crate::limit_sync::LimitSync>,
 }
 
 pub use crate::stats::RuntimeStats;
@@ -359,6 +361,11 @@ pub fn run<H: Handler>(
         spare: std::sync::Mutex::new(spare),
         accept_failures: std::sync::Mutex::new(Throttled::default()),
     });
+    if let Some(sync) = config.limit_sync.clone() {
+        if shared.admission.fleet_limits() {
+            sync.start(shared.admission.clone())?;
+        }
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut threads = Vec::new();
     for (i, listeners) in per_worker.into_iter().enumerate() {

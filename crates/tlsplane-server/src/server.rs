@@ -361,10 +361,18 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     let runtime_stats = Arc::new(RuntimeStats::default());
     // One ticketer for the server's life; a reload installs the file's keys in it, a shared
     // store's follower the store's.
+    let kek = server.store.read_kek()?;
     let ticket_ring = match read_ticket_keys(server.ticket_keys.as_deref())? {
         Some(keys) => Some(TicketKeyRing::new(keys)),
-        None => crate::ticket_store::start(&server.store, runtime_stats.ticket_store.clone())?,
+        None => crate::ticket_store::start(
+            &server.store,
+            kek.as_ref().map(|k| &k[..]),
+            runtime_stats.ticket_store.clone(),
+        )?,
     };
+    let limit_sync = fleet_limits(&server, kek.as_ref().map(|k| &k[..]), &runtime_stats)?;
+    // Both keep what they derived from it, inside aws-lc; the bytes go now.
+    drop(kek);
     let acceptor = Acceptor::new(server_options(
         &server,
         &sites,
@@ -408,6 +416,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
             &args,
             acceptor.kernel_support().ulp && server.data_plane != DataPlanePolicy::User,
         ),
+        limit_sync,
     };
     let stats = Arc::new(P::Stats::default());
     let first = Arc::new(P::build(&args, sites, &stats, &runtime_stats)?);
@@ -526,9 +535,58 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     Ok(())
 }
 
+/// --fleet-limits: the exchange of per-client counts, once the flags make sense together.
+fn fleet_limits(
+    server: &ServerArgs,
+    kek: Option<&[u8]>,
+    stats: &RuntimeStats,
+) -> anyhow::Result<Option<crate::limit_sync::LimitSync>> {
+    let l = &server.limits;
+    if !l.fleet_limits {
+        return Ok(None);
+    }
+    let (Some(url), Some(kek)) = (&server.store.ticket_store, kek) else {
+        anyhow::bail!(
+            "--fleet-limits exchanges counts through the fleet's store: give --ticket-store URL and --ticket-store-kek FILE"
+        );
+    };
+    if !(l.fleet_limits_period > 0.0 && l.fleet_limits_period <= 60.0) {
+        anyhow::bail!(
+            "--fleet-limits-period {}: seconds, more than 0 and at most 60",
+            l.fleet_limits_period
+        );
+    }
+    let rates = [
+        l.client_handshake_rate,
+        l.client_resumed_rate,
+        l.client_incomplete_rate,
+    ];
+    if rates.iter().all(|r| *r == crate::limits::Rate::ZERO) {
+        anyhow::bail!(
+            "--fleet-limits shares the per-client rates, and none is set: give --client-handshake-rate, --client-resumed-rate or --client-incomplete-rate"
+        );
+    }
+    tracing::info!(
+        "fleet limits: per-client rates shared through {url}, counts exchanged every {} s",
+        l.fleet_limits_period
+    );
+    Ok(Some(crate::limit_sync::LimitSync::new(
+        url.clone(),
+        &server.store.fleet,
+        kek,
+        Duration::from_secs_f64(l.fleet_limits_period),
+        stats.limit_sync.clone(),
+    )))
+}
+
 /// The shared ticket store's gauges.
 fn store_gauges(r: &RuntimeStats) -> Vec<(&'static str, &'static str, i64)> {
     vec![
+        (
+            "limit_sync_lag_milliseconds",
+            "Age of the fleet's per-client counts held here (--fleet-limits; -1: none yet)",
+            r.limit_sync.lag_ms(),
+        ),
         (
             "ticket_store_connected",
             "1 while the shared ticket-key store answers (--ticket-store)",
@@ -580,6 +638,14 @@ fn counters<P: Product>(stats: &P::Stats, r: &RuntimeStats) -> Vec<(&'static str
             r.ticket_store.installs.load(Relaxed),
         ),
         ("ticket_store_errors", r.ticket_store.errors.load(Relaxed)),
+        ("limit_sync_rounds", r.limit_sync.rounds.load(Relaxed)),
+        ("limit_sync_errors", r.limit_sync.errors.load(Relaxed)),
+        ("limit_sync_clients", r.limit_sync.clients.load(Relaxed)),
+        (
+            "limit_sync_remote_tokens",
+            r.limit_sync.remote_tokens.load(Relaxed),
+        ),
+        ("limit_sync_dropped", r.limit_sync.dropped.load(Relaxed)),
     ]);
     pairs.extend(r.limits.snapshot());
     pairs

@@ -49,5 +49,7 @@ pub struct RuntimeStats {
     pub keyd_reconnects: Counter,
     /// The shared ticket-key store's follower (`--ticket-store`).
     pub ticket_store: Arc<crate::ticket_store::TicketStoreStats>,
+    /// The exchange of per-client counts with the fleet (`--fleet-limits`).
+    pub limit_sync: Arc<crate::limit_sync::LimitSyncStats>,
     pub histograms: crate::admin::Histograms,
 }

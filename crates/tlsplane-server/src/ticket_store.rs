@@ -36,12 +36,12 @@ const KEY_LEN: usize = 80;
 /// Keys in a generation at most: previous, current, next.
 const KEYS_KEPT: usize = 3;
 /// Each store command's time limit.
-const OP_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const OP_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a server starting up waits for the store's keys before it listens with keys of
 /// its own.
 const FIRST_SYNC_WAIT: Duration = Duration::from_secs(2);
 /// Waits between attempts to reach a store that is down: doubled up to the last.
-const RECONNECT_BACKOFF: [Duration; 4] = [
+pub(crate) const RECONNECT_BACKOFF: [Duration; 4] = [
     Duration::from_millis(250),
     Duration::from_millis(500),
     Duration::from_secs(1),
@@ -259,6 +259,19 @@ impl Sealer {
 }
 
 /// Reads the key-encryption key file: one base64 line of at least 32 bytes.
+impl TicketStoreArgs {
+    /// The key-encryption key, with --ticket-store (which needs it).
+    pub fn read_kek(&self) -> anyhow::Result<Option<Zeroizing<Vec<u8>>>> {
+        if self.ticket_store.is_none() {
+            return Ok(None);
+        }
+        let path = self.ticket_store_kek.as_ref().ok_or_else(|| {
+            anyhow::anyhow!("--ticket-store needs --ticket-store-kek FILE (the key-encryption key)")
+        })?;
+        read_kek(path).map(Some)
+    }
+}
+
 fn read_kek(path: &Path) -> anyhow::Result<Zeroizing<Vec<u8>>> {
     let context =
         |e: &dyn std::fmt::Display| anyhow::anyhow!("--ticket-store-kek {}: {e}", path.display());
@@ -293,15 +306,13 @@ fn now_secs() -> u64 {
 /// if it answered within a moment, else with keys of this process until it does.
 pub fn start(
     args: &TicketStoreArgs,
+    kek: Option<&[u8]>,
     stats: Arc<TicketStoreStats>,
 ) -> anyhow::Result<Option<Arc<TicketKeyRing>>> {
-    let Some(url) = args.ticket_store.clone() else {
+    let (Some(url), Some(kek)) = (args.ticket_store.clone(), kek) else {
         return Ok(None);
     };
-    let kek_path = args.ticket_store_kek.as_ref().ok_or_else(|| {
-        anyhow::anyhow!("--ticket-store needs --ticket-store-kek FILE (the key-encryption key)")
-    })?;
-    let sealer = Sealer::new(&read_kek(kek_path)?, &args.fleet);
+    let sealer = Sealer::new(kek, &args.fleet);
     let lifetime = u32::try_from(args.ticket_rotation).unwrap_or(u32::MAX);
     let own = Generation::next(None, now_secs());
     let ring = TicketKeyRing::with_lifetime(own.ticket_keys(), lifetime);
@@ -358,7 +369,31 @@ struct Follower {
     down: Option<String>,
 }
 
-type Conn = redis::aio::MultiplexedConnection;
+pub(crate) type Conn = redis::aio::MultiplexedConnection;
+
+/// A connection to the store (the primary, through Sentinel), within [`OP_TIMEOUT`].
+pub(crate) async fn connect(url: &StoreUrl) -> Result<Conn, String> {
+    let attempt = async {
+        let client = match url {
+            StoreUrl::Redis(u) => redis::Client::open(u.as_str())?,
+            StoreUrl::Sentinel { sentinels, master } => {
+                let mut s = redis::sentinel::SentinelClient::build(
+                    sentinels.clone(),
+                    master.clone(),
+                    None,
+                    redis::sentinel::SentinelServerType::Master,
+                )?;
+                s.async_get_client().await?
+            }
+        };
+        client.get_multiplexed_async_connection().await
+    };
+    match tokio::time::timeout(OP_TIMEOUT, attempt).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no connection within {OP_TIMEOUT:?}")),
+    }
+}
 
 /// Why a sync failed: the store (reconnect), or its value (keep the connection).
 enum SyncError {
@@ -377,7 +412,7 @@ impl Follower {
         let mut first = Some(first);
         let mut attempt = 0;
         loop {
-            let mut conn = match self.connect().await {
+            let mut conn = match connect(&self.url).await {
                 Ok(c) => c,
                 Err(e) => {
                     self.failed(e, false);
@@ -407,29 +442,6 @@ impl Follower {
                 }
                 tokio::time::sleep(self.poll()).await;
             }
-        }
-    }
-
-    async fn connect(&self) -> Result<Conn, String> {
-        let attempt = async {
-            let client = match &self.url {
-                StoreUrl::Redis(u) => redis::Client::open(u.as_str())?,
-                StoreUrl::Sentinel { sentinels, master } => {
-                    let mut s = redis::sentinel::SentinelClient::build(
-                        sentinels.clone(),
-                        master.clone(),
-                        None,
-                        redis::sentinel::SentinelServerType::Master,
-                    )?;
-                    s.async_get_client().await?
-                }
-            };
-            client.get_multiplexed_async_connection().await
-        };
-        match tokio::time::timeout(OP_TIMEOUT, attempt).await {
-            Ok(Ok(c)) => Ok(c),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("no connection within {OP_TIMEOUT:?}")),
         }
     }
 

@@ -652,3 +652,109 @@ fn mkdir(p: PathBuf) -> PathBuf {
     fs::create_dir_all(&p).unwrap();
     p
 }
+
+/// The per-client handshake rate of the fleet-limits test, a second.
+const FLEET_RATE: u64 = 20;
+
+/// A server of a fleet sharing its per-client rates through the store at `url`.
+fn limited_node(url: &str, kek: &Path) -> Server {
+    Server::builder()
+        .arg("--ticket-store")
+        .arg(url)
+        .arg("--ticket-store-kek")
+        .arg(kek.to_str().unwrap())
+        .arg("--fleet-limits")
+        .arg("--client-handshake-rate")
+        .arg(FLEET_RATE.to_string())
+        .start()
+}
+
+/// Full handshakes (+ a GET) from `source`, going round `ports` as fast as the servers
+/// answer for `run`: when each that was served ended, from the start.
+fn round_robin(source: std::net::Ipv4Addr, ports: &[u16], run: Duration) -> Vec<Duration> {
+    let start = std::time::Instant::now();
+    let mut served = Vec::new();
+    for port in ports.iter().cycle() {
+        if start.elapsed() >= run {
+            break;
+        }
+        if crate::limits::served_from(source, *port) {
+            served.push(start.elapsed());
+        }
+    }
+    served
+}
+
+#[test]
+fn a_client_spreading_over_three_servers_gets_its_rate_in_total() {
+    if !tools::require("redis-server") {
+        return;
+    }
+    let dir = scratch("fleet-limits");
+    let kek = dir.join("kek");
+    fs::write(
+        &kek,
+        base64::engine::general_purpose::STANDARD.encode(&random_key()[..32]),
+    )
+    .unwrap();
+    let mut redis = Redis::start(&dir);
+    let nodes: Vec<Server> = (0..3).map(|_| limited_node(&redis.url(), &kek)).collect();
+    let ports: Vec<u16> = nodes.iter().map(|n| n.port()).collect();
+
+    // Each server alone would serve the client FLEET_RATE a second, 3 × that in all. Past the
+    // first bursts (each server's, before the first exchanges), the fleet serves about
+    // FLEET_RATE a second in all.
+    let (warm, run) = (Duration::from_secs(2), Duration::from_secs(7));
+    let served = round_robin(std::net::Ipv4Addr::new(127, 0, 0, 3), &ports, run);
+    let steady = served.iter().filter(|t| **t >= warm).count() as f64 / (run - warm).as_secs_f64();
+    assert!(
+        (0.8 * FLEET_RATE as f64..=1.2 * FLEET_RATE as f64).contains(&steady),
+        "{steady:.1} handshakes a second past the first {warm:?} ({} in all over {run:?}); \
+         the fleet's rate is {FLEET_RATE}/s",
+        served.len()
+    );
+    eprintln!(
+        "fleet limits: {steady:.1}/s past {warm:?}, {} served in {run:?}",
+        served.len()
+    );
+    // Another address has its own budget.
+    assert!(crate::limits::served_from(
+        std::net::Ipv4Addr::new(127, 0, 0, 4),
+        ports[0]
+    ));
+
+    // The store down: connections are served on each server's own counts; nothing fails.
+    redis.kill();
+    for n in &nodes {
+        wait_log(
+            n,
+            "per-client rates count this server",
+            Duration::from_secs(5),
+        );
+    }
+    let alone = round_robin(
+        std::net::Ipv4Addr::new(127, 0, 0, 5),
+        &ports,
+        Duration::from_secs(1),
+    );
+    assert!(
+        alone.len() as u64 >= 3 * FLEET_RATE,
+        "{} served with the store down: each server's own burst is {FLEET_RATE}",
+        alone.len()
+    );
+    redis.restart();
+    for n in &nodes {
+        wait_log(n, "counts exchanged again", Duration::from_secs(10));
+    }
+
+    let mut rounds = 0;
+    for n in nodes {
+        no_panic(&n);
+        let stats = n.stop();
+        assert!(stats.get("limit_sync_remote_tokens") > 0, "{stats:?}");
+        assert!(stats.get("limit_sync_errors") >= 1, "{stats:?}");
+        assert!(stats.get("limit_client_handshake_rate") > 0, "{stats:?}");
+        rounds += stats.get("limit_sync_rounds");
+    }
+    assert!(rounds >= 3 * 10, "{rounds} exchanges");
+}

@@ -22,7 +22,7 @@ fn stalled_full_handshake(port: u16) -> TlsClient {
 }
 
 /// A full handshake + GET from `source`; false if the server refused the connection.
-fn served_from(source: Ipv4Addr, port: u16) -> bool {
+pub(crate) fn served_from(source: Ipv4Addr, port: u16) -> bool {
     let Ok(sock) = tcp_connect_from(source, port) else {
         return false;
     };
