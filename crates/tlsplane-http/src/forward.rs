@@ -726,6 +726,17 @@ const FORBIDDEN_TRAILERS: &[&str] = &[
     // and FORWARDING_FIELDS, checked beside this list.
 ];
 
+/// Whether a field named `name` may travel in a trailer section: none of the fields
+/// [`BodyFraming`] refuses there (RFC 9110 §6.5.1, and the forwarding fields). For a proxy
+/// that rewrites a trailer section in another framing (an h2 trailers HEADERS frame), which
+/// leaves out what may not be there rather than trusting the parser upstream alone.
+pub fn may_be_trailer(name: &[u8]) -> bool {
+    !(FORBIDDEN_TRAILERS
+        .iter()
+        .any(|f| same_field_loosely(name, f))
+        || is_forwarding_field(name))
+}
+
 /// A token character (RFC 9110 §5.6.2), as a field name is made of.
 fn is_tchar(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
@@ -1212,5 +1223,32 @@ mod tests {
         }
         let h = req("GET / HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
         assert!(!h.te_trailers);
+    }
+
+    #[test]
+    fn may_be_trailer_says_what_the_trailer_parser_takes() {
+        for name in ["x-sum", "grpc-status", "X-Checksum", "digest"] {
+            assert!(may_be_trailer(name.as_bytes()), "{name}");
+        }
+        for name in [
+            "Content-Length",
+            "host",
+            "transfer-encoding",
+            "connection",
+            "te",
+            "trailer",
+            "authorization",
+            "x_forwarded_for",
+            "Forwarded",
+        ] {
+            assert!(!may_be_trailer(name.as_bytes()), "{name}");
+            // ... the same fields the chunked parser refuses in a trailer section.
+            let body = format!("0\r\n{name}: 1\r\n\r\n");
+            assert_eq!(
+                BodyFraming::new(Framing::Chunked).advance(body.as_bytes()),
+                Err(BadBody::Trailer),
+                "{name}"
+            );
+        }
     }
 }

@@ -5,9 +5,21 @@
 //! The request's head is the one an HTTP/1.1 backend would get ([`RequestHead::encode`]: the
 //! same hop-by-hop and `Forwarded`/`X-Forwarded-*` rules), written as h2 fields as for h2
 //! clients ([`super::h2::open_h2c_stream`]); `TE: trailers` is passed on when the client sent
-//! it. The body (by `Content-Length`, or dechunked) goes as DATA within the stream's window;
-//! the trailers of a chunked request are dropped. A body coded otherwise than `chunked` alone
-//! (`gzip, chunked`) has no h2 form: 501.
+//! it. An HTTP/1.0 request without `Host` (HTTP/1.0 allows it; HTTP/1.1 does not, RFC 9112
+//! §3.2: 400 before this) has the TLS server name the client sent as its `:authority`, else
+//! the backend's `HOST:PORT` (nginx's `$proxy_host`), as h2 requires one. The body (by
+//! `Content-Length`, or dechunked) goes as DATA within the stream's window. The trailer
+//! section of a chunked request goes as an h2 trailers HEADERS frame that ends the stream
+//! (RFC 9113 §8.1): its length is bounded by the chunked parser (`BodyFraming`, which also
+//! refuses with 400 any field a trailer may not carry, RFC 9110 §6.5.1), its field count by a
+//! request head's (64); past either, 400 to the client and the backend's stream reset. A body
+//! coded otherwise than `chunked` alone (`gzip, chunked`) has no h2 form: 501.
+//!
+//! Interim responses of the backend (103 Early Hints, 102, 1xx not yet defined) are relayed
+//! as HTTP/1.1 heads before the final one (RFC 9110 §15.2), also while the request body is
+//! still coming (h2's `ResponseFuture::poll_informational`), at most [`MAX_INTERIM`] a
+//! request, later ones dropped: they are advisory, and the final response still comes. None
+//! to an HTTP/1.0 client, none of 100 (the proxy answers `Expect` itself) nor of 101.
 //!
 //! The response head is written as an HTTP/1.1 head and read back by
 //! [`forward::parse_response_head`], so that its framing (HEAD, 204, 304: no body) and its
@@ -23,19 +35,22 @@
 //! --backend-timeout; once the head is out, a reset of the client's connection (never a short
 //! body that looks whole).
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::Ordering::Relaxed;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
-use h2::{RecvStream, SendStream};
+use h2::{Reason, RecvStream, SendStream};
 use tlsplane::TlsStream;
 use tlsplane_http::forward::{self, BodyFraming, Framing, Head, RequestHead, ResponseHead};
 use tokio::time::timeout;
 
 use super::h2::{
     encoded_fields, is_connection_specific, open_h2c_stream, request_deadline, send_granted,
-    within, Dechunk, H2cStream, NotOpened, Step,
+    within, Dechunk, H2cStream, NoAuthority, NotOpened, Step, TooManyTrailers,
 };
 use super::http::{
     answer, failed, unavailable, Buf, Fail, Log, Next, Progress, MAX_RESPONSE_FIELDS,
@@ -66,6 +81,12 @@ pub(super) async fn exchange(
     }
     let site = tls.info().site;
     let deadline = request_deadline(proxy);
+    // Only an HTTP/1.0 request comes without Host (HTTP/1.1 ones were refused).
+    let no_authority = if request.minor_version == 0 {
+        NoAuthority::ServerName(tls.info().server_name.as_deref())
+    } else {
+        NoAuthority::Refused
+    };
     let opened = open_h2c_stream(
         proxy,
         site,
@@ -73,6 +94,7 @@ pub(super) async fn exchange(
         request,
         request.te_trailers,
         !has_body,
+        no_authority,
     );
     let H2cStream {
         lease,
@@ -140,9 +162,10 @@ struct Done {
     keep: bool,
 }
 
-/// Sends the request body and relays the response; watches for the response while the body
-/// is still coming (a backend may answer before it has it all: the body then stops, and the
-/// client's connection closes after the response, as on the HTTP/1.1 path).
+/// Sends the request body (and its trailers) and relays the response; watches for the
+/// response while the body is still coming (a backend may answer before it has it all: the
+/// body then stops, and the client's connection closes after the response, as on the
+/// HTTP/1.1 path). Interim responses that come first are relayed as they come ([`Interim`]).
 #[allow(clippy::too_many_arguments)]
 async fn relay(
     proxy: &Proxy,
@@ -150,7 +173,7 @@ async fn relay(
     request: &RequestHead,
     client: &mut Buf,
     mut upstream: SendStream<Bytes>,
-    response: h2::client::ResponseFuture,
+    mut response: h2::client::ResponseFuture,
     keep_alive: bool,
     progress: &Step,
 ) -> Result<Done, Fail> {
@@ -158,38 +181,61 @@ async fn relay(
     let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
     let idle = Duration::from_secs(proxy.args.server.idle_timeout);
     let stall = Duration::from_secs(proxy.args.backend_timeout.max(1));
-    tokio::pin!(response);
+    let mut interim = Interim::new(request);
     let mut answered = None;
     let mut body_sent = request.framing == Framing::Empty;
     if !body_sent {
         let mut framing = BodyFraming::new(request.framing);
-        let mut dechunk = Dechunk::new(request.framing == Framing::Chunked);
+        let mut dechunk = Dechunk::new(request.framing == Framing::Chunked).keeping_trailers();
         let mut content = Vec::new();
-        loop {
+        // A broken body: the backend's stream is reset (it must not take what it got for a
+        // whole request), the client answered 400.
+        let bad_body = |upstream: &mut SendStream<Bytes>| {
+            upstream.send_reset(Reason::CANCEL);
+            Fail::BadBody
+        };
+        'body: loop {
             // What the client sent (with the head, or since) and the backend has not had.
-            let n = framing.advance(client.bytes()).map_err(|_| Fail::BadBody)?;
+            let n = match framing.advance(client.bytes()) {
+                Ok(n) => n,
+                Err(_) => return Err(bad_body(&mut upstream)),
+            };
             dechunk.content(&client.bytes()[..n], &mut content);
             client.consume(n);
             if !content.is_empty() {
                 progress.set(Progress::Waiting);
                 let len = content.len() as u64;
                 let data = Bytes::from(std::mem::take(&mut content));
-                tokio::select! {
-                    sent = send_granted(&mut upstream, data, stall, None) => {
-                        if sent.is_err() {
-                            // The backend stopped taking the body: its response says why.
+                // Not cancelled by an interim response: what it has not sent yet would be lost.
+                let sending = send_granted(&mut upstream, data, stall, None);
+                tokio::pin!(sending);
+                loop {
+                    tokio::select! {
+                        sent = &mut sending => {
+                            if sent.is_err() {
+                                // The backend stopped taking the body: its response says why.
+                                break 'body;
+                            }
+                            stats.bytes_to_backend_copied.fetch_add(len, Relaxed);
                             break;
                         }
-                        stats.bytes_to_backend_copied.fetch_add(len, Relaxed);
-                    }
-                    r = &mut response => {
-                        answered = Some(r);
-                        break;
+                        a = next_answer(&mut response) => match a {
+                            Answer::Interim(head) => interim.relay(proxy, tls, &head).await?,
+                            Answer::Final(r) => {
+                                answered = Some(r);
+                                break 'body;
+                            }
+                        }
                     }
                 }
             }
             if framing.is_done() {
-                body_sent = upstream.send_data(Bytes::new(), true).is_ok();
+                body_sent = match dechunk.trailers() {
+                    Err(TooManyTrailers) => return Err(bad_body(&mut upstream)),
+                    Ok(t) if t.is_empty() => upstream.send_data(Bytes::new(), true).is_ok(),
+                    // RFC 9113 §8.1: a HEADERS frame that ends the stream.
+                    Ok(t) => upstream.send_trailers(t).is_ok(),
+                };
                 break;
             }
             progress.set(Progress::Receiving);
@@ -199,9 +245,12 @@ async fn relay(
                     Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Err(Fail::Client),
                     Ok(Ok(n)) => client.filled(n),
                 },
-                r = &mut response => {
-                    answered = Some(r);
-                    break;
+                a = next_answer(&mut response) => match a {
+                    Answer::Interim(head) => interim.relay(proxy, tls, &head).await?,
+                    Answer::Final(r) => {
+                        answered = Some(r);
+                        break;
+                    }
                 }
             }
         }
@@ -209,9 +258,17 @@ async fn relay(
     progress.set(Progress::Waiting);
     let response = match answered {
         Some(r) => r,
-        None => timeout(backend_timeout, &mut response)
-            .await
-            .map_err(|_| Fail::Timeout)?,
+        None => {
+            // The whole wait is bounded, however many interim responses come in it.
+            let until = tokio::time::Instant::now() + backend_timeout;
+            loop {
+                match tokio::time::timeout_at(until, next_answer(&mut response)).await {
+                    Err(_) => return Err(Fail::Timeout),
+                    Ok(Answer::Interim(head)) => interim.relay(proxy, tls, &head).await?,
+                    Ok(Answer::Final(r)) => break r,
+                }
+            }
+        }
     }
     .map_err(|e| Fail::BadGateway(e.to_string()))?;
     let answered_early = !body_sent;
@@ -255,6 +312,97 @@ async fn relay(
         bytes,
         keep,
     })
+}
+
+/// What came next on a request's stream: an interim (1xx) response head, or the final
+/// response.
+enum Answer {
+    Interim(http::Response<()>),
+    Final(Result<http::Response<RecvStream>, h2::Error>),
+}
+
+/// Waits for the next [`Answer`]. Interim heads are taken first: h2 drops any still queued
+/// when the final response is taken. Cancel-safe (a head is taken only when returned).
+async fn next_answer(response: &mut h2::client::ResponseFuture) -> Answer {
+    std::future::poll_fn(|cx| match response.poll_informational(cx) {
+        Poll::Ready(Some(Ok(head))) => Poll::Ready(Answer::Interim(head)),
+        Poll::Ready(Some(Err(e))) => Poll::Ready(Answer::Final(Err(e))),
+        // The final response is next (or the stream ended without one: its error).
+        Poll::Ready(None) => Pin::new(&mut *response).poll(cx).map(Answer::Final),
+        Poll::Pending => Poll::Pending,
+    })
+    .await
+}
+
+/// Most interim responses relayed to one request; later ones are dropped. 1xx responses
+/// are advisory (RFC 9110 §15.2), so a backend that sends many (102 as a keep-alive, 103
+/// again and again) loses the extra ones, not the exchange: its final response still comes.
+const MAX_INTERIM: usize = 4;
+
+/// Relays a backend's interim responses to the client (RFC 9110 §15.2: a proxy forwards
+/// them), as HTTP/1.1 heads: 103 Early Hints, 102, and those not yet defined. Never to an
+/// HTTP/1.0 client, which does not expect them; never a 100, whose expectation the proxy
+/// answered itself (`Expect` is not forwarded), nor a 101, which h2 has no use for.
+struct Interim {
+    /// The client reads them (HTTP/1.1).
+    wanted: bool,
+    relayed: usize,
+}
+
+impl Interim {
+    fn new(request: &RequestHead) -> Self {
+        Self {
+            wanted: request.minor_version == 1,
+            relayed: 0,
+        }
+    }
+
+    async fn relay(
+        &mut self,
+        proxy: &Proxy,
+        tls: &mut TlsStream,
+        head: &http::Response<()>,
+    ) -> Result<(), Fail> {
+        let status = head.status();
+        if !self.wanted
+            || matches!(status.as_u16(), 100 | 101)
+            || !status.is_informational()
+            || self.relayed >= MAX_INTERIM
+        {
+            return Ok(());
+        }
+        self.relayed += 1;
+        let out = interim_head(head);
+        tls.write_all(&out).await.map_err(|_| Fail::Client)?;
+        proxy
+            .stats
+            .bytes_to_client_copied
+            .fetch_add(out.len() as u64, Relaxed);
+        Ok(())
+    }
+}
+
+/// An h2 interim response as an HTTP/1.1 head (its fields as they came, less any h2 forbids,
+/// which h2 has refused already).
+fn interim_head(head: &http::Response<()>) -> Vec<u8> {
+    let status = head.status();
+    let mut out = Vec::with_capacity(256);
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or_default().as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in head.headers() {
+        if is_connection_specific(name.as_str().as_bytes()) {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    out
 }
 
 /// Relays the response body from the backend's stream in `response`'s framing; how many
@@ -476,7 +624,7 @@ mod tests {
         );
         let head = encoded(&r);
         assert!(h2_can_carry(&head));
-        let req = super::super::h2::h2c_request(&head, &r, r.te_trailers).unwrap();
+        let req = super::super::h2::h2c_request(&head, &r, r.te_trailers, None).unwrap();
         assert_eq!(req.method(), "POST");
         assert_eq!(req.uri().authority().unwrap().as_str(), "grpc.test:8443");
         assert_eq!(req.uri().path_and_query().unwrap().as_str(), "/svc/M?x=1");
@@ -503,9 +651,39 @@ mod tests {
 
         // No TE: trailers, none sent; a Content-Length stays.
         let r = request("PUT /p HTTP/1.1\r\nHost: a\r\nTE: gzip\r\nContent-Length: 5\r\n\r\n");
-        let req = super::super::h2::h2c_request(&encoded(&r), &r, r.te_trailers).unwrap();
+        let req = super::super::h2::h2c_request(&encoded(&r), &r, r.te_trailers, None).unwrap();
         assert!(!req.headers().contains_key("te"));
         assert_eq!(req.headers()["content-length"], "5");
+    }
+
+    #[test]
+    fn an_http10_request_without_host_takes_the_authority_given() {
+        let r = request("GET /p HTTP/1.0\r\n\r\n");
+        assert!(super::super::h2::h2c_request(&encoded(&r), &r, false, None).is_none());
+        let req = super::super::h2::h2c_request(&encoded(&r), &r, false, Some("site.test"))
+            .expect("a request");
+        assert_eq!(req.uri().authority().unwrap().as_str(), "site.test");
+        assert_eq!(req.uri().path_and_query().unwrap().as_str(), "/p");
+        // The request's own wins.
+        let r = request("GET /p HTTP/1.0\r\nHost: own.test\r\n\r\n");
+        let req = super::super::h2::h2c_request(&encoded(&r), &r, false, Some("site.test"))
+            .expect("a request");
+        assert_eq!(req.uri().authority().unwrap().as_str(), "own.test");
+    }
+
+    #[test]
+    fn interim_heads_are_written_as_http1_heads() {
+        let head = http::Response::builder()
+            .status(103)
+            .header("link", "</s.css>; rel=preload")
+            .body(())
+            .unwrap();
+        assert_eq!(
+            interim_head(&head),
+            b"HTTP/1.1 103 Early Hints\r\nlink: </s.css>; rel=preload\r\n\r\n"
+        );
+        let head = http::Response::builder().status(199).body(()).unwrap();
+        assert_eq!(interim_head(&head), b"HTTP/1.1 199 \r\n\r\n");
     }
 
     #[test]

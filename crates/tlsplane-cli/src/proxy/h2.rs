@@ -624,7 +624,15 @@ impl Shared<'_> {
         let encoded = self.encode(request);
         let deadline = request_deadline(proxy);
         let ended = body.is_end_stream();
-        let opened = open_h2c_stream(proxy, self.info.site, &encoded, request, te_trailers, ended);
+        let opened = open_h2c_stream(
+            proxy,
+            self.info.site,
+            &encoded,
+            request,
+            te_trailers,
+            ended,
+            NoAuthority::Refused,
+        );
         let H2cStream {
             lease,
             label,
@@ -808,10 +816,39 @@ pub(super) enum NotOpened {
     Failed(Fail, String),
 }
 
+/// What stands for the `:authority` of a request that names none itself (h2 requires one for
+/// an `http` request, RFC 9113 §8.3.1).
+#[derive(Clone, Copy)]
+pub(super) enum NoAuthority<'a> {
+    /// None: the request is refused (400). An h2 client's request without `:authority` nor
+    /// `Host`, an HTTP/1.1 one without `Host` (RFC 9112 §3.2; refused before this anyway).
+    Refused,
+    /// An HTTP/1.0 request without `Host` (which HTTP/1.0 allows): the server name the client
+    /// asked for in TLS (SNI), the name it meant, as an h2 client's `:authority` is; without
+    /// SNI, the backend's `HOST:PORT`, as nginx sends by default (`proxy_set_header Host
+    /// $proxy_host`), `localhost` for a Unix socket.
+    ServerName(Option<&'a str>),
+}
+
+impl NoAuthority<'_> {
+    /// The authority for a request without one sent to `backend`, if any.
+    fn for_backend(self, backend: &tlsplane_server::config::Backend) -> Option<String> {
+        use tlsplane_server::config::Backend;
+        match (self, backend) {
+            (NoAuthority::Refused, _) => None,
+            (NoAuthority::ServerName(Some(name)), _) => Some(name.to_string()),
+            (NoAuthority::ServerName(None), Backend::Tcp(host_port)) => Some(host_port.clone()),
+            (NoAuthority::ServerName(None), Backend::Unix(_)) => Some("localhost".into()),
+        }
+    }
+}
+
 /// Opens a stream for `request` (its HTTP/1.1 head as the proxy encoded it, `encoded`) on an
 /// h2c connection to one of `site`'s backends and sends its head (`ended`: there is no body).
 /// A connection h2 finds dead before the request went is left and the request tried once more
-/// on another. For h2 and HTTP/1.1 clients alike.
+/// on another. For h2 and HTTP/1.1 clients alike; `no_authority` says what to do for a request
+/// that names no authority.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn open_h2c_stream(
     proxy: &Proxy,
     site: usize,
@@ -819,8 +856,15 @@ pub(super) async fn open_h2c_stream(
     request: &RequestHead,
     te_trailers: bool,
     ended: bool,
+    no_authority: NoAuthority<'_>,
 ) -> Result<H2cStream, NotOpened> {
-    if h2c_request(encoded, request, te_trailers).is_none() {
+    // Whether it can be written as an h2 request at all (the authority itself is checked
+    // below, for the backend it goes to).
+    let checked = match no_authority {
+        NoAuthority::Refused => None,
+        NoAuthority::ServerName(_) => Some("localhost"),
+    };
+    if h2c_request(encoded, request, te_trailers, checked).is_none() {
         return Err(NotOpened::Refused);
     }
     let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
@@ -835,7 +879,12 @@ pub(super) async fn open_h2c_stream(
             proxy.stats.backend_reused.fetch_add(1, Relaxed);
         }
         let label = proxy.pools[site].backends[lease.which].to_string();
-        let req = h2c_request(encoded, request, te_trailers).ok_or(NotOpened::Refused)?;
+        let authority = match request.host {
+            Some(_) => None,
+            None => no_authority.for_backend(&proxy.pools[site].backends[lease.which]),
+        };
+        let req = h2c_request(encoded, request, te_trailers, authority.as_deref())
+            .ok_or(NotOpened::Refused)?;
         let sent = match timeout(backend_timeout, lease.send.clone().ready()).await {
             Err(_) => return Err(NotOpened::Failed(Fail::Timeout, label)),
             Ok(Ok(mut ready)) => ready.send_request(req, ended),
@@ -872,13 +921,15 @@ enum Side {
 /// The h2 request for an h2c backend: the HTTP/1.1 head the proxy wrote ([`RequestHead::encode`],
 /// so the forwarding rules are the HTTP/1.1 path's) as h2 fields: `Host` as `:authority`,
 /// without the connection-specific fields, and `TE: trailers` again when the client sent it
-/// (gRPC servers want it; it is the only `TE` h2 allows).
+/// (gRPC servers want it; it is the only `TE` h2 allows). A request without `Host` has
+/// `authority` as its `:authority`, or is refused (`None`) when there is none.
 pub(super) fn h2c_request(
     encoded: &[u8],
     request: &RequestHead,
     te_trailers: bool,
+    authority: Option<&str>,
 ) -> Option<http::Request<()>> {
-    let host = request.host.as_deref()?;
+    let host = request.host.as_deref().or(authority)?;
     let uri = if request.method == "CONNECT" {
         http::Uri::builder().authority(host).build()
     } else {
@@ -1165,12 +1216,23 @@ pub(super) fn answer(send: &mut SendResponse<Bytes>, status: u16) -> bool {
 
 /// The content of a chunked body, from bytes [`BodyFraming`] has checked and delimited
 /// (so that nothing here needs to refuse anything): chunk-size lines, extensions, the CRLF
-/// after each chunk and the trailer section are left out. Trailers of an HTTP/1.1 backend's
-/// chunked response are not forwarded, nor those of an HTTP/1.1 client's chunked request to
-/// an h2c backend.
+/// after each chunk and the trailer section are left out. The trailer section is kept when
+/// asked for ([`Self::keeping_trailers`]: an HTTP/1.1 client's chunked request to an h2c
+/// backend); trailers of an HTTP/1.1 backend's chunked response are not forwarded.
 pub(super) struct Dechunk {
     state: Chunk,
+    /// The trailer section's bytes as they came, when kept.
+    trailers: Option<Vec<u8>>,
 }
+
+/// Most bytes of a trailer section kept: a request head's limit. [`BodyFraming`] refuses a
+/// trailer section longer than its own, smaller bound first; this one only makes sure that
+/// nothing here grows past what a head may.
+const MAX_TRAILER_SECTION: usize = 16 * 1024;
+
+/// A trailer section with more fields than a request head may have, or longer than one.
+#[derive(Debug, PartialEq)]
+pub(super) struct TooManyTrailers;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Chunk {
@@ -1196,7 +1258,50 @@ impl Dechunk {
             } else {
                 Chunk::Plain
             },
+            trailers: None,
         }
+    }
+
+    /// Keeps the trailer section, for [`Self::trailers`].
+    pub(super) fn keeping_trailers(mut self) -> Self {
+        self.trailers = Some(Vec::new());
+        self
+    }
+
+    /// The fields of the trailer section kept (none when it was empty or not kept), as h2
+    /// fields: without those a trailer may not carry ([`forward::may_be_trailer`]; the chunked
+    /// parser refused them already). More fields than a request head may have, or a section
+    /// longer than a head, is an error.
+    pub(super) fn trailers(&self) -> Result<http::HeaderMap, TooManyTrailers> {
+        let mut fields = http::HeaderMap::new();
+        let Some(section) = &self.trailers else {
+            return Ok(fields);
+        };
+        if section.len() > MAX_TRAILER_SECTION {
+            return Err(TooManyTrailers);
+        }
+        let mut count = 0;
+        for line in section.split(|&b| b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let Some(colon) = line.iter().position(|&b| b == b':') else {
+                continue;
+            };
+            count += 1;
+            if count > Limits::default().max_headers {
+                return Err(TooManyTrailers);
+            }
+            let (name, value) = (&line[..colon], line[colon + 1..].trim_ascii());
+            if !forward::may_be_trailer(name) {
+                continue;
+            }
+            if let (Ok(name), Ok(value)) = (
+                http::header::HeaderName::from_bytes(name),
+                http::header::HeaderValue::from_bytes(value),
+            ) {
+                fields.append(name, value);
+            }
+        }
+        Ok(fields)
     }
 
     /// Appends the content among `buf` (the next bytes of the body) to `out`.
@@ -1228,9 +1333,19 @@ impl Dechunk {
                 Chunk::SizeLf(n) => Chunk::Data(n),
                 Chunk::DataEnd(1) => Chunk::Size(0, false),
                 Chunk::DataEnd(k) => Chunk::DataEnd(k - 1),
-                Chunk::Trailers(true) if b == b'\r' => Chunk::Trailers(true),
-                Chunk::Trailers(true) if b == b'\n' => Chunk::Done,
-                Chunk::Trailers(_) => Chunk::Trailers(b == b'\n'),
+                Chunk::Trailers(_) => {
+                    if let Some(t) = &mut self.trailers {
+                        // One byte past the bound is enough to tell it was passed.
+                        if t.len() <= MAX_TRAILER_SECTION {
+                            t.push(b);
+                        }
+                    }
+                    match self.state {
+                        Chunk::Trailers(true) if b == b'\r' => Chunk::Trailers(true),
+                        Chunk::Trailers(true) if b == b'\n' => Chunk::Done,
+                        _ => Chunk::Trailers(b == b'\n'),
+                    }
+                }
                 Chunk::Plain | Chunk::Done => Chunk::Done,
             };
             buf = rest;
@@ -1259,6 +1374,57 @@ mod tests {
         let mut out = Vec::new();
         d.content(b"0\r\n", &mut out);
         assert_eq!(out, b"0\r\n");
+    }
+
+    #[test]
+    fn dechunk_keeps_the_trailers_when_asked_without_the_forbidden_ones() {
+        let body = b"3\r\nabc\r\n0\r\nX-Sum: t \r\nGrpc-Foo:1\r\nx-sum: u\r\n\r\n";
+        for step in [1, 4, 100] {
+            let mut d = Dechunk::new(true).keeping_trailers();
+            let mut out = Vec::new();
+            for piece in body.chunks(step) {
+                d.content(piece, &mut out);
+            }
+            assert_eq!(out, b"abc", "step {step}");
+            assert_eq!(d.state, Chunk::Done, "step {step}");
+            let t = d.trailers().unwrap();
+            let got: Vec<_> = t.iter().map(|(k, v)| (k.as_str(), v.as_bytes())).collect();
+            assert_eq!(
+                got,
+                [
+                    ("x-sum", &b"t"[..]),
+                    ("x-sum", &b"u"[..]),
+                    ("grpc-foo", &b"1"[..])
+                ],
+                "step {step}"
+            );
+        }
+        // Not kept unless asked; none when there were none.
+        let mut d = Dechunk::new(true);
+        d.content(body, &mut Vec::new());
+        assert!(d.trailers().unwrap().is_empty());
+        let mut d = Dechunk::new(true).keeping_trailers();
+        d.content(b"1\r\na\r\n0\r\n\r\n", &mut Vec::new());
+        assert!(d.trailers().unwrap().is_empty());
+        // What a trailer may not carry is left out (had the parser let it through).
+        let mut d = Dechunk::new(true).keeping_trailers();
+        d.content(
+            b"0\r\nHost: evil\r\nContent-Length: 9\r\nX-Ok: 1\r\n\r\n",
+            &mut Vec::new(),
+        );
+        let t = d.trailers().unwrap();
+        assert_eq!(t.len(), 1, "{t:?}");
+        assert_eq!(t["x-ok"], "1");
+        // More fields than a head may have, or more bytes: an error.
+        let max = Limits::default().max_headers;
+        let many: String = (0..=max).map(|i| format!("x-{i}: 1\r\n")).collect();
+        let mut d = Dechunk::new(true).keeping_trailers();
+        d.content(format!("0\r\n{many}\r\n").as_bytes(), &mut Vec::new());
+        assert_eq!(d.trailers(), Err(TooManyTrailers));
+        let long = format!("0\r\nx-a: {}\r\n\r\n", "v".repeat(MAX_TRAILER_SECTION));
+        let mut d = Dechunk::new(true).keeping_trailers();
+        d.content(long.as_bytes(), &mut Vec::new());
+        assert_eq!(d.trailers(), Err(TooManyTrailers));
     }
 
     #[test]

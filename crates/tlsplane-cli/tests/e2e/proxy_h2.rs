@@ -601,16 +601,21 @@ fn each_site_speaks_its_own_backend_protocol_and_a_reload_changes_it() {
 /// An h2c backend in Rust (h2's server side, prior knowledge), for HTTP/1.1 clients through
 /// the proxy: `GET|HEAD /big/N`: N bytes of [`pattern`] with `Content-Length`;
 /// `POST /echo`: the body back with `Content-Length`, and `x-got-length` (the request's
-/// `content-length` or `none`) and `x-got-te`; `POST /echo-unsized`: the same without a
-/// length; `GET /fields`: the request's pseudo-fields and fields, a line each; `GET
+/// `content-length` or `none`), `x-got-te` and `x-got-trailers` (the request's trailers,
+/// `name: value` joined by `, `, or `none`); `POST /echo-unsized`: the same without a
+/// length; `GET /hints`: 103 Early Hints (`link`), 102, then 200 `hinted`; `GET
+/// /many-hints`: ten 103s (`x-n: 0` ...), then 200; `POST /hints-first`: a 103 before it
+/// reads the body, then the body back; `GET /fields`: the request's pseudo-fields and fields, a line each; `GET
 /// /trailers`: `abc` in two DATA frames, then trailers `x-sum: t` and `grpc-status: 0`;
 /// `GET /reset/N`: the head of N bytes, N/2 of them, then RST_STREAM(INTERNAL_ERROR);
 /// `GET /refuse`: RST_STREAM(REFUSED_STREAM) before any head; `POST /early`: 413 before
 /// reading the body; `GET /stall`: no answer for a
 /// minute; `GET /stall-body/N`: the head of N bytes, N/2 of them, then nothing for a minute.
+/// A request body the proxy broke off (a reset instead of its end) is counted in `resets`.
 /// Stopped when dropped.
 struct H2cBackend {
     port: u16,
+    resets: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -631,6 +636,8 @@ fn h2c_backend() -> H2cBackend {
     listener.set_nonblocking(true).expect("nonblocking");
     let port = listener.local_addr().expect("addr").port();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let resets = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = resets.clone();
     let thread = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -643,12 +650,13 @@ fn h2c_backend() -> H2cBackend {
                     let Ok((sock, _)) = listener.accept().await else {
                         continue;
                     };
+                    let counted = counted.clone();
                     tokio::spawn(async move {
                         let Ok(mut conn) = h2::server::handshake(sock).await else {
                             return;
                         };
                         while let Some(Ok((req, respond))) = conn.accept().await {
-                            tokio::spawn(h2c_answer(req, respond));
+                            tokio::spawn(h2c_answer(req, respond, counted.clone()));
                         }
                     });
                 }
@@ -661,6 +669,7 @@ fn h2c_backend() -> H2cBackend {
     });
     H2cBackend {
         port,
+        resets,
         stop: Some(stop),
         thread: Some(thread),
     }
@@ -690,6 +699,7 @@ async fn h2c_send(
 async fn h2c_answer(
     req: http::Request<h2::RecvStream>,
     mut respond: h2::server::SendResponse<bytes::Bytes>,
+    resets: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 ) {
     let (parts, mut body) = req.into_parts();
     let path = parts.uri.path().to_string();
@@ -703,11 +713,44 @@ async fn h2c_answer(
         let _ = respond.send_response(r, true);
         return;
     }
+    let hint = |status: u16, field: (&str, String)| {
+        http::Response::builder()
+            .status(status)
+            .header(field.0, field.1)
+            .body(())
+            .expect("interim")
+    };
+    if path == "/hints-first" {
+        let _ = respond.send_informational(hint(103, ("link", "</first>".into())));
+    }
     let mut received = Vec::new();
-    while let Some(Ok(d)) = body.data().await {
+    let mut broken = false;
+    while let Some(d) = body.data().await {
+        let Ok(d) = d else {
+            broken = true;
+            break;
+        };
         let _ = body.flow_control().release_capacity(d.len());
         received.extend_from_slice(&d);
     }
+    let trailers = match body.trailers().await {
+        _ if broken => None,
+        Ok(t) => t,
+        Err(_) => {
+            broken = true;
+            None
+        }
+    };
+    if broken {
+        resets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        return;
+    }
+    let trailers = trailers.map_or("none".to_string(), |t| {
+        t.iter()
+            .map(|(k, v)| format!("{k}: {}", v.to_str().unwrap_or("?")))
+            .collect::<Vec<_>>()
+            .join(", ")
+    });
     let reply = |length: Option<usize>| {
         let mut b = http::Response::builder()
             .status(200)
@@ -725,7 +768,18 @@ async fn h2c_answer(
             if !head_only {
                 h2c_send(&mut s, pattern(n).into(), true).await?;
             }
-        } else if path == "/echo" || path == "/echo-unsized" {
+        } else if path == "/hints" || path == "/many-hints" {
+            if path == "/hints" {
+                respond.send_informational(hint(103, ("link", "</s.css>; rel=preload".into())))?;
+                respond.send_informational(hint(102, ("x-n", "p".into())))?;
+            } else {
+                for n in 0..10 {
+                    respond.send_informational(hint(103, ("x-n", n.to_string())))?;
+                }
+            }
+            let mut s = respond.send_response(reply(Some(6)), false)?;
+            h2c_send(&mut s, "hinted".into(), true).await?;
+        } else if path == "/echo" || path == "/echo-unsized" || path == "/hints-first" {
             let field = |name| {
                 parts
                     .headers
@@ -734,13 +788,15 @@ async fn h2c_answer(
                         v.to_str().unwrap_or("?").to_string()
                     })
             };
-            let mut head = reply((path == "/echo").then_some(received.len()));
+            let mut head = reply((path != "/echo-unsized").then_some(received.len()));
             head.headers_mut().insert(
                 "x-got-length",
                 field("content-length").parse().expect("value"),
             );
             head.headers_mut()
                 .insert("x-got-te", field("te").parse().expect("value"));
+            head.headers_mut()
+                .insert("x-got-trailers", trailers.parse().expect("value"));
             let mut s = respond.send_response(head, false)?;
             h2c_send(&mut s, received.into(), true).await?;
         } else if path == "/fields" {
@@ -914,8 +970,10 @@ fn http1_clients_reach_an_h2c_backend_one_stream_per_request() {
     );
     assert_eq!(r.header("x-got-length"), Some("300001"));
     assert_eq!(r.header("x-got-te"), Some("none"));
+    assert_eq!(r.header("x-got-trailers"), Some("none"));
 
-    // A chunked body (pieces of growing size, extensions, a trailer that is dropped).
+    // A chunked body (pieces of growing size, extensions, trailers that go as an h2
+    // trailers HEADERS frame).
     let data = pattern(200_000);
     let mut req =
         b"POST /echo HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
@@ -928,7 +986,7 @@ fn http1_clients_reach_an_h2c_backend_one_stream_per_request() {
         at += piece.len();
         k = k * 3 + 1;
     }
-    req.extend_from_slice(b"0\r\nX-Req-Trailer: x\r\n\r\n");
+    req.extend_from_slice(b"0\r\nX-Req-Trailer: x\r\nGrpc-Foo:  1 \r\n\r\n");
     send(&mut c, &req);
     let r = c.read_response(false).expect("chunked echo");
     assert_eq!(r.status, 200);
@@ -939,6 +997,10 @@ fn http1_clients_reach_an_h2c_backend_one_stream_per_request() {
         data.len()
     );
     assert_eq!(r.header("x-got-length"), Some("none"));
+    assert_eq!(
+        r.header("x-got-trailers"),
+        Some("x-req-trailer: x, grpc-foo: 1")
+    );
 
     // Expect: 100-continue: the proxy's 100, then the body.
     c.write_all(
@@ -1239,4 +1301,169 @@ fn an_h2c_site_whose_backend_is_down_answers_http1_clients_502() {
     let stats = server.stop();
     assert_eq!(stats["proxy_http_502"], 2, "{stats:?}");
     assert_eq!(stats["proxy_no_backend"], 2, "{stats:?}");
+}
+
+/// Waits up to 5 s for `backend` to have seen `n` request bodies broken off by a reset.
+fn wait_for_resets(backend: &H2cBackend, n: usize) {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let seen = backend.resets.load(std::sync::atomic::Ordering::SeqCst);
+        if seen >= n {
+            assert_eq!(seen, n, "more resets than requests broken off");
+            return;
+        }
+        assert!(Instant::now() < until, "{seen} resets seen of {n}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The trailers of an HTTP/1.1 client's chunked request go to the h2c backend as an h2
+/// trailers HEADERS frame. A trailer section with more fields than a request head may have
+/// (64), longer than the chunked parser takes (4 KiB), or with a field a trailer may not carry
+/// is 400 to the client and a reset of the backend's stream (never a request that looks whole).
+#[test]
+fn chunked_request_trailers_reach_an_h2c_backend_within_bounds() {
+    let backend = h2c_backend();
+    let server = h2c_proxy(&backend);
+    let p = server.port();
+    let head = b"POST /echo HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n";
+
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let mut req = head.to_vec();
+    req.extend_from_slice(b"5\r\nhello\r\n0\r\nX-Sum: abc\r\nX-Sum: def\r\n\r\n");
+    c.write_all(&req).expect("send");
+    let r = c.read_response(false).expect("echo");
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"hello"[..]));
+    assert_eq!(r.header("x-got-trailers"), Some("x-sum: abc, x-sum: def"));
+    // An empty trailer section: the stream ends with its last DATA frame, as before.
+    let mut req = head.to_vec();
+    req.extend_from_slice(b"2\r\nhi\r\n0\r\n\r\n");
+    c.write_all(&req).expect("send");
+    let r = c.read_response(false).expect("echo");
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"hi"[..]));
+    assert_eq!(r.header("x-got-trailers"), Some("none"));
+    c.close();
+
+    let many: String = (0..65).map(|i| format!("X-T{i}: {i}\r\n")).collect();
+    let long = format!("X-Long: {}\r\n", "v".repeat(5000));
+    let bad = [many, long, "Content-Length: 5\r\n".to_string()];
+    for (i, trailers) in bad.iter().enumerate() {
+        let mut c = TlsClient::connect_version(p, Tls::V13);
+        // The backend has the stream and part of its body before the trailers come.
+        let mut req = head.to_vec();
+        req.extend_from_slice(b"5\r\nhello\r\n");
+        c.write_all(&req).expect("send");
+        std::thread::sleep(Duration::from_millis(300));
+        send(&mut c, format!("0\r\n{trailers}\r\n").as_bytes());
+        let r = c.read_response(false).expect("400");
+        assert_eq!(r.status, 400, "{i}: {:?}", r.headers);
+        assert_eq!(r.header("connection"), Some("close"), "{i}");
+        wait_for_resets(&backend, i + 1);
+    }
+
+    // The backend connection serves the next client.
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let mut req = head.to_vec();
+    req.extend_from_slice(b"1\r\nx\r\n0\r\nGrpc-Timeout: 1S\r\n\r\n");
+    c.write_all(&req).expect("send");
+    let r = c.read_response(false).expect("echo");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-got-trailers"), Some("grpc-timeout: 1S"));
+    c.close();
+    drop(backend);
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_refused"], 3, "{stats:?}");
+    assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
+}
+
+/// Interim responses of an h2c backend reach HTTP/1.1 clients as HTTP/1.1 heads before the
+/// final one (103 Early Hints, 102), also while the client's body is still awaited; at most
+/// four per request (the rest dropped, the final response relayed); none to an HTTP/1.0 client.
+#[test]
+fn interim_responses_reach_http11_clients_but_not_http10_ones() {
+    let backend = h2c_backend();
+    let server = h2c_proxy(&backend);
+    let p = server.port();
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    c.write_all(&get_request("/hints", "")).expect("send");
+    let (status, fields) = c.read_head().expect("103");
+    assert_eq!(status, 103);
+    assert_eq!(header(&fields, "link"), Some("</s.css>; rel=preload"));
+    let (status, fields) = c.read_head().expect("102");
+    assert_eq!((status, header(&fields, "x-n")), (102, Some("p")));
+    let r = c.read_response(false).expect("200");
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"hinted"[..]));
+
+    c.write_all(&get_request("/many-hints", "")).expect("send");
+    for n in 0..4 {
+        let (status, fields) = c.read_head().expect("103");
+        assert_eq!(status, 103, "{n}");
+        assert_eq!(header(&fields, "x-n"), Some(n.to_string().as_str()));
+    }
+    let r = c.read_response(false).expect("200");
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"hinted"[..]));
+
+    // Before the body: the client sees the hint, then sends the body, all of it relayed.
+    c.write_all(b"POST /hints-first HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\n\r\n")
+        .expect("send");
+    let (status, fields) = c.read_head().expect("103");
+    assert_eq!((status, header(&fields, "link")), (103, Some("</first>")));
+    c.write_all(b"hello").expect("send");
+    let r = c.read_response(false).expect("200");
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"hello"[..]));
+    let r = c.get("/big/3");
+    assert_eq!((r.status, r.body), (200, pattern(3)));
+    c.close();
+
+    // HTTP/1.0: the final response alone.
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    c.write_all(b"GET /hints HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .expect("send");
+    let r = c.read_response(false).expect("200");
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"hinted"[..]));
+    drop(c);
+    drop(backend);
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
+    assert_eq!(stats["proxy_backend_errors"], 0, "{stats:?}");
+}
+
+/// An HTTP/1.0 request without Host (which HTTP/1.0 allows) on an h2c site: `:authority` is
+/// the server name the client sent in TLS, else the backend's address (nginx's
+/// `$proxy_host`). HTTP/1.1 without Host stays 400 (RFC 9112 §3.2).
+#[test]
+fn an_http10_request_without_host_reaches_an_h2c_backend() {
+    let backend = h2c_backend();
+    let server = h2c_proxy(&backend);
+    let p = server.port();
+    let authority = |c: &mut TlsClient| {
+        c.write_all(b"GET /fields HTTP/1.0\r\n\r\n").expect("send");
+        let r = c.read_response(false).expect("fields");
+        assert_eq!(r.status, 200, "{:?}", r.headers);
+        let text = String::from_utf8_lossy(&r.body).to_string();
+        text.lines()
+            .find_map(|l| l.strip_prefix(":authority "))
+            .unwrap_or_else(|| panic!("{text}"))
+            .to_string()
+    };
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    assert_eq!(authority(&mut c), "localhost");
+    drop(c);
+    let mut config = (*crate::support::client::ClientOpts::version(Tls::V13).config()).clone();
+    config.enable_sni = false;
+    let mut c = TlsClient::connect_with(p, std::sync::Arc::new(config));
+    assert_eq!(authority(&mut c), format!("127.0.0.1:{}", backend.port));
+    drop(c);
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    c.write_all(b"GET /fields HTTP/1.1\r\n\r\n").expect("send");
+    let r = c.read_response(false).expect("400");
+    assert_eq!(r.status, 400);
+    drop(c);
+    drop(backend);
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_refused"], 1, "{stats:?}");
+    assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
 }
