@@ -57,6 +57,17 @@ fn visit(port: u16, client: &Arc<ClientConfig>) -> HandshakeKind {
     kind
 }
 
+/// As [`visit`], for a loop that counts failures rather than stop at one: None if the
+/// handshake or the page failed.
+fn try_visit(port: u16, client: &Arc<ClientConfig>) -> Option<HandshakeKind> {
+    let mut c = TlsClient::over(crate::support::client::tcp_connect(port), client.clone());
+    c.handshake().ok()?;
+    let kind = c.conn.handshake_kind()?;
+    let ok = c.get(&fixtures::get().hello.url).status == 200;
+    c.close();
+    ok.then_some(kind)
+}
+
 /// A client that has been to `port` once (a full handshake) and holds its ticket.
 fn client_with_ticket(port: u16, v: Tls) -> Arc<ClientConfig> {
     let client = ClientOpts::version(v).config();
@@ -467,13 +478,37 @@ fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
 
     // The store goes away: handshakes and resumption go on with the keys held; it comes back
     // empty and gets the fleet's generation back.
+    // Killed under traffic: a client going back and forth between A and B, resuming.
     let held = generation(&a).max(generation(&b));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let (ports, stop) = ([a.port(), b.port()], stop.clone());
+        let client = client_with_ticket(a.port(), Tls::V13);
+        std::thread::spawn(move || {
+            let (mut failed, mut resumed, mut visits) = (0, 0, 0);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match try_visit(ports[visits % 2], &client) {
+                    None => failed += 1,
+                    Some(HandshakeKind::Resumed) => resumed += 1,
+                    Some(_) => {}
+                }
+                visits += 1;
+            }
+            (failed, resumed, visits)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
     redis.kill();
     wait_log(
         &a,
         "keeping the ticket keys held",
         Duration::from_secs(ROTATION),
     );
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (failed, resumed, visits) = traffic.join().unwrap();
+    assert_eq!(failed, 0, "{visits} visits while Redis was killed");
+    assert_eq!(resumed, visits, "every visit resumed");
     let c4 = client_with_ticket(a.port(), Tls::V13);
     assert_eq!(visit(b.port(), &c4), HandshakeKind::Resumed, "store down");
     redis.restart();
