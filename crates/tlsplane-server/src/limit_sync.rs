@@ -27,7 +27,7 @@ use tlsplane::stats::Counter;
 use zeroize::Zeroizing;
 
 use crate::limits::{Admission, ClientKey, Usage};
-use crate::ticket_store::{connect, Conn, StoreUrl, OP_TIMEOUT, RECONNECT_BACKOFF};
+use crate::ticket_store::{connect, on_own_thread, Conn, StoreUrl, OP_TIMEOUT, RECONNECT_BACKOFF};
 
 /// The store's windows of counts, milliseconds.
 const WINDOW_MS: u64 = 1000;
@@ -132,16 +132,7 @@ impl LimitSync {
 
     /// Starts the exchange for `admission`, on a thread of its own.
     pub fn start(self, admission: Arc<Admission>) -> std::io::Result<()> {
-        std::thread::Builder::new()
-            .name("limit-sync".into())
-            .spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("a runtime for the limits' exchange");
-                rt.block_on(Exchange::new(self, admission).run());
-            })?;
-        Ok(())
+        on_own_thread("limit-sync", Exchange::new(self, admission).run())
     }
 }
 

@@ -333,15 +333,7 @@ pub fn start(
         down: None,
     };
     let (first, synced) = std::sync::mpsc::sync_channel(1);
-    std::thread::Builder::new()
-        .name("ticket-store".into())
-        .spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("a runtime for the ticket store");
-            rt.block_on(follower.run(first));
-        })?;
+    on_own_thread("ticket-store", follower.run(first))?;
     if synced.recv_timeout(FIRST_SYNC_WAIT).is_err() {
         tracing::warn!(
             "ticket store {}: no answer within {:?}: listening with ticket keys of this process until it answers",
@@ -370,6 +362,21 @@ struct Follower {
 }
 
 pub(crate) type Conn = redis::aio::MultiplexedConnection;
+
+/// Runs `work` on a thread of its own with a runtime of its own: a store's slowness or
+/// outage never holds a worker.
+pub(crate) fn on_own_thread(
+    name: &str,
+    work: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || rt.block_on(work))?;
+    Ok(())
+}
 
 /// A connection to the store (the primary, through Sentinel), within [`OP_TIMEOUT`].
 pub(crate) async fn connect(url: &StoreUrl) -> Result<Conn, String> {

@@ -367,13 +367,25 @@ impl Drop for Redis {
 /// enough that a ticket issued just before one is still fresh (tickets are announced for it).
 const ROTATION: u64 = 4;
 
-/// A server that follows the store at `url`.
-fn store_node(url: &str, kek: &Path) -> Server {
+/// A key-encryption key at `path`: 32 random bytes, base64.
+fn write_kek(path: &Path) -> PathBuf {
+    let kek = base64::engine::general_purpose::STANDARD.encode(&random_key()[..32]);
+    fs::write(path, kek).unwrap();
+    path.to_path_buf()
+}
+
+/// A server of the fleet whose store is at `url`, yet to start.
+fn fleet_member(url: &str, kek: &Path) -> crate::support::ServerBuilder {
     Server::builder()
         .arg("--ticket-store")
         .arg(url)
         .arg("--ticket-store-kek")
         .arg(kek.to_str().unwrap())
+}
+
+/// A server that follows the store at `url`, rotating every [`ROTATION`].
+fn store_node(url: &str, kek: &Path) -> Server {
+    fleet_member(url, kek)
         .arg("--ticket-rotation")
         .arg(ROTATION.to_string())
         .start()
@@ -426,12 +438,7 @@ fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
         return;
     }
     let dir = scratch("fleet-store");
-    let kek = dir.join("kek");
-    fs::write(
-        &kek,
-        base64::engine::general_purpose::STANDARD.encode(&random_key()[..32]),
-    )
-    .unwrap();
+    let kek = write_kek(&dir.join("kek"));
     let mut redis = Redis::start(&dir);
     let a = store_node(&redis.url(), &kek);
     wait_log(&a, &installed(1), Duration::from_secs(5));
@@ -537,12 +544,7 @@ fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
 
     // A server with another key-encryption key cannot read the store's keys, and does not
     // overwrite them.
-    let other_kek = dir.join("other-kek");
-    fs::write(
-        &other_kek,
-        base64::engine::general_purpose::STANDARD.encode(&random_key()[..32]),
-    )
-    .unwrap();
+    let other_kek = write_kek(&dir.join("other-kek"));
     let stranger = store_node(&redis.url(), &other_kek);
     wait_log(
         &stranger,
@@ -588,12 +590,7 @@ fn servers_follow_a_sentinel_failover_and_keep_resuming() {
         return;
     }
     let dir = scratch("fleet-sentinel");
-    let kek = dir.join("kek");
-    fs::write(
-        &kek,
-        base64::engine::general_purpose::STANDARD.encode(&random_key()[..32]),
-    )
-    .unwrap();
+    let kek = write_kek(&dir.join("kek"));
     // A primary, its replica and one Sentinel (quorum 1) that fails over half a second after
     // the primary stops answering.
     let mut primary = Redis::start(&mkdir(dir.join("primary")));
@@ -693,11 +690,7 @@ const FLEET_RATE: u64 = 20;
 
 /// A server of a fleet sharing its per-client rates through the store at `url`.
 fn limited_node(url: &str, kek: &Path) -> Server {
-    Server::builder()
-        .arg("--ticket-store")
-        .arg(url)
-        .arg("--ticket-store-kek")
-        .arg(kek.to_str().unwrap())
+    fleet_member(url, kek)
         .arg("--fleet-limits")
         .arg("--client-handshake-rate")
         .arg(FLEET_RATE.to_string())
@@ -726,12 +719,7 @@ fn a_client_spreading_over_three_servers_gets_its_rate_in_total() {
         return;
     }
     let dir = scratch("fleet-limits");
-    let kek = dir.join("kek");
-    fs::write(
-        &kek,
-        base64::engine::general_purpose::STANDARD.encode(&random_key()[..32]),
-    )
-    .unwrap();
+    let kek = write_kek(&dir.join("kek"));
     let mut redis = Redis::start(&dir);
     let nodes: Vec<Server> = (0..3).map(|_| limited_node(&redis.url(), &kek)).collect();
     let ports: Vec<u16> = nodes.iter().map(|n| n.port()).collect();
