@@ -25,16 +25,26 @@ pub struct ReloadArgs {
     pub timeout: u64,
 }
 
+/// The fleet's options, as a server would check them at start (the key-encryption key read).
+fn fleet(server: &tlsplane_server::server::ServerArgs, errors: &mut Vec<String>) {
+    if let Err(e) = tlsplane_server::server::check_fleet(server) {
+        errors.push(format!("{e:#}"));
+    }
+}
+
 pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
     let file = ConfigFile::read(&args.file).map_err(anyhow::Error::msg)?;
     let mut errors = Vec::new();
     // A file that names backends is a proxy's; checked against the proxy's options.
     let (needs, alpn) = if file.is_handoff() {
         match server_options_of::<crate::handoff::HandoffArgs>(&file, &|_| false, Vec::new()) {
-            Ok(o) => (
-                crate::handoff::site_needs(&o),
-                crate::handoff::Handoff::alpn(&o),
-            ),
+            Ok(o) => {
+                fleet(crate::handoff::Handoff::server(&o), &mut errors);
+                (
+                    crate::handoff::site_needs(&o),
+                    crate::handoff::Handoff::alpn(&o),
+                )
+            }
             Err(e) => {
                 errors.push(format!("{e:#}"));
                 (
@@ -51,7 +61,10 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
         }
     } else if file.is_proxy() {
         match server_options_of::<crate::proxy::ProxyArgs>(&file, &|_| false, Vec::new()) {
-            Ok(o) => (crate::proxy::site_needs(&o), crate::proxy::Proxy::alpn(&o)),
+            Ok(o) => {
+                fleet(crate::proxy::Proxy::server(&o), &mut errors);
+                (crate::proxy::site_needs(&o), crate::proxy::Proxy::alpn(&o))
+            }
             Err(e) => {
                 errors.push(format!("{e:#}"));
                 (
@@ -66,7 +79,10 @@ pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
     } else {
         let options = server_options_of::<crate::serve::ServeArgs>(&file, &|_| false, Vec::new());
         let alpn = match &options {
-            Ok(o) => crate::serve::Serve::alpn(o),
+            Ok(o) => {
+                fleet(crate::serve::Serve::server(o), &mut errors);
+                crate::serve::Serve::alpn(o)
+            }
             Err(_) => Alpn::new(
                 None,
                 &tlsplane_server::server::HTTP1_ALPN,

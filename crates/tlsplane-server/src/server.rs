@@ -541,15 +541,41 @@ fn fleet_limits(
     kek: Option<&[u8]>,
     stats: &RuntimeStats,
 ) -> anyhow::Result<Option<crate::limit_sync::LimitSync>> {
+    check_fleet_limits(server)?;
+    let l = &server.limits;
+    let (true, Some(url), Some(kek)) = (l.fleet_limits, &server.store.ticket_store, kek) else {
+        return Ok(None);
+    };
+    tracing::info!(
+        "fleet limits: per-client rates shared through {url}, counts exchanged every {} s",
+        l.fleet_limits_period
+    );
+    Ok(Some(crate::limit_sync::LimitSync::new(
+        url.clone(),
+        &server.store.fleet,
+        kek,
+        Duration::from_secs_f64(l.fleet_limits_period),
+        stats.limit_sync.clone(),
+    )))
+}
+
+/// What `check-config` checks of the fleet's options, as a server would at start: the
+/// key-encryption key reads, and --fleet-limits has what it needs.
+pub fn check_fleet(server: &ServerArgs) -> anyhow::Result<()> {
+    server.store.read_kek()?;
+    check_fleet_limits(server)
+}
+
+fn check_fleet_limits(server: &ServerArgs) -> anyhow::Result<()> {
     let l = &server.limits;
     if !l.fleet_limits {
-        return Ok(None);
+        return Ok(());
     }
-    let (Some(url), Some(kek)) = (&server.store.ticket_store, kek) else {
+    if server.store.ticket_store.is_none() {
         anyhow::bail!(
             "--fleet-limits exchanges counts through the fleet's store: give --ticket-store URL and --ticket-store-kek FILE"
         );
-    };
+    }
     if !(l.fleet_limits_period > 0.0 && l.fleet_limits_period <= 60.0) {
         anyhow::bail!(
             "--fleet-limits-period {}: seconds, more than 0 and at most 60",
@@ -566,17 +592,7 @@ fn fleet_limits(
             "--fleet-limits shares the per-client rates, and none is set: give --client-handshake-rate, --client-resumed-rate or --client-incomplete-rate"
         );
     }
-    tracing::info!(
-        "fleet limits: per-client rates shared through {url}, counts exchanged every {} s",
-        l.fleet_limits_period
-    );
-    Ok(Some(crate::limit_sync::LimitSync::new(
-        url.clone(),
-        &server.store.fleet,
-        kek,
-        Duration::from_secs_f64(l.fleet_limits_period),
-        stats.limit_sync.clone(),
-    )))
+    Ok(())
 }
 
 /// The shared ticket store's gauges.

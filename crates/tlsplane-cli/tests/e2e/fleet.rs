@@ -260,27 +260,48 @@ fn a_bad_key_file_is_refused_before_listening_with_its_reason() {
 
     // check-config reads the file as a server would.
     let config = dir.join("tlsplane.toml");
-    fs::write(
-        &config,
-        format!(
-            "[server]\nticket-keys = {:?}\n[[site]]\nserver-names = [\"localhost\"]\n\
-             default = true\nroot = {:?}\n[[site.cert]]\nchain = {:?}\nkey = {:?}\n",
-            dir.join("short"),
-            fx.www,
-            leaf.cert_pem,
-            leaf.key_pem
+    let check = |server: &str, reason: &str| {
+        fs::write(
+            &config,
+            format!(
+                "[server]\n{server}\n[[site]]\nserver-names = [\"localhost\"]\n\
+                 default = true\nroot = {:?}\n[[site.cert]]\nchain = {:?}\nkey = {:?}\n",
+                fx.www, leaf.cert_pem, leaf.key_pem
+            ),
+        )
+        .unwrap();
+        let mut cmd = Command::new(server_bin());
+        cmd.arg("check-config").arg(&config);
+        let out = tools::run(cmd, b"", Duration::from_secs(30));
+        assert!(!out.status.success(), "{server}: {}", out.describe());
+        assert!(
+            out.stderr_text().contains(reason),
+            "{server}: {}",
+            out.describe()
+        );
+    };
+    check(
+        &format!("ticket-keys = {:?}", dir.join("short")),
+        "line 1: a key is 48 or 80 bytes",
+    );
+    // And the fleet's store options as a server would at start.
+    check(
+        &format!(
+            "ticket-store = \"redis://127.0.0.1:1\"\nticket-store-kek = {:?}",
+            dir.join("missing")
         ),
-    )
-    .unwrap();
-    let mut cmd = Command::new(server_bin());
-    cmd.arg("check-config").arg(&config);
-    let out = tools::run(cmd, b"", Duration::from_secs(30));
-    assert!(!out.status.success(), "{}", out.describe());
-    assert!(
-        out.stderr_text()
-            .contains("line 1: a key is 48 or 80 bytes"),
-        "{}",
-        out.describe()
+        "--ticket-store-kek",
+    );
+    check(
+        "fleet-limits = true\nclient-handshake-rate = \"5/s\"",
+        "--fleet-limits exchanges counts through the fleet's store",
+    );
+    let kek = write_kek(&dir.join("kek"));
+    check(
+        &format!(
+            "ticket-store = \"redis://127.0.0.1:1\"\nticket-store-kek = {kek:?}\nfleet-limits = true"
+        ),
+        "none is set",
     );
 }
 
