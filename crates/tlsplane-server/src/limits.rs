@@ -20,6 +20,11 @@
 //! count of connections would be lost); if every entry has one, a new address is admitted
 //! without per-client limits (`client_table_untracked`), which a table at least as large as
 //! --max-connections never needs.
+//!
+//! With --fleet-limits the rates count across the fleet: the tokens taken here are noted per
+//! client ([`Admission::take_usage`] hands them to `crate::limit_sync`), and the tokens the
+//! other servers took are taken from the same buckets ([`Admission::debit`]). Decisions stay
+//! local and immediate; only the buckets' contents reflect the fleet.
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
