@@ -316,14 +316,14 @@ async fn relay(
 
 /// What came next on a request's stream: an interim (1xx) response head, or the final
 /// response.
-enum Answer {
+pub(super) enum Answer {
     Interim(http::Response<()>),
     Final(Result<http::Response<RecvStream>, h2::Error>),
 }
 
 /// Waits for the next [`Answer`]. Interim heads are taken first: h2 drops any still queued
 /// when the final response is taken. Cancel-safe (a head is taken only when returned).
-async fn next_answer(response: &mut h2::client::ResponseFuture) -> Answer {
+pub(super) async fn next_answer(response: &mut h2::client::ResponseFuture) -> Answer {
     std::future::poll_fn(|cx| match response.poll_informational(cx) {
         Poll::Ready(Some(Ok(head))) => Poll::Ready(Answer::Interim(head)),
         Poll::Ready(Some(Err(e))) => Poll::Ready(Answer::Final(Err(e))),
@@ -337,7 +337,7 @@ async fn next_answer(response: &mut h2::client::ResponseFuture) -> Answer {
 /// Most interim responses relayed to one request; later ones are dropped. 1xx responses
 /// are advisory (RFC 9110 §15.2), so a backend that sends many (102 as a keep-alive, 103
 /// again and again) loses the extra ones, not the exchange: its final response still comes.
-const MAX_INTERIM: usize = 4;
+pub(super) const MAX_INTERIM: usize = 4;
 
 /// Relays a backend's interim responses to the client (RFC 9110 §15.2: a proxy forwards
 /// them), as HTTP/1.1 heads: 103 Early Hints, 102, and those not yet defined. Never to an

@@ -1467,3 +1467,41 @@ fn an_http10_request_without_host_reaches_an_h2c_backend() {
     assert_eq!(stats["proxy_http_refused"], 1, "{stats:?}");
     assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
 }
+
+/// h2 clients on an h2c site get the backend's interim responses too (as h2 HEADERS without
+/// END_STREAM), at most four a request, then the final response.
+#[test]
+fn interim_responses_reach_h2_clients() {
+    if !require("curl") {
+        return;
+    }
+    let backend = h2c_backend();
+    let server = h2c_proxy(&backend);
+    let p = server.port();
+    for (path, hints) in [("/hints", 2), ("/many-hints", 4)] {
+        let mut c = curl_h2(p);
+        c.arg("-v").arg(url(p, path));
+        let out = tools::run(c, b"", Duration::from_secs(60));
+        assert!(out.status.success(), "{path}: {}", out.describe());
+        assert_eq!(out.stdout, b"hinted", "{path}");
+        let err = out.stderr_text();
+        let heads: Vec<&str> = err.lines().filter(|l| l.starts_with("< HTTP/2 ")).collect();
+        let mut want = vec!["< HTTP/2 103"; hints];
+        if path == "/hints" {
+            want[1] = "< HTTP/2 102";
+        }
+        want.push("< HTTP/2 200");
+        assert_eq!(
+            heads.iter().map(|l| l.trim()).collect::<Vec<_>>(),
+            want,
+            "{path}: {err}"
+        );
+        if path == "/hints" {
+            assert!(err.contains("< link: </s.css>; rel=preload"), "{err}");
+        }
+    }
+    drop(backend);
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
+}
