@@ -12,7 +12,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use h2::server::{Connection, SendResponse};
 use h2::RecvStream;
 use tlsplane::stats::Counter;
-use tlsplane_h2::transport::H2Io;
+use tlsplane_h2::transport::{Flusher, H2Io};
 use tlsplane_server::runtime::Idle;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -93,6 +93,8 @@ pub(crate) struct Lifetime<'a> {
     pub stats: &'a H2Stats,
     /// The product's counter of idle timeouts.
     pub timeouts: &'a Counter,
+    /// The connection's outbox ([`H2Io::flusher`]), sent early between streams.
+    pub flush: Flusher,
 }
 
 /// Runs `conn` until it ends (the client's GOAWAY or end, ours after the idle timeout, an
@@ -114,6 +116,7 @@ where
         idle,
         stats,
         timeouts,
+        flush,
     } = life;
     // Made at the first stream and dropped when the last ends: an empty FuturesUnordered
     // still holds a stub task as large as a stream's future (~1.6 KiB for serve), which an
@@ -127,6 +130,8 @@ where
         going_away = Some(Instant::now());
     }
     loop {
+        // Responses of this round already queued go out while the rest are served.
+        flush.flush_if_due().await;
         let quiet = streams.is_none();
         let step = async {
             tokio::select! {
