@@ -128,6 +128,9 @@ struct Frames {
     payload_left: usize,
     /// The current frame is DATA on a stream whose body is a file.
     file_stream: Option<u32>,
+    /// User plane: the current frame's file bytes were all read in when its header came; its
+    /// placeholders are dropped as h2 writes them.
+    file_read: bool,
 }
 
 /// The queues between h2 and the pump: what h2 wrote and the pump has not sent yet, and the
@@ -308,21 +311,30 @@ impl Outbox {
                     let f = &mut self.frames;
                     f.payload_left = len;
                     f.file_stream = None;
+                    f.file_read = false;
                     if h[3] == DATA && self.files.contains_key(&stream) {
                         if h[4] & PADDED != 0 {
                             // h2 never pads; the payload would not be the body alone.
                             return Err(io::Error::other("padded DATA on a file stream"));
                         }
                         f.file_stream = Some(stream);
+                        if !self.sendfile && len > 0 {
+                            // One read for the whole payload: h2 writes a frame's first bytes
+                            // with the bytes before them and the rest on their own, which
+                            // was two reads of the file per frame.
+                            self.push_file(stream, len)?;
+                            self.frames.file_read = true;
+                        }
                     }
                     if len == 0 {
-                        f.header_len = 0;
+                        self.frames.header_len = 0;
                     }
                 }
                 continue;
             }
             let n = f.payload_left.min(buf.len());
             match f.file_stream {
+                Some(_) if f.file_read => {}
                 Some(stream) => self.push_file(stream, n)?,
                 None => self.push_bytes(&buf[..n]),
             }
@@ -843,6 +855,38 @@ mod tests {
                 assert!(sent(&mut ob) == expected, "cut {cut}, sendfile {sendfile}");
             }
         }
+    }
+
+    /// On the user plane a file DATA frame's payload is read from the file once, when its
+    /// header comes, however h2 cuts the placeholders over its writes (it writes a frame's
+    /// first bytes with what precedes them, the rest on their own).
+    #[test]
+    fn a_file_frame_is_read_in_one_piece_when_its_header_comes() {
+        let content: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8 + 1).collect();
+        let mut ob = outbox(false);
+        ob.files.entry(1).or_default().push_back(FileRange {
+            file: temp_file(&content),
+            offset: 0,
+            len: 3000,
+        });
+        let data = frame(DATA, 0x1, 1, &[0; 3000]);
+        assert_eq!(
+            ob.take(&data[..FRAME_HEADER]).expect("header"),
+            FRAME_HEADER
+        );
+        assert_eq!(
+            ob.queued,
+            FRAME_HEADER + 3000,
+            "the payload is queued with its header"
+        );
+        assert!(ob.files.is_empty(), "the body was taken whole");
+        for part in data[FRAME_HEADER..].chunks(700) {
+            assert_eq!(ob.take(part).expect("placeholders"), part.len());
+        }
+        assert_eq!(ob.queued, FRAME_HEADER + 3000, "placeholders add nothing");
+        let mut expected = data[..FRAME_HEADER].to_vec();
+        expected.extend_from_slice(&content);
+        assert!(sent(&mut ob) == expected);
     }
 
     /// What the pump writes, in memory.
