@@ -318,10 +318,13 @@ impl Outbox {
                             return Err(io::Error::other("padded DATA on a file stream"));
                         }
                         f.file_stream = Some(stream);
-                        if !self.sendfile && len > 0 {
+                        if !self.sendfile && len > 0 && self.queued + len <= OUTBOX {
                             // One read for the whole payload: h2 writes a frame's first bytes
                             // with the bytes before them and the rest on their own, which
-                            // was two reads of the file per frame.
+                            // was two reads of the file per frame. Not past OUTBOX: the pump's
+                            // batches stay cut where h2's writes stop for want of room, every
+                            // 64 KiB of a long body, which the record layer cuts into whole
+                            // records (65,572 bytes left a 36-byte record every 4).
                             self.push_file(stream, len)?;
                             self.frames.file_read = true;
                         }
