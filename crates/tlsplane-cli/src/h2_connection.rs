@@ -3,6 +3,7 @@
 //! and the end of a connection a client keeps open after our GOAWAY. Products give what to do
 //! with each stream.
 
+use std::cell::Cell;
 use std::future::Future;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
@@ -84,6 +85,35 @@ impl H2Stats {
     }
 }
 
+thread_local! {
+    /// h2 connections of this worker (its thread) with streams open.
+    static BUSY_HERE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Counts its connection in [`BUSY_HERE`] while it has streams open.
+struct Busy(bool);
+
+impl Busy {
+    fn set(&mut self, busy: bool) {
+        if self.0 != busy {
+            self.0 = busy;
+            BUSY_HERE.with(|n| {
+                n.set(if busy {
+                    n.get() + 1
+                } else {
+                    n.get().saturating_sub(1)
+                })
+            });
+        }
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.set(false);
+    }
+}
+
 /// What the loop needs from its product and connection.
 pub(crate) struct Lifetime<'a> {
     /// No stream open for this long: GOAWAY; still open this long after it: the end.
@@ -129,9 +159,17 @@ where
         conn.graceful_shutdown();
         going_away = Some(Instant::now());
     }
+    let mut busy = Busy(false);
     loop {
-        // Responses of this round already queued go out while the rest are served.
-        flush.flush_if_due().await;
+        busy.set(streams.is_some());
+        // The only connection of its worker with work: let the responses of this round that
+        // are queued go out while the rest are served, so that the client works on them
+        // meanwhile instead of the two taking turns. With other connections busy the worker
+        // does their work in the gaps, and writing early only cuts every connection's rounds
+        // smaller (10 connections × 100 streams: 7.8 -> 11.0 µs per request).
+        if BUSY_HERE.with(Cell::get) == 1 {
+            flush.flush_if_due().await;
+        }
         let quiet = streams.is_none();
         let step = async {
             tokio::select! {
