@@ -3,6 +3,7 @@
 //! and the end of a connection a client keeps open after our GOAWAY. Products give what to do
 //! with each stream.
 
+use std::cell::Cell;
 use std::future::Future;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
@@ -12,7 +13,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use h2::server::{Connection, SendResponse};
 use h2::RecvStream;
 use tlsplane::stats::Counter;
-use tlsplane_h2::transport::H2Io;
+use tlsplane_h2::transport::{Flusher, H2Io};
 use tlsplane_server::runtime::Idle;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -84,6 +85,35 @@ impl H2Stats {
     }
 }
 
+thread_local! {
+    /// h2 connections of this worker (its thread) with streams open.
+    static BUSY_HERE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Counts its connection in [`BUSY_HERE`] while it has streams open.
+struct Busy(bool);
+
+impl Busy {
+    fn set(&mut self, busy: bool) {
+        if self.0 != busy {
+            self.0 = busy;
+            BUSY_HERE.with(|n| {
+                n.set(if busy {
+                    n.get() + 1
+                } else {
+                    n.get().saturating_sub(1)
+                })
+            });
+        }
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.set(false);
+    }
+}
+
 /// What the loop needs from its product and connection.
 pub(crate) struct Lifetime<'a> {
     /// No stream open for this long: GOAWAY; still open this long after it: the end.
@@ -93,6 +123,8 @@ pub(crate) struct Lifetime<'a> {
     pub stats: &'a H2Stats,
     /// The product's counter of idle timeouts.
     pub timeouts: &'a Counter,
+    /// The connection's outbox ([`H2Io::flusher`]), sent early between streams.
+    pub flush: Flusher,
 }
 
 /// Runs `conn` until it ends (the client's GOAWAY or end, ours after the idle timeout, an
@@ -114,6 +146,7 @@ where
         idle,
         stats,
         timeouts,
+        flush,
     } = life;
     // Made at the first stream and dropped when the last ends: an empty FuturesUnordered
     // still holds a stub task as large as a stream's future (~1.6 KiB for serve), which an
@@ -126,7 +159,17 @@ where
         conn.graceful_shutdown();
         going_away = Some(Instant::now());
     }
+    let mut busy = Busy(false);
     loop {
+        busy.set(streams.is_some());
+        // The only connection of its worker with work: let the responses of this round that
+        // are queued go out while the rest are served, so that the client works on them
+        // meanwhile instead of the two taking turns. With other connections busy the worker
+        // does their work in the gaps, and writing early only cuts every connection's rounds
+        // smaller (10 connections × 100 streams: 7.8 -> 11.0 µs per request).
+        if BUSY_HERE.with(Cell::get) == 1 {
+            flush.flush_if_due().await;
+        }
         let quiet = streams.is_none();
         let step = async {
             tokio::select! {

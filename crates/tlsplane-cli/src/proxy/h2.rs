@@ -92,6 +92,7 @@ async fn connection(
     // The client's preface and SETTINGS are its first request head: the header timeout.
     let header_timeout = Duration::from_secs(args.header_timeout);
     proxy.stats.h2.connections.fetch_add(1, Relaxed);
+    let flush = io.flusher();
     let handshake =
         tlsplane_h2::settings::server(tlsplane_h2::settings::SEND_BUFFER).handshake::<_, Bytes>(io);
     let mut conn = match timeout(header_timeout, handshake).await {
@@ -113,6 +114,7 @@ async fn connection(
         idle,
         stats: &proxy.stats.h2,
         timeouts: &proxy.stats.idle_timeouts,
+        flush,
     };
     h2_connection::run(&mut conn, life, |request, send| {
         shared.stream(request, send)

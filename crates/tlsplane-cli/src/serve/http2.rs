@@ -73,6 +73,7 @@ async fn connection(
     // The client's preface and SETTINGS are its first request head: the header timeout.
     let header_timeout = Duration::from_secs(args.header_timeout);
     let files = io.file_bodies();
+    let flush = io.flusher();
     shared.stats.h2.connections.fetch_add(1, Relaxed);
     let handshake = settings::server(FILE_SEND_BUFFER).handshake::<_, H2Body>(io);
     let mut conn = match tokio::time::timeout(header_timeout, handshake).await {
@@ -89,6 +90,7 @@ async fn connection(
         idle,
         stats: &shared.stats.h2,
         timeouts: &shared.stats.timeouts,
+        flush,
     };
     let (files, responded) = (&files, &responded);
     h2_connection::run(&mut conn, life, |request, send| {
