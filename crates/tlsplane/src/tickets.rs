@@ -95,13 +95,25 @@ impl TicketKey {
 /// names what the key is for, so that one secret never keys two purposes. The derived bytes
 /// are zeroized; the key lives inside aws-lc.
 pub fn derive_aead_key(secret: &[u8], info: &[u8]) -> RandomizedNonceKey {
+    let key = derive_key(secret, info);
+    RandomizedNonceKey::new(&AES_256_GCM, &key[..]).expect("a 32-byte key")
+}
+
+/// 32 bytes derived from `secret` by HKDF-SHA256 (no salt) with `info`, zeroized when dropped.
+pub fn derive_key(secret: &[u8], info: &[u8]) -> Zeroizing<[u8; 32]> {
+    struct Len32;
+    impl hkdf::KeyType for Len32 {
+        fn len(&self) -> usize {
+            32
+        }
+    }
     let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &[]).extract(secret);
     let mut key = Zeroizing::new([0u8; 32]);
     // The lengths are fixed (32 bytes out of HKDF-SHA256), so neither step can fail.
-    prk.expand(&[info], &AES_256_GCM)
+    prk.expand(&[info], Len32)
         .and_then(|okm| okm.fill(&mut key[..]))
         .expect("HKDF-SHA256 gives 32 bytes");
-    RandomizedNonceKey::new(&AES_256_GCM, &key[..]).expect("a 32-byte key")
+    key
 }
 
 /// The keys in use: previous (may be absent), current, next (may be absent).
