@@ -22,9 +22,8 @@ use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use aws_lc_rs::{hkdf, hmac};
+use aws_lc_rs::hmac;
 use tlsplane::stats::Counter;
-use zeroize::Zeroizing;
 
 use crate::limits::{Admission, ClientKey, Usage};
 use crate::ticket_store::{connect, on_own_thread, Conn, StoreUrl, OP_TIMEOUT, RECONNECT_BACKOFF};
@@ -116,11 +115,7 @@ impl LimitSync {
         period: Duration,
         stats: Arc<LimitSyncStats>,
     ) -> Self {
-        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &[]).extract(kek);
-        let mut key = Zeroizing::new([0u8; 32]);
-        prk.expand(&[HASH_INFO], hmac::HMAC_SHA256)
-            .and_then(|okm| okm.fill(&mut key[..]))
-            .expect("HKDF-SHA256 gives 32 bytes");
+        let key = tlsplane::tickets::derive_key(kek, HASH_INFO);
         LimitSync {
             url,
             prefix: format!("{fleet}:limits:"),
@@ -266,6 +261,13 @@ impl Exchange {
     /// what the others took taken here.
     async fn exchange(&mut self, conn: &mut Conn) -> Result<(), String> {
         if self.watched.is_empty() || self.kinds.is_empty() {
+            // Nothing to exchange: a PING, so that the lag says whether the store answers.
+            let ping = redis::cmd("PING");
+            match tokio::time::timeout(OP_TIMEOUT, ping.query_async::<()>(conn)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e.to_string()),
+                Err(_) => return Err(format!("no answer within {OP_TIMEOUT:?}")),
+            }
             self.config
                 .stats
                 .last_exchange_ms
