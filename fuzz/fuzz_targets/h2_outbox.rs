@@ -353,7 +353,7 @@ fuzz_target!(|input: &[u8]| {
         received: Vec::new(),
     };
     let (written, pumped) = f.rt.block_on(async {
-        let run = transport::run(&mut client, Duration::from_secs(10), |mut io| async move {
+        let run = transport::run(&mut client, transport::Woken::fresh(), Duration::from_secs(10), |mut io| async move {
             let files = io.file_bodies();
             for op in &model.ops {
                 match op {

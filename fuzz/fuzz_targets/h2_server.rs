@@ -9,9 +9,13 @@
 //! Time is tokio's paused clock: once nothing is left to do, it jumps to the next timer, so
 //! the stall timeouts of a client that grants no window pass at once.
 //!
+//! With bit 6 of byte 0, the connection opens as the products open it: the client's bytes go
+//! to tlsplane_h2's greeting until it wakes h2, which then starts from what the greeting read
+//! and sent (the transport checks that h2's first bytes are the ones the greeting sent).
+//!
 //! Input: byte 0: bit 0 the kernel plane (file ranges to the client's `write_file`), bit 1
 //! prepends the client preface, bit 2 an empty SETTINGS frame after it, bits 3-5 the largest
-//! read; byte 1 seeds the read sizes; the rest is what the client sends. After it the client
+//! read, bit 6 the greeting; byte 1 seeds the read sizes; the rest is what the client sends. After it the client
 //! stays quiet for a minute (taking what the server sends), then ends its side.
 #![no_main]
 
@@ -26,8 +30,9 @@ use h2::server::SendResponse;
 use h2::RecvStream;
 use libfuzzer_sys::fuzz_target;
 use tlsplane_h2::serve::{drain, refused, request, send_response, FILE_SEND_BUFFER};
+use tlsplane_h2::greeting::{Greeting, Heard};
 use tlsplane_h2::settings;
-use tlsplane_h2::transport::{self, FileBodies, H2Body, Transport};
+use tlsplane_h2::transport::{self, FileBodies, H2Body, Transport, Woken};
 use tlsplane_http::{respond, DocRoot};
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -137,9 +142,26 @@ fuzz_target!(|input: &[u8]| {
         x: (u32::from(input[1]) * 0x0101_0101) | 1,
         scratch: Vec::new(),
     };
+    let greet = input[0] & 64 != 0;
     f.rt.block_on(async {
+        let woken = if greet {
+            let mut greeting = Greeting::new();
+            let mut buf = vec![0u8; 16 * 1024];
+            loop {
+                let n = client.read(&mut buf).await.expect("in memory");
+                if n == 0 {
+                    // The connection ended in its opening.
+                    return;
+                }
+                if greeting.hear(&buf[..n]) == Heard::Wake {
+                    break greeting.wake();
+                }
+            }
+        } else {
+            Woken::fresh()
+        };
         let stall = Duration::from_secs(10);
-        let served = transport::run(&mut client, stall, |io| async move {
+        let served = transport::run(&mut client, woken, stall, |io| async move {
             let files = io.file_bodies();
             let mut conn = settings::server(FILE_SEND_BUFFER)
                 .handshake::<_, H2Body>(io)
@@ -160,8 +182,13 @@ fuzz_target!(|input: &[u8]| {
         });
         // Virtual time: the connection ends soon after the client's input does. How it ends
         // (a protocol error of the client's, the client's end) does not matter here.
-        let (_h2_side, _pump) = tokio::time::timeout(Duration::from_secs(3600), served)
+        let (h2_side, _pump) = tokio::time::timeout(Duration::from_secs(3600), served)
             .await
             .expect("the connection ends after the client's");
+        // Except that h2 must send first exactly what the greeting sent for it.
+        if let Err(e) = h2_side {
+            let e = e.to_string();
+            assert!(!e.contains("differs from the greeting"), "{e}");
+        }
     });
 });

@@ -5,6 +5,7 @@
 
 use std::cell::Cell;
 use std::future::Future;
+use std::io;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
@@ -13,10 +14,19 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use h2::server::{Connection, SendResponse};
 use h2::RecvStream;
 use tlsplane::stats::Counter;
-use tlsplane_h2::transport::{Flusher, H2Io};
+use tlsplane::TlsStream;
+use tlsplane_h2::greeting::{self, Greeting, Heard};
+use tlsplane_h2::transport::{Flusher, H2Io, Woken};
 use tlsplane_server::runtime::Idle;
 use tokio::sync::watch;
 use tokio::time::Instant;
+
+/// What one read of a connection's opening takes at most: the client's opening frames and the
+/// header of the frame that wakes h2 (a request's first bytes), which the pump reads the rest
+/// of. Small, and allocated only while a read is under way: a 16 KiB buffer freed just before
+/// h2's allocations left holes in the heap that cost a used connection ~7 KiB of RSS more
+/// (docs/HTTP2.md, "The opening").
+const OPENING_READ: usize = 1024;
 
 /// HTTP/2 counters, shared by the products that speak it (on /metrics as
 /// `tlsplane_h2_*_total`).
@@ -24,6 +34,9 @@ use tokio::time::Instant;
 pub(crate) struct H2Stats {
     /// Connections that chose h2.
     pub connections: Counter,
+    /// Of those, connections h2 was started for: the client sent more than its opening (a
+    /// request, or any frame the opening does not take). The others cost no h2 state.
+    pub started: Counter,
     /// Streams (requests) accepted.
     pub streams: Counter,
     /// Connections we ended with GOAWAY(ENHANCE_YOUR_CALM): a flood h2 bounds (rapid reset,
@@ -43,9 +56,10 @@ pub(crate) struct H2Stats {
 impl H2Stats {
     /// The counters under `names` (the product's: [`SERVE`](Self::SERVE),
     /// [`PROXY`](Self::PROXY)).
-    pub(crate) fn counters(&self, names: &[&'static str; 6]) -> [(&'static str, u64); 6] {
+    pub(crate) fn counters(&self, names: &[&'static str; 7]) -> [(&'static str, u64); 7] {
         let values = [
             &self.connections,
+            &self.started,
             &self.streams,
             &self.goaway_calm,
             &self.goaway_protocol,
@@ -55,16 +69,18 @@ impl H2Stats {
         std::array::from_fn(|i| (names[i], values[i].load(Relaxed)))
     }
 
-    pub(crate) const SERVE: [&'static str; 6] = [
+    pub(crate) const SERVE: [&'static str; 7] = [
         "h2_connections",
+        "h2_started",
         "h2_streams",
         "h2_goaway_calm",
         "h2_goaway_protocol",
         "h2_stalls",
         "h2_evictions",
     ];
-    pub(crate) const PROXY: [&'static str; 6] = [
+    pub(crate) const PROXY: [&'static str; 7] = [
         "proxy_h2_connections",
+        "proxy_h2_started",
         "proxy_h2_streams",
         "proxy_h2_goaway_calm",
         "proxy_h2_goaway_protocol",
@@ -112,6 +128,105 @@ impl Drop for Busy {
     fn drop(&mut self) {
         self.set(false);
     }
+}
+
+/// What a connection's opening needs from its product.
+pub(crate) struct Opening<'a> {
+    /// The client's preface and first SETTINGS within this (its first request head).
+    pub header_timeout: Duration,
+    /// Then no request for this long: GOAWAY and the end.
+    pub idle_timeout: Duration,
+    pub stop: &'a mut watch::Receiver<bool>,
+    pub idle: &'a Idle,
+    pub stats: &'a H2Stats,
+    /// The product's counters of header timeouts and of idle timeouts.
+    pub header_timeouts: &'a Counter,
+    pub timeouts: &'a Counter,
+}
+
+/// The opening of a connection whose client chose h2, kept without h2
+/// ([`tlsplane_h2::greeting`]): sends h2's SETTINGS, acknowledges the client's, and waits for
+/// its first request as an idle connection waits (the idle timeout, eviction under
+/// --max-connections, shutdown: GOAWAY naming no stream, then the end). Returns where h2
+/// starts, or `None` when the connection ended first (the caller closes it).
+pub(crate) async fn open(tls: &mut TlsStream, o: Opening<'_>) -> io::Result<Option<Woken>> {
+    o.stats.connections.fetch_add(1, Relaxed);
+    tls.write_all(greeting::opening()).await?;
+    if *o.stop.borrow() {
+        tls.write_all(&greeting::GOAWAY_NONE_PROCESSED).await?;
+        return Ok(None);
+    }
+    let mut greeting = Greeting::new();
+    let started = Instant::now();
+    let mut idle_since = None;
+    loop {
+        // Reads are cancel-safe, and the buffer exists only while one is under way.
+        let read = async {
+            tls.readable().await?;
+            let mut buf = vec![0u8; OPENING_READ];
+            let n = tls.read(&mut buf).await?;
+            buf.truncate(n);
+            Ok::<_, io::Error>(buf)
+        };
+        let deadline = match idle_since {
+            None => started + o.header_timeout,
+            Some(since) => since + o.idle_timeout,
+        };
+        let step = async {
+            tokio::select! {
+                read = read => Opened::Read(read),
+                _ = tokio::time::sleep_until(deadline) => Opened::Timeout,
+                _ = o.stop.changed() => Opened::Stop,
+            }
+        };
+        // Once the preface is in, an idle connection like any: the first to go when a new one
+        // needs room under --max-connections.
+        let step = if idle_since.is_some() {
+            o.idle.wait(step).await.unwrap_or(Opened::Evicted)
+        } else {
+            step.await
+        };
+        let bytes = match step {
+            Opened::Read(read) => read?,
+            Opened::Timeout if idle_since.is_none() => {
+                o.header_timeouts.fetch_add(1, Relaxed);
+                return Ok(None);
+            }
+            ended => {
+                match ended {
+                    Opened::Timeout => o.timeouts.fetch_add(1, Relaxed),
+                    Opened::Evicted => o.stats.evictions.fetch_add(1, Relaxed),
+                    _ => {}
+                };
+                tls.write_all(&greeting::GOAWAY_NONE_PROCESSED).await?;
+                return Ok(None);
+            }
+        };
+        if bytes.is_empty() {
+            return Ok(None);
+        }
+        match greeting.hear(&bytes) {
+            Heard::Wake => {
+                o.stats.started.fetch_add(1, Relaxed);
+                return Ok(Some(greeting.wake()));
+            }
+            Heard::Asleep { acks: 0 } => {}
+            Heard::Asleep { acks } => {
+                tls.write_all(&greeting::SETTINGS_ACK.repeat(acks)).await?;
+            }
+        }
+        if idle_since.is_none() && greeting.preface_done() {
+            idle_since = Some(Instant::now());
+        }
+    }
+}
+
+/// What ended one wait of a connection's opening.
+enum Opened {
+    Read(io::Result<Vec<u8>>),
+    Timeout,
+    Stop,
+    Evicted,
 }
 
 /// What the loop needs from its product and connection.

@@ -22,6 +22,7 @@ use tlsplane_http::{
     error_response, parse_request, respond, Body, DocRoot, HeadReader, Limits, Parsed,
 };
 
+use crate::h2_connection;
 use tlsplane_server::access_log::{self, AccessLog, Entry, RequestLine};
 use tlsplane_server::config::{Origin, SiteNeeds, Sites};
 use tlsplane_server::runtime::{ConnContext, FirstRequest, Handler, Phase, RuntimeStats, Served};
@@ -197,8 +198,27 @@ impl Handler for Serve {
                 // Long-lived and multiplexed: served on a connection loop from the start.
                 return Served::Park(tls, Parked::empty());
             };
-            // Boxed: HTTP/1.1 connections' futures do not carry h2's state.
-            if let Err(e) = Box::pin(http2::serve(tls, peer, &self, &mut ctx)).await {
+            let mut tls = tls;
+            // h2 and its buffers only once the client asks for something.
+            let opening = h2_connection::Opening {
+                header_timeout: Duration::from_secs(self.args.header_timeout),
+                idle_timeout: Duration::from_secs(self.args.server.idle_timeout),
+                stop: &mut ctx.stop,
+                idle: &ctx.idle,
+                stats: &self.stats.h2,
+                header_timeouts: &self.stats.timeouts,
+                timeouts: &self.stats.timeouts,
+            };
+            // Boxed, and gone once h2 starts: not carried by every connection's task.
+            let opened = Box::pin(h2_connection::open(&mut tls, opening)).await;
+            let served = match opened {
+                // Boxed: HTTP/1.1 connections' futures, and h2 connections' openings, do not
+                // carry h2's state.
+                Ok(Some(woken)) => Box::pin(http2::serve(tls, woken, peer, &self, &mut ctx)).await,
+                Ok(None) => Box::pin(tls.close()).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = served {
                 self.stats.io_errors.fetch_add(1, Relaxed);
                 tracing::debug!(%peer, error = %e, "h2 connection ended with error");
             }

@@ -5,11 +5,14 @@
 //! - [`transport`]: the transport h2 runs on over a [`tlsplane::TlsStream`] (or any
 //!   [`transport::Transport`]), whose outbox follows h2's frames and puts file bytes in place
 //!   of the placeholder payloads of file bodies;
+//! - [`greeting`]: a connection's opening kept without h2 until the first request, so that
+//!   h2's buffers are allocated only for connections that ask for something;
 //! - [`settings`]: the h2 settings every product uses, each with its reason;
 //! - [`serve`]: `serve`'s answers to h2 requests, planned by `tlsplane-http`.
 
 #![forbid(unsafe_code)]
 
+pub mod greeting;
 pub mod serve;
 pub mod settings;
 pub mod transport;

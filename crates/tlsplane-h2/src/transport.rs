@@ -170,6 +170,10 @@ struct Outbox {
     writer: Option<Waker>,
     /// The pump, waiting for pieces or for h2 to take the inbound bytes.
     pump: Option<Waker>,
+    /// What h2 writes first that the client already had from the greeting ([`Woken`]), and
+    /// how much of it h2 has written: checked, never sent twice.
+    skip: Vec<u8>,
+    skipped: usize,
 }
 
 impl Outbox {
@@ -190,6 +194,8 @@ impl Outbox {
             sending: false,
             writer: None,
             pump: None,
+            skip: Vec::new(),
+            skipped: 0,
         }
     }
 
@@ -302,6 +308,20 @@ impl Outbox {
     /// `buf` unless the frame sequence makes no sense, which is an error).
     fn take(&mut self, mut buf: &[u8]) -> io::Result<usize> {
         let total = buf.len();
+        if self.skipped < self.skip.len() {
+            let n = (self.skip.len() - self.skipped).min(buf.len());
+            if buf[..n] != self.skip[self.skipped..self.skipped + n] {
+                // The client had other bytes from the greeting than h2 now sends: what
+                // follows would not make sense to it.
+                return Err(io::Error::other("h2's opening differs from the greeting's"));
+            }
+            self.skipped += n;
+            buf = &buf[n..];
+            if self.skipped == self.skip.len() {
+                self.skip = Vec::new();
+                self.skipped = 0;
+            }
+        }
         while !buf.is_empty() {
             let f = &mut self.frames;
             if f.header_len < FRAME_HEADER {
@@ -467,6 +487,35 @@ impl Flusher {
     }
 }
 
+/// Where h2 starts on a connection whose opening the product kept without it
+/// ([`crate::greeting`]): the client's bytes so far, which h2 reads first, and the bytes h2
+/// will write first that the client already had (h2's SETTINGS and acknowledgements of the
+/// client's), which the outbox checks and drops.
+#[derive(Default)]
+pub struct Woken {
+    replay: Vec<u8>,
+    skip: Vec<u8>,
+}
+
+impl Woken {
+    pub(crate) fn new(replay: Vec<u8>, skip: Vec<u8>) -> Self {
+        Woken { replay, skip }
+    }
+
+    /// h2 starts the connection itself: nothing read or sent before.
+    pub fn fresh() -> Self {
+        Self::default()
+    }
+
+    pub fn replay(&self) -> &[u8] {
+        &self.replay
+    }
+
+    pub fn skip(&self) -> &[u8] {
+        &self.skip
+    }
+}
+
 /// What h2 reads the client's bytes from and writes its own to.
 pub struct H2Io {
     outbox: Arc<Mutex<Outbox>>,
@@ -479,6 +528,20 @@ impl H2Io {
 
     pub fn flusher(&self) -> Flusher {
         Flusher(self.outbox.clone())
+    }
+
+    /// A transport in memory with no pump: h2 reads `inbound`, then waits for more; what it
+    /// writes stays queued ([`Written::written`]). For learning h2's opening.
+    pub(crate) fn in_memory(inbound: Vec<u8>) -> (Self, Written) {
+        let mut outbox = Outbox::new(false);
+        outbox.inbound = inbound;
+        let outbox = Arc::new(Mutex::new(outbox));
+        (
+            H2Io {
+                outbox: outbox.clone(),
+            },
+            Written(outbox),
+        )
     }
 
     fn take_writes(
@@ -587,6 +650,22 @@ impl AsyncWrite for H2Io {
     }
 }
 
+/// What h2 wrote on an [`H2Io::in_memory`] transport.
+pub(crate) struct Written(Arc<Mutex<Outbox>>);
+
+impl Written {
+    pub(crate) fn written(&self) -> Vec<u8> {
+        let outbox = lock(&self.0);
+        let mut out = Vec::new();
+        for piece in &outbox.pieces {
+            if let Piece::Bytes(b) = piece {
+                out.extend_from_slice(b);
+            }
+        }
+        out
+    }
+}
+
 /// The client's side of a connection, which the pump moves bytes to and from: a [`TlsStream`]
 /// of either plane in the products, bytes in memory in the fuzz targets (fuzz/).
 pub trait Transport {
@@ -636,14 +715,23 @@ impl Transport for TlsStream {
 /// transport and `tls`, in the calling task, until both end: `conn`'s output, and how the
 /// pump ended (an error from the client's side, or a client that took none of our bytes for
 /// `stall`). `conn` is polled first, every time: the pump sends what it queued in that turn
-/// ([`Flusher`] relies on it).
-pub async fn run<T, F, Fut>(tls: &mut T, stall: Duration, conn: F) -> (Fut::Output, io::Result<()>)
+/// ([`Flusher`] relies on it). h2 starts from `woken`: what the greeting read and sent
+/// ([`Woken::fresh`] when there was none).
+pub async fn run<T, F, Fut>(
+    tls: &mut T,
+    woken: Woken,
+    stall: Duration,
+    conn: F,
+) -> (Fut::Output, io::Result<()>)
 where
     T: Transport,
     F: FnOnce(H2Io) -> Fut,
     Fut: Future,
 {
-    let outbox = Arc::new(Mutex::new(Outbox::new(tls.sends_files())));
+    let mut outbox = Outbox::new(tls.sends_files());
+    outbox.inbound = woken.replay;
+    outbox.skip = woken.skip;
+    let outbox = Arc::new(Mutex::new(outbox));
     let io = H2Io {
         outbox: outbox.clone(),
     };
@@ -943,18 +1031,23 @@ mod tests {
         let ping = frame(0x6, 0, 0, &[7; 8]);
         let data = frame(DATA, 0, 1, &vec![b'x'; EARLY_FLUSH]);
         let seen = writes.clone();
-        let (written_at, pumped) = run(&mut client, Duration::from_secs(5), |mut io| async move {
-            let flusher = io.flusher();
-            let mut written_at = Vec::new();
-            io.write_all(&ping).await.expect("queued");
-            flusher.flush_if_due().await;
-            written_at.push(lock_writes(&seen).len());
-            io.write_all(&data).await.expect("queued");
-            flusher.flush_if_due().await;
-            written_at.push(lock_writes(&seen).len());
-            io.write_all(&ping).await.expect("queued");
-            written_at
-        })
+        let (written_at, pumped) = run(
+            &mut client,
+            Woken::fresh(),
+            Duration::from_secs(5),
+            |mut io| async move {
+                let flusher = io.flusher();
+                let mut written_at = Vec::new();
+                io.write_all(&ping).await.expect("queued");
+                flusher.flush_if_due().await;
+                written_at.push(lock_writes(&seen).len());
+                io.write_all(&data).await.expect("queued");
+                flusher.flush_if_due().await;
+                written_at.push(lock_writes(&seen).len());
+                io.write_all(&ping).await.expect("queued");
+                written_at
+            },
+        )
         .await;
         pumped.expect("pump");
         assert_eq!(written_at, [0, 1], "writes seen at each flush point");

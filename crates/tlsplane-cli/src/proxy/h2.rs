@@ -33,7 +33,7 @@ use super::http::MAX_RESPONSE_HEAD;
 use super::http::{error_body_len, host_name, read_response_head, Buf, Fail, Progress};
 use super::{BackendProtocol, Ended, Proxy, Unavailable};
 use crate::h2_connection;
-use tlsplane_h2::transport::{self, H2Io};
+use tlsplane_h2::transport::{self, H2Io, Woken};
 use tlsplane_server::access_log::{Entry, RequestLine};
 use tlsplane_server::runtime::{ConnContext, Idle};
 
@@ -52,6 +52,7 @@ const CONNECTION_SPECIFIC: &[&str] = &[
 pub(super) async fn serve(
     proxy: &Proxy,
     mut tls: TlsStream,
+    woken: Woken,
     peer: SocketAddr,
     ctx: &mut ConnContext,
 ) -> Ended {
@@ -61,7 +62,7 @@ pub(super) async fn serve(
     // after this long without progress.
     let stall = Duration::from_secs(proxy.args.server.idle_timeout.max(1));
     let (stop, idle) = (&mut ctx.stop, &ctx.idle);
-    let (conn, pumped) = transport::run(&mut tls, stall, |io| {
+    let (conn, pumped) = transport::run(&mut tls, woken, stall, |io| {
         connection(io, &info, plane, peer, proxy, stop, idle)
     })
     .await;
@@ -91,7 +92,6 @@ async fn connection(
     let args = &proxy.args;
     // The client's preface and SETTINGS are its first request head: the header timeout.
     let header_timeout = Duration::from_secs(args.header_timeout);
-    proxy.stats.h2.connections.fetch_add(1, Relaxed);
     let flush = io.flusher();
     let handshake =
         tlsplane_h2::settings::server(tlsplane_h2::settings::SEND_BUFFER).handshake::<_, Bytes>(io);

@@ -423,9 +423,33 @@ impl Handler for Proxy {
                 }
             }
             Mode::Http if tls.info().alpn.as_deref() == Some(b"h2".as_slice()) => {
-                // One access-log line per stream (h2.rs). Boxed: HTTP/1.1 connections'
-                // futures do not carry h2's state.
-                let _ = Box::pin(h2::serve(&self, tls, peer, &mut ctx)).await;
+                // h2 and its buffers only once the client asks for something.
+                let mut tls = tls;
+                let opening = crate::h2_connection::Opening {
+                    header_timeout: Duration::from_secs(self.args.header_timeout),
+                    idle_timeout: Duration::from_secs(self.args.server.idle_timeout),
+                    stop: &mut ctx.stop,
+                    idle: &ctx.idle,
+                    stats: &self.stats.h2,
+                    header_timeouts: &self.stats.http_refused,
+                    timeouts: &self.stats.idle_timeouts,
+                };
+                // Boxed, and gone once h2 starts: not carried by every connection's task.
+                let opened = Box::pin(crate::h2_connection::open(&mut tls, opening)).await;
+                match opened {
+                    // One access-log line per stream (h2.rs). Boxed: HTTP/1.1 connections'
+                    // futures, and h2 connections' openings, do not carry h2's state.
+                    Ok(Some(woken)) => {
+                        let _ = Box::pin(h2::serve(&self, tls, woken, peer, &mut ctx)).await;
+                    }
+                    Ok(None) => {
+                        let _ = Box::pin(tls.close()).await;
+                    }
+                    Err(e) => {
+                        tracing::debug!(%peer, error = %e, "h2 client connection failed");
+                        self.stats.client_errors.fetch_add(1, Relaxed);
+                    }
+                }
             }
             Mode::Http => {
                 // One access-log line per request (http.rs).

@@ -20,7 +20,7 @@ use h2::RecvStream;
 use tlsplane::{ConnectionInfo, TlsStream};
 use tlsplane_h2::serve::{drain, field, refused, request, send_response, FILE_SEND_BUFFER};
 use tlsplane_h2::settings;
-use tlsplane_h2::transport::{self, FileBodies, H2Body, H2Io};
+use tlsplane_h2::transport::{self, FileBodies, H2Body, H2Io, Woken};
 use tlsplane_http::{error_response, respond};
 use tokio::sync::watch;
 
@@ -32,6 +32,7 @@ use tlsplane_server::runtime::{ConnContext, Idle};
 /// Serves one connection whose client chose `h2`, to its end.
 pub(super) async fn serve(
     mut tls: TlsStream,
+    woken: Woken,
     peer: SocketAddr,
     shared: &Serve,
     ctx: &mut ConnContext,
@@ -42,7 +43,7 @@ pub(super) async fn serve(
     // after this long without progress.
     let stall = Duration::from_secs(shared.args.server.idle_timeout.max(1));
     let (stop, idle) = (&mut ctx.stop, &ctx.idle);
-    let (conn, pumped) = transport::run(&mut tls, stall, |io| {
+    let (conn, pumped) = transport::run(&mut tls, woken, stall, |io| {
         connection(io, &info, plane, peer, shared, stop, idle)
     })
     .await;
@@ -74,7 +75,6 @@ async fn connection(
     let header_timeout = Duration::from_secs(args.header_timeout);
     let files = io.file_bodies();
     let flush = io.flusher();
-    shared.stats.h2.connections.fetch_add(1, Relaxed);
     let handshake = settings::server(FILE_SEND_BUFFER).handshake::<_, H2Body>(io);
     let mut conn = match tokio::time::timeout(header_timeout, handshake).await {
         Ok(c) => c.inspect_err(|e| shared.stats.h2.count_end(e))?,

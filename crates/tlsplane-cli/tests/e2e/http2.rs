@@ -397,6 +397,117 @@ print("newer", 7 in types(newer, 0.5))
     assert_eq!(stats.get("h2_evictions"), 1);
 }
 
+/// A connection that opens h2 (the preface, SETTINGS both ways, acknowledged) and asks for
+/// nothing costs no h2 state (docs/HTTP2.md, "The opening"): `h2_started` counts only the
+/// connection that sends a request, which is served byte-exact after the wait as from the
+/// start. The others get, at the idle timeout, GOAWAY(NO_ERROR) naming stream 0 (nothing was
+/// processed: a client may retry anything) and the connection's end. Before, every such
+/// connection started h2 (its buffers, ~28 KiB) and its idle timeout was h2's two-step close
+/// (GOAWAY naming stream 2^31-1, then a PING the client must answer).
+#[test]
+fn a_connection_that_asks_nothing_holds_no_h2_state_and_ends_at_the_idle_timeout() {
+    if !tools::require("python3") {
+        return; // the kernel-plane guest has no Python
+    }
+    let server = Server::builder()
+        .arg("--alpn")
+        .arg(OPT_IN)
+        .arg("--idle-timeout")
+        .arg("2")
+        .start();
+    let script = r#"
+import socket, ssl, struct, sys, time
+from hpack import Encoder
+port, ca, path, want = int(sys.argv[1]), sys.argv[2], sys.argv[3], open(sys.argv[4], "rb").read()
+ctx = ssl.create_default_context(cafile=ca)
+ctx.set_alpn_protocols(["h2"])
+def frame(t, f, sid, p=b""):
+    return struct.pack(">I", len(p))[1:] + bytes([t, f]) + struct.pack(">I", sid) + p
+class Conn:
+    def __init__(self):
+        raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.s = ctx.wrap_socket(raw, server_hostname="localhost")
+        assert self.s.selected_alpn_protocol() == "h2", self.s.selected_alpn_protocol()
+        # curl's opening: its settings, then a larger connection window.
+        settings = struct.pack(">HI", 3, 100) + struct.pack(">HI", 4, 1 << 20)
+        self.s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, settings)
+                       + frame(8, 0, 0, struct.pack(">I", 1 << 24)))
+        self.buf, self.frames, self.closed = b"", [], False
+    def read(self, until, seconds):
+        end = time.time() + seconds
+        self.s.settimeout(0.1)
+        while time.time() < end and not until(self) and not self.closed:
+            try:
+                data = self.s.recv(1 << 16)
+            except socket.timeout:
+                continue
+            except (ssl.SSLError, OSError):
+                self.closed = True
+                break
+            if not data:
+                self.closed = True
+                break
+            self.buf += data
+            while len(self.buf) >= 9 and len(self.buf) >= 9 + int.from_bytes(self.buf[:3], "big"):
+                n = int.from_bytes(self.buf[:3], "big")
+                t, f, sid, p = self.buf[3], self.buf[4], int.from_bytes(self.buf[5:9], "big"), self.buf[9:9 + n]
+                self.buf = self.buf[9 + n:]
+                self.frames.append((t, f, sid, p))
+                if t == 4 and not f & 1:
+                    self.s.sendall(frame(4, 1, 0))
+                if t == 6 and not f & 1:
+                    self.s.sendall(frame(6, 1, 0, p))
+    def kinds(self):
+        return [(t, f) for t, f, _, _ in self.frames]
+opened = time.time()
+conns = [Conn() for _ in range(8)]
+for c in conns:
+    c.read(lambda c: (4, 0) in c.kinds() and (4, 1) in c.kinds(), 5)
+    assert (4, 0) in c.kinds() and (4, 1) in c.kinds(), c.frames
+time.sleep(1)
+# One of them asks, after a second of nothing.
+asker = conns[0]
+hdrs = [(":method", "GET"), (":scheme", "https"), (":path", path), (":authority", "localhost")]
+asker.s.sendall(frame(1, 5, 1, Encoder().encode(hdrs)))
+asker.read(lambda c: any(t == 0 and f & 1 for t, f in c.kinds()), 10)
+body = b"".join(p for t, f, sid, p in asker.frames if t == 0 and sid == 1)
+print("asked", body == want, len(body))
+asker.s.close()
+# The others, at the idle timeout (2 s after their opening): GOAWAY naming stream 0, then the end.
+for c in conns[1:]:
+    c.read(lambda c: False, 6)
+    goaways = [(int.from_bytes(p[:4], "big"), int.from_bytes(p[4:8], "big")) for t, f, sid, p in c.frames if t == 7]
+    print("idle", goaways, c.closed, [t for t, f in c.kinds() if t not in (4, 7)])
+print("within", round(time.time() - opened) <= 6)
+"#;
+    // ~40 KB: more than one DATA frame and one TLS record.
+    let file = &fixtures::get().text;
+    let mut cmd = std::process::Command::new(crate::http2_abuse::python_with_h2());
+    cmd.arg("-c")
+        .arg(script)
+        .arg(server.port().to_string())
+        .arg(&fixtures::pki().ca_pem)
+        .arg(&file.url)
+        .arg(&file.path);
+    let out = tools::run(cmd, b"", Duration::from_secs(60));
+    assert!(out.status.success(), "{}", out.describe());
+    let lines: Vec<String> = out.stdout_text().lines().map(String::from).collect();
+    assert_eq!(
+        lines[0],
+        format!("asked True {}", file.size),
+        "{}",
+        out.describe()
+    );
+    for line in &lines[1..8] {
+        assert_eq!(line, "idle [(0, 0)] True []", "{}", out.describe());
+    }
+    assert_eq!(lines[8], "within True", "{}", out.describe());
+    let stats = server.stop();
+    assert_eq!(stats.get("h2_connections"), 8, "{stats:?}");
+    assert_eq!(stats.get("h2_started"), 1, "{stats:?}");
+    assert!(stats.get("http_timeouts") >= 7, "{stats:?}");
+}
+
 /// What a raw TLS stream carried: the plaintext length of every record the server sent after
 /// the handshake, read from the record headers (5 bytes in the clear before each record).
 #[derive(Default)]
