@@ -28,7 +28,7 @@ use tlsplane_http::{error_response, Body, Limits};
 use tokio::sync::watch;
 use tokio::time::{timeout, timeout_at, Instant};
 
-use super::h1_to_h2c::{next_answer, Answer, MAX_INTERIM};
+use super::h1_to_h2c::{next_answer, Answer, InterimBudget};
 use super::http::MAX_RESPONSE_HEAD;
 use super::http::{error_body_len, host_name, read_response_head, Buf, Fail, Progress};
 use super::{BackendProtocol, Ended, Proxy, Unavailable};
@@ -690,17 +690,15 @@ impl Shared<'_> {
             let mut response = response;
             // The whole wait is bounded, however many interim responses come in it.
             let deadline = Instant::now() + backend_timeout;
-            let mut interim = 0;
+            let mut interim = InterimBudget::default();
             let response = loop {
                 match timeout_at(deadline, next_answer(&mut response)).await {
                     Err(_) => return Err(Fail::Timeout),
                     Ok(Answer::Final(Err(e))) => return Err(Fail::BadGateway(e.to_string())),
                     Ok(Answer::Final(Ok(r))) => break r,
-                    // 103 Early Hints and the like, as for HTTP/1.1 clients: a few, never a
-                    // 100 (the proxy answered the expectation) nor a 101.
+                    // 103 Early Hints and the like, as for HTTP/1.1 clients.
                     Ok(Answer::Interim(head)) => {
-                        if !matches!(head.status().as_u16(), 100 | 101) && interim < MAX_INTERIM {
-                            interim += 1;
+                        if interim.admits(head.status().as_u16()) {
                             send.send_informational(head).map_err(|_| Fail::Client)?;
                         }
                     }
