@@ -459,12 +459,30 @@ impl Shared<'_> {
             let chunked = request.framing == Framing::Chunked;
             let sending = self.body_to_http1(body, conn, chunked, progress);
             let reading = async {
+                // The whole wait is bounded, however many interim responses come in it.
+                let until = Instant::now() + backend_timeout;
+                let mut interim = InterimBudget::default();
+                let mut any_interim = false;
                 loop {
-                    let r = read_response_head(conn, backend, request, backend_timeout).await?;
-                    // 100 Continue was the proxy's to send; other interim responses are not
-                    // forwarded.
+                    let wait = until.saturating_duration_since(Instant::now());
+                    let r = match read_response_head(conn, backend, request, wait).await {
+                        // Not a connection the backend had closed while idle: it answered.
+                        Err(Fail::Stale) if any_interim => {
+                            return Err(Fail::BadGateway("closed after an interim response".into()))
+                        }
+                        r => r?,
+                    };
                     if !r.is_interim() {
                         return Ok::<_, Fail>(r);
+                    }
+                    any_interim = true;
+                    // 103 Early Hints and the like, as HEADERS without END_STREAM (as from
+                    // h2c backends, and to HTTP/1.1 clients).
+                    if interim.admits(r.status) {
+                        let mut encoded = Vec::with_capacity(256);
+                        r.encode(1, true, &mut encoded);
+                        send.send_informational(response_head(r.status, &encoded))
+                            .map_err(|_| Fail::Client)?;
                     }
                 }
             };
