@@ -535,7 +535,7 @@ impl Shared<'_> {
         let mut stream = send.send_response(h2_head, end).map_err(|_| Fail::Client)?;
         progress.set(Progress::Responding);
         let stall = Duration::from_secs(proxy.args.server.idle_timeout.max(1));
-        let mut dechunk = Dechunk::new(response.framing == Framing::Chunked);
+        let mut dechunk = Dechunk::new(response.framing == Framing::Chunked).keeping_trailers();
         let mut sent = 0u64;
         let mut content = Vec::new();
         dechunk.content(&backend.bytes()[..n], &mut content);
@@ -557,9 +557,20 @@ impl Shared<'_> {
             sent += send_all(&mut stream, &mut content, stall, &proxy.stats).await?;
         }
         if !end {
-            stream
-                .send_data(Bytes::new(), true)
-                .map_err(|_| Fail::Client)?;
+            // The trailers of a chunked body end the stream (RFC 9113 §8.1), whether or not
+            // the client sent `TE: trailers`: h2 frames them apart from the content, so any h2
+            // client can read them or leave them, and nothing of the body's framing depends on
+            // them as in HTTP/1.1 (the h2c path relays them so too). Too many fields: broken
+            // off, as a malformed section is (by `framing`), never ended as if whole.
+            let trailers = dechunk
+                .trailers()
+                .map_err(|TooManyTrailers| Fail::Midway("too many trailer fields".into()))?;
+            if trailers.is_empty() {
+                stream.send_data(Bytes::new(), true)
+            } else {
+                stream.send_trailers(trailers)
+            }
+            .map_err(|_| Fail::Client)?;
         }
         Ok(Relayed {
             status: response.status,
@@ -1251,7 +1262,7 @@ pub(super) fn answer(send: &mut SendResponse<Bytes>, status: u16) -> bool {
 /// (so that nothing here needs to refuse anything): chunk-size lines, extensions, the CRLF
 /// after each chunk and the trailer section are left out. The trailer section is kept when
 /// asked for ([`Self::keeping_trailers`]: an HTTP/1.1 client's chunked request to an h2c
-/// backend); trailers of an HTTP/1.1 backend's chunked response are not forwarded.
+/// backend, an HTTP/1.1 backend's chunked response to an h2 client), for h2 trailers.
 pub(super) struct Dechunk {
     state: Chunk,
     /// The trailer section's bytes as they came, when kept.

@@ -278,14 +278,16 @@ fn h2_clients_reach_an_http1_backend_one_request_per_stream() {
     assert_eq!(tools::header(&fields, "connection"), None, "{fields:?}");
     assert_eq!(tools::header(&fields, "keep-alive"), None, "{fields:?}");
 
-    // A chunked response: its content, without the chunk framing nor the fields h2 forbids.
+    // A chunked response: its content, without the chunk framing nor the fields h2 forbids;
+    // its trailer as h2 trailers (curl writes them with the fields).
     let n = 200_000;
     let (version, status, fields, body) = exchange(p, &format!("/chunked/{n}"), &[]);
     assert_eq!((version.as_str(), status), ("2", 200));
     assert!(body == pattern(n), "chunked: {} bytes of {n}", body.len());
-    for name in ["transfer-encoding", "connection", "x-hop", "x-trailer"] {
+    for name in ["transfer-encoding", "connection", "x-hop"] {
         assert_eq!(tools::header(&fields, name), None, "{name}: {fields:?}");
     }
+    assert_eq!(tools::header(&fields, "x-trailer"), Some("t"), "{fields:?}");
 
     // A POST body, streamed to the backend and back.
     let data = pattern(300_000);
@@ -1733,6 +1735,17 @@ fn get(port: u16, path: &str) -> (http::Request<()>, Vec<u8>, Option<http::Heade
     (req, Vec::new(), None)
 }
 
+fn fields_of(pairs: &[(&str, &str)]) -> http::HeaderMap {
+    let mut m = http::HeaderMap::new();
+    for (k, v) in pairs {
+        m.append(
+            http::header::HeaderName::from_bytes(k.as_bytes()).expect("name"),
+            http::HeaderValue::from_str(v).expect("value"),
+        );
+    }
+    m
+}
+
 /// An HTTP/1.1 backend's interim responses reach h2 clients as HEADERS without END_STREAM
 /// before the final response, by the h2c path's rules: at most four a request.
 #[test]
@@ -1766,4 +1779,53 @@ fn an_http1_backends_interim_responses_reach_h2_clients() {
     assert_no_panic(&server);
     let stats = server.stop();
     assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
+}
+
+/// An HTTP/1.1 backend's chunked response trailers reach h2 clients as a trailers HEADERS
+/// frame (the client sent no `TE: trailers`: h2 clients take them all); a section with a field
+/// a trailer may not carry, or with more fields than a head may have, resets the stream after
+/// the content rather than ending it as if whole.
+#[test]
+fn an_http1_backends_response_trailers_reach_h2_clients() {
+    let backend = raw_backend();
+    let server = h2_proxy(&format!("127.0.0.1:{backend}")).start();
+    let p = server.port();
+    let replies = h2_requests(
+        p,
+        vec![
+            get(p, "/trailers"),
+            get(p, "/trailer-forbidden"),
+            get(p, "/trailers-many"),
+            get(p, "/trailers"),
+        ],
+    );
+    let [whole, forbidden, many, again] = &replies[..] else {
+        panic!("{replies:?}")
+    };
+    for r in [whole, again] {
+        assert_eq!(
+            (r.status, &r.body[..], &r.error),
+            (200, &b"hello"[..], &None),
+            "{r:?}"
+        );
+        assert_eq!(r.fields["trailer"], "x-sum", "{r:?}");
+        assert_eq!(
+            r.trailers,
+            Some(fields_of(&[("x-sum", "abc"), ("grpc-status", "0")])),
+            "{r:?}"
+        );
+    }
+    for r in [forbidden, many] {
+        assert_eq!(r.status, 200, "{r:?}");
+        assert!(
+            r.error
+                .as_deref()
+                .is_some_and(|e| e.contains("INTERNAL_ERROR")),
+            "{r:?}"
+        );
+        assert_eq!(r.trailers, None, "{r:?}");
+    }
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_h2_streams_reset"], 2, "{stats:?}");
 }
