@@ -585,7 +585,9 @@ impl Shared<'_> {
     /// Moves the request body from the client's stream to an HTTP/1.1 backend (chunked when
     /// the client gave no length), releasing the client's flow-control window only as the
     /// backend takes the bytes: a slow backend slows the client down, nothing piles up here.
-    /// Request trailers are not forwarded to HTTP/1.1 backends.
+    /// Request trailers end a chunked body as its trailer section ([`chunked_end`]); a body
+    /// sent with its `Content-Length` has no place for them in HTTP/1.1, and they are dropped
+    /// (RFC 9110 §6.5.1 lets an intermediary do so).
     async fn body_to_http1(
         &self,
         body: &mut RecvStream,
@@ -633,8 +635,14 @@ impl Shared<'_> {
                 .bytes_to_backend_copied
                 .fetch_add(n as u64, Relaxed);
         }
+        let trailers = match timeout(idle, body.trailers()).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(_)) | Err(_) => return Err(Fail::Client),
+        };
         if chunked {
-            write(b"0\r\n\r\n").await?;
+            // Past the bounds, 400 and the backend's connection reset: it has a body not ended.
+            let end = chunked_end(trailers.as_ref()).map_err(|TooManyTrailers| Fail::BadBody)?;
+            write(&end).await?;
         }
         Ok(())
     }
@@ -1269,12 +1277,41 @@ pub(super) struct Dechunk {
     trailers: Option<Vec<u8>>,
 }
 
+/// The end of a chunked request body for an HTTP/1.1 backend: the last chunk, then an h2
+/// client's trailers as the trailer section, without the fields a trailer may not carry
+/// ([`forward::may_be_trailer`]: a backend that merges trailers into the head would take them
+/// for fields the proxy had checked). Within the bounds a chunked request's trailers have on
+/// the HTTP/1.1 path: a head's field count (64), and the proxy's own chunked parser
+/// ([`BodyFraming`], 4 KiB) reads the section as a backend would; past either, an error.
+fn chunked_end(trailers: Option<&http::HeaderMap>) -> Result<Vec<u8>, TooManyTrailers> {
+    let mut out = b"0\r\n".to_vec();
+    for (count, (name, value)) in trailers.into_iter().flatten().enumerate() {
+        if count >= Limits::default().max_headers {
+            return Err(TooManyTrailers);
+        }
+        let name = name.as_str().as_bytes();
+        if !forward::may_be_trailer(name) {
+            continue;
+        }
+        out.extend_from_slice(name);
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    let mut framing = BodyFraming::new(Framing::Chunked);
+    match framing.advance(&out) {
+        Ok(n) if n == out.len() && framing.is_done() => Ok(out),
+        _ => Err(TooManyTrailers),
+    }
+}
+
 /// Most bytes of a trailer section kept: a request head's limit. [`BodyFraming`] refuses a
 /// trailer section longer than its own, smaller bound first; this one only makes sure that
 /// nothing here grows past what a head may.
 const MAX_TRAILER_SECTION: usize = 16 * 1024;
 
-/// A trailer section with more fields than a request head may have, or longer than one.
+/// A trailer section with more fields than a request head may have, or longer than allowed.
 #[derive(Debug, PartialEq)]
 pub(super) struct TooManyTrailers;
 
@@ -1469,6 +1506,47 @@ mod tests {
         let mut d = Dechunk::new(true).keeping_trailers();
         d.content(long.as_bytes(), &mut Vec::new());
         assert_eq!(d.trailers(), Err(TooManyTrailers));
+    }
+
+    #[test]
+    fn h2_trailers_end_a_chunked_body_within_bounds_without_the_forbidden_ones() {
+        let mut t = http::HeaderMap::new();
+        for (name, value) in [
+            ("x-sum", "1"),
+            ("host", "evil"),
+            ("authorization", "x"),
+            ("x-forwarded-for", "6.6.6.6"),
+            ("grpc-status", "0"),
+        ] {
+            t.append(
+                http::header::HeaderName::from_static(name),
+                http::HeaderValue::from_static(value),
+            );
+        }
+        assert_eq!(
+            chunked_end(Some(&t)).unwrap(),
+            b"0\r\nx-sum: 1\r\ngrpc-status: 0\r\n\r\n"
+        );
+        assert_eq!(chunked_end(None).unwrap(), b"0\r\n\r\n");
+        // A head's field count, and the chunked parser's 4 KiB, and no more.
+        let max = Limits::default().max_headers;
+        let many = |n: usize| {
+            let mut t = http::HeaderMap::new();
+            for i in 0..n {
+                let name = http::header::HeaderName::from_bytes(format!("x-{i}").as_bytes());
+                t.append(name.unwrap(), http::HeaderValue::from_static("1"));
+            }
+            t
+        };
+        assert!(chunked_end(Some(&many(max))).is_ok());
+        assert_eq!(chunked_end(Some(&many(max + 1))), Err(TooManyTrailers));
+        let long = |n: usize| {
+            let mut t = http::HeaderMap::new();
+            t.append("x-a", http::HeaderValue::from_str(&"v".repeat(n)).unwrap());
+            t
+        };
+        assert!(chunked_end(Some(&long(4000))).is_ok());
+        assert_eq!(chunked_end(Some(&long(5000))), Err(TooManyTrailers));
     }
 
     #[test]

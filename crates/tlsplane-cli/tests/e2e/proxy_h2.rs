@@ -1829,3 +1829,62 @@ fn an_http1_backends_response_trailers_reach_h2_clients() {
     let stats = server.stop();
     assert_eq!(stats["proxy_h2_streams_reset"], 2, "{stats:?}");
 }
+
+/// An h2 client's request trailers reach an HTTP/1.1 backend as the trailer section of the
+/// chunked body, without the fields a trailer may not carry; with a `Content-Length` (no
+/// place for them in HTTP/1.1) they are dropped; past a head's field count, 400.
+#[test]
+fn h2_request_trailers_reach_an_http1_backend_in_the_chunked_body() {
+    let backend = raw_backend();
+    let server = h2_proxy(&format!("127.0.0.1:{backend}")).start();
+    let p = server.port();
+    let post = |length: Option<usize>, trailers: http::HeaderMap| {
+        let mut req = http::Request::post(format!("https://localhost:{p}/raw"));
+        if let Some(n) = length {
+            req = req.header("content-length", n);
+        }
+        (
+            req.body(()).expect("request"),
+            b"abc".to_vec(),
+            Some(trailers),
+        )
+    };
+    let trailers = fields_of(&[
+        ("x-sum", "1"),
+        ("authorization", "secret"),
+        ("cookie", "c=1"),
+        ("x-forwarded-for", "6.6.6.6"),
+        ("content-type", "text/evil"),
+        ("x-sum", "2"),
+    ]);
+    let many: Vec<(String, &str)> = (0..65).map(|i| (format!("x-{i}"), "1")).collect();
+    let many: Vec<(&str, &str)> = many.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    let replies = h2_requests(
+        p,
+        vec![
+            post(None, trailers.clone()),
+            post(Some(3), trailers),
+            post(None, fields_of(&many)),
+            post(None, fields_of(&[("x-only", "trailer")])),
+        ],
+    );
+    let [chunked, sized, too_many, after] = &replies[..] else {
+        panic!("{replies:?}")
+    };
+    let body = |r: &H2Reply| String::from_utf8_lossy(&r.body).to_string();
+    assert_eq!(chunked.status, 200, "{chunked:?}");
+    assert_eq!(
+        body(chunked),
+        "3\r\nabc\r\n0\r\nx-sum: 1\r\nx-sum: 2\r\n\r\n"
+    );
+    assert_eq!((sized.status, body(sized)), (200, "abc".into()));
+    assert_eq!(too_many.status, 400, "{too_many:?}");
+    // The connection goes on.
+    assert_eq!(
+        (after.status, body(after)),
+        (200, "3\r\nabc\r\n0\r\nx-only: trailer\r\n\r\n".into())
+    );
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_refused"], 1, "{stats:?}");
+}
