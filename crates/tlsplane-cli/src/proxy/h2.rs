@@ -8,7 +8,10 @@
 //! by [`forward::parse_request_head`], so hop-by-hop fields, `Forwarded`/`X-Forwarded-*`,
 //! smuggling shapes and limits are exactly the HTTP/1.1 path's. Responses come back through
 //! [`forward::parse_response_head`] and [`forward::BodyFraming`] as there, and go to the client
-//! without the connection-specific fields h2 forbids (RFC 9113 §8.2.2).
+//! without the connection-specific fields h2 forbids (RFC 9113 §8.2.2). Trailers go both ways
+//! (a chunked body's trailer section and h2 trailers), without the fields a trailer may not
+//! carry, and a backend's interim responses (103 Early Hints) go to the client, as with h2c
+//! backends ([`InterimBudget`]).
 //!
 //! Failures touch one stream only: 502 when the backend fails or answers with what is not
 //! HTTP, 504 when it does not answer within --backend-timeout, 503 when every backend is at
