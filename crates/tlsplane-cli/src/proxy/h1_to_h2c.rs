@@ -337,7 +337,27 @@ pub(super) async fn next_answer(response: &mut h2::client::ResponseFuture) -> An
 /// Most interim responses relayed to one request; later ones are dropped. 1xx responses
 /// are advisory (RFC 9110 §15.2), so a backend that sends many (102 as a keep-alive, 103
 /// again and again) loses the extra ones, not the exchange: its final response still comes.
-pub(super) const MAX_INTERIM: usize = 4;
+const MAX_INTERIM: usize = 4;
+
+/// Which of a request's interim responses go to the client: the rule for every pair of
+/// protocols that relays them (an h2c or HTTP/1.1 backend's, to an h2 or HTTP/1.1 client).
+/// Never a 100, whose expectation the proxy answered itself (`Expect` is not forwarded), nor
+/// a 101, which only a tunnel the client asked for may take; at most [`MAX_INTERIM`].
+#[derive(Default)]
+pub(super) struct InterimBudget {
+    relayed: usize,
+}
+
+impl InterimBudget {
+    /// Whether an interim response with `status` goes to the client (counted if so).
+    pub(super) fn admits(&mut self, status: u16) -> bool {
+        if !(102..200).contains(&status) || self.relayed >= MAX_INTERIM {
+            return false;
+        }
+        self.relayed += 1;
+        true
+    }
+}
 
 /// Relays a backend's interim responses to the client (RFC 9110 §15.2: a proxy forwards
 /// them), as HTTP/1.1 heads: 103 Early Hints, 102, and those not yet defined. Never to an
@@ -346,14 +366,14 @@ pub(super) const MAX_INTERIM: usize = 4;
 struct Interim {
     /// The client reads them (HTTP/1.1).
     wanted: bool,
-    relayed: usize,
+    budget: InterimBudget,
 }
 
 impl Interim {
     fn new(request: &RequestHead) -> Self {
         Self {
             wanted: request.minor_version == 1,
-            relayed: 0,
+            budget: InterimBudget::default(),
         }
     }
 
@@ -363,15 +383,9 @@ impl Interim {
         tls: &mut TlsStream,
         head: &http::Response<()>,
     ) -> Result<(), Fail> {
-        let status = head.status();
-        if !self.wanted
-            || matches!(status.as_u16(), 100 | 101)
-            || !status.is_informational()
-            || self.relayed >= MAX_INTERIM
-        {
+        if !self.wanted || !self.budget.admits(head.status().as_u16()) {
             return Ok(());
         }
-        self.relayed += 1;
         let out = interim_head(head);
         tls.write_all(&out).await.map_err(|_| Fail::Client)?;
         proxy
@@ -669,6 +683,19 @@ mod tests {
         let req = super::super::h2::h2c_request(&encoded(&r), &r, false, Some("site.test"))
             .expect("a request");
         assert_eq!(req.uri().authority().unwrap().as_str(), "own.test");
+    }
+
+    #[test]
+    fn at_most_four_interim_responses_are_relayed_never_100_nor_101() {
+        let mut budget = InterimBudget::default();
+        for status in [100, 101, 200, 99] {
+            assert!(!budget.admits(status), "{status}");
+        }
+        let admitted: Vec<bool> = [103, 102, 199, 103, 103, 102]
+            .iter()
+            .map(|&s| budget.admits(s))
+            .collect();
+        assert_eq!(admitted, [true, true, true, true, false, false]);
     }
 
     #[test]

@@ -8,7 +8,10 @@
 //! by [`forward::parse_request_head`], so hop-by-hop fields, `Forwarded`/`X-Forwarded-*`,
 //! smuggling shapes and limits are exactly the HTTP/1.1 path's. Responses come back through
 //! [`forward::parse_response_head`] and [`forward::BodyFraming`] as there, and go to the client
-//! without the connection-specific fields h2 forbids (RFC 9113 §8.2.2).
+//! without the connection-specific fields h2 forbids (RFC 9113 §8.2.2). Trailers go both ways
+//! (a chunked body's trailer section and h2 trailers), without the fields a trailer may not
+//! carry, and a backend's interim responses (103 Early Hints) go to the client, as with h2c
+//! backends ([`InterimBudget`]).
 //!
 //! Failures touch one stream only: 502 when the backend fails or answers with what is not
 //! HTTP, 504 when it does not answer within --backend-timeout, 503 when every backend is at
@@ -28,7 +31,7 @@ use tlsplane_http::{error_response, Body, Limits};
 use tokio::sync::watch;
 use tokio::time::{timeout, timeout_at, Instant};
 
-use super::h1_to_h2c::{next_answer, Answer, MAX_INTERIM};
+use super::h1_to_h2c::{next_answer, Answer, InterimBudget};
 use super::http::MAX_RESPONSE_HEAD;
 use super::http::{error_body_len, host_name, read_response_head, Buf, Fail, Progress};
 use super::{BackendProtocol, Ended, Proxy, Unavailable};
@@ -459,12 +462,30 @@ impl Shared<'_> {
             let chunked = request.framing == Framing::Chunked;
             let sending = self.body_to_http1(body, conn, chunked, progress);
             let reading = async {
+                // The whole wait is bounded, however many interim responses come in it.
+                let until = Instant::now() + backend_timeout;
+                let mut interim = InterimBudget::default();
+                let mut any_interim = false;
                 loop {
-                    let r = read_response_head(conn, backend, request, backend_timeout).await?;
-                    // 100 Continue was the proxy's to send; other interim responses are not
-                    // forwarded.
+                    let wait = until.saturating_duration_since(Instant::now());
+                    let r = match read_response_head(conn, backend, request, wait).await {
+                        // Not a connection the backend had closed while idle: it answered.
+                        Err(Fail::Stale) if any_interim => {
+                            return Err(Fail::BadGateway("closed after an interim response".into()))
+                        }
+                        r => r?,
+                    };
                     if !r.is_interim() {
                         return Ok::<_, Fail>(r);
+                    }
+                    any_interim = true;
+                    // 103 Early Hints and the like, as HEADERS without END_STREAM (as from
+                    // h2c backends, and to HTTP/1.1 clients).
+                    if interim.admits(r.status) {
+                        let mut encoded = Vec::with_capacity(256);
+                        r.encode(1, true, &mut encoded);
+                        send.send_informational(response_head(r.status, &encoded))
+                            .map_err(|_| Fail::Client)?;
                     }
                 }
             };
@@ -517,7 +538,7 @@ impl Shared<'_> {
         let mut stream = send.send_response(h2_head, end).map_err(|_| Fail::Client)?;
         progress.set(Progress::Responding);
         let stall = Duration::from_secs(proxy.args.server.idle_timeout.max(1));
-        let mut dechunk = Dechunk::new(response.framing == Framing::Chunked);
+        let mut dechunk = Dechunk::new(response.framing == Framing::Chunked).keeping_trailers();
         let mut sent = 0u64;
         let mut content = Vec::new();
         dechunk.content(&backend.bytes()[..n], &mut content);
@@ -539,9 +560,20 @@ impl Shared<'_> {
             sent += send_all(&mut stream, &mut content, stall, &proxy.stats).await?;
         }
         if !end {
-            stream
-                .send_data(Bytes::new(), true)
-                .map_err(|_| Fail::Client)?;
+            // The trailers of a chunked body end the stream (RFC 9113 §8.1), whether or not
+            // the client sent `TE: trailers`: h2 frames them apart from the content, so any h2
+            // client can read them or leave them, and nothing of the body's framing depends on
+            // them as in HTTP/1.1 (the h2c path relays them so too). Too many fields: broken
+            // off, as a malformed section is (by `framing`), never ended as if whole.
+            let trailers = dechunk
+                .trailers()
+                .map_err(|TooManyTrailers| Fail::Midway("too many trailer fields".into()))?;
+            if trailers.is_empty() {
+                stream.send_data(Bytes::new(), true)
+            } else {
+                stream.send_trailers(trailers)
+            }
+            .map_err(|_| Fail::Client)?;
         }
         Ok(Relayed {
             status: response.status,
@@ -556,7 +588,9 @@ impl Shared<'_> {
     /// Moves the request body from the client's stream to an HTTP/1.1 backend (chunked when
     /// the client gave no length), releasing the client's flow-control window only as the
     /// backend takes the bytes: a slow backend slows the client down, nothing piles up here.
-    /// Request trailers are not forwarded to HTTP/1.1 backends.
+    /// Request trailers end a chunked body as its trailer section ([`chunked_end`]); a body
+    /// sent with its `Content-Length` has no place for them in HTTP/1.1, and they are dropped
+    /// (RFC 9110 §6.5.1 lets an intermediary do so).
     async fn body_to_http1(
         &self,
         body: &mut RecvStream,
@@ -604,8 +638,14 @@ impl Shared<'_> {
                 .bytes_to_backend_copied
                 .fetch_add(n as u64, Relaxed);
         }
+        let trailers = match timeout(idle, body.trailers()).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(_)) | Err(_) => return Err(Fail::Client),
+        };
         if chunked {
-            write(b"0\r\n\r\n").await?;
+            // Past the bounds, 400 and the backend's connection reset: it has a body not ended.
+            let end = chunked_end(trailers.as_ref()).map_err(|TooManyTrailers| Fail::BadBody)?;
+            write(&end).await?;
         }
         Ok(())
     }
@@ -690,17 +730,15 @@ impl Shared<'_> {
             let mut response = response;
             // The whole wait is bounded, however many interim responses come in it.
             let deadline = Instant::now() + backend_timeout;
-            let mut interim = 0;
+            let mut interim = InterimBudget::default();
             let response = loop {
                 match timeout_at(deadline, next_answer(&mut response)).await {
                     Err(_) => return Err(Fail::Timeout),
                     Ok(Answer::Final(Err(e))) => return Err(Fail::BadGateway(e.to_string())),
                     Ok(Answer::Final(Ok(r))) => break r,
-                    // 103 Early Hints and the like, as for HTTP/1.1 clients: a few, never a
-                    // 100 (the proxy answered the expectation) nor a 101.
+                    // 103 Early Hints and the like, as for HTTP/1.1 clients.
                     Ok(Answer::Interim(head)) => {
-                        if !matches!(head.status().as_u16(), 100 | 101) && interim < MAX_INTERIM {
-                            interim += 1;
+                        if interim.admits(head.status().as_u16()) {
                             send.send_informational(head).map_err(|_| Fail::Client)?;
                         }
                     }
@@ -1235,11 +1273,40 @@ pub(super) fn answer(send: &mut SendResponse<Bytes>, status: u16) -> bool {
 /// (so that nothing here needs to refuse anything): chunk-size lines, extensions, the CRLF
 /// after each chunk and the trailer section are left out. The trailer section is kept when
 /// asked for ([`Self::keeping_trailers`]: an HTTP/1.1 client's chunked request to an h2c
-/// backend); trailers of an HTTP/1.1 backend's chunked response are not forwarded.
+/// backend, an HTTP/1.1 backend's chunked response to an h2 client), for h2 trailers.
 pub(super) struct Dechunk {
     state: Chunk,
     /// The trailer section's bytes as they came, when kept.
     trailers: Option<Vec<u8>>,
+}
+
+/// The end of a chunked request body for an HTTP/1.1 backend: the last chunk, then an h2
+/// client's trailers as the trailer section, without the fields a trailer may not carry
+/// ([`forward::may_be_trailer`]: a backend that merges trailers into the head would take them
+/// for fields the proxy had checked). Within the bounds a chunked request's trailers have on
+/// the HTTP/1.1 path: a head's field count (64), and the proxy's own chunked parser
+/// ([`BodyFraming`], 4 KiB) reads the section as a backend would; past either, an error.
+fn chunked_end(trailers: Option<&http::HeaderMap>) -> Result<Vec<u8>, TooManyTrailers> {
+    let mut out = b"0\r\n".to_vec();
+    for (count, (name, value)) in trailers.into_iter().flatten().enumerate() {
+        if count >= Limits::default().max_headers {
+            return Err(TooManyTrailers);
+        }
+        let name = name.as_str().as_bytes();
+        if !forward::may_be_trailer(name) {
+            continue;
+        }
+        out.extend_from_slice(name);
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    let mut framing = BodyFraming::new(Framing::Chunked);
+    match framing.advance(&out) {
+        Ok(n) if n == out.len() && framing.is_done() => Ok(out),
+        _ => Err(TooManyTrailers),
+    }
 }
 
 /// Most bytes of a trailer section kept: a request head's limit. [`BodyFraming`] refuses a
@@ -1247,7 +1314,7 @@ pub(super) struct Dechunk {
 /// nothing here grows past what a head may.
 const MAX_TRAILER_SECTION: usize = 16 * 1024;
 
-/// A trailer section with more fields than a request head may have, or longer than one.
+/// A trailer section with more fields than a request head may have, or longer than allowed.
 #[derive(Debug, PartialEq)]
 pub(super) struct TooManyTrailers;
 
@@ -1442,6 +1509,47 @@ mod tests {
         let mut d = Dechunk::new(true).keeping_trailers();
         d.content(long.as_bytes(), &mut Vec::new());
         assert_eq!(d.trailers(), Err(TooManyTrailers));
+    }
+
+    #[test]
+    fn h2_trailers_end_a_chunked_body_within_bounds_without_the_forbidden_ones() {
+        let mut t = http::HeaderMap::new();
+        for (name, value) in [
+            ("x-sum", "1"),
+            ("host", "evil"),
+            ("authorization", "x"),
+            ("x-forwarded-for", "6.6.6.6"),
+            ("grpc-status", "0"),
+        ] {
+            t.append(
+                http::header::HeaderName::from_static(name),
+                http::HeaderValue::from_static(value),
+            );
+        }
+        assert_eq!(
+            chunked_end(Some(&t)).unwrap(),
+            b"0\r\nx-sum: 1\r\ngrpc-status: 0\r\n\r\n"
+        );
+        assert_eq!(chunked_end(None).unwrap(), b"0\r\n\r\n");
+        // A head's field count, and the chunked parser's 4 KiB, and no more.
+        let max = Limits::default().max_headers;
+        let many = |n: usize| {
+            let mut t = http::HeaderMap::new();
+            for i in 0..n {
+                let name = http::header::HeaderName::from_bytes(format!("x-{i}").as_bytes());
+                t.append(name.unwrap(), http::HeaderValue::from_static("1"));
+            }
+            t
+        };
+        assert!(chunked_end(Some(&many(max))).is_ok());
+        assert_eq!(chunked_end(Some(&many(max + 1))), Err(TooManyTrailers));
+        let long = |n: usize| {
+            let mut t = http::HeaderMap::new();
+            t.append("x-a", http::HeaderValue::from_str(&"v".repeat(n)).unwrap());
+            t
+        };
+        assert!(chunked_end(Some(&long(4000))).is_ok());
+        assert_eq!(chunked_end(Some(&long(5000))), Err(TooManyTrailers));
     }
 
     #[test]

@@ -278,14 +278,16 @@ fn h2_clients_reach_an_http1_backend_one_request_per_stream() {
     assert_eq!(tools::header(&fields, "connection"), None, "{fields:?}");
     assert_eq!(tools::header(&fields, "keep-alive"), None, "{fields:?}");
 
-    // A chunked response: its content, without the chunk framing nor the fields h2 forbids.
+    // A chunked response: its content, without the chunk framing nor the fields h2 forbids;
+    // its trailer as h2 trailers (curl writes them with the fields).
     let n = 200_000;
     let (version, status, fields, body) = exchange(p, &format!("/chunked/{n}"), &[]);
     assert_eq!((version.as_str(), status), ("2", 200));
     assert!(body == pattern(n), "chunked: {} bytes of {n}", body.len());
-    for name in ["transfer-encoding", "connection", "x-hop", "x-trailer"] {
+    for name in ["transfer-encoding", "connection", "x-hop"] {
         assert_eq!(tools::header(&fields, name), None, "{name}: {fields:?}");
     }
+    assert_eq!(tools::header(&fields, "x-trailer"), Some("t"), "{fields:?}");
 
     // A POST body, streamed to the backend and back.
     let data = pattern(300_000);
@@ -1504,4 +1506,385 @@ fn interim_responses_reach_h2_clients() {
     assert_no_panic(&server);
     let stats = server.stop();
     assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
+}
+
+/// An HTTP/1.1 backend written byte by byte (keep-alive, a thread per connection), for what
+/// Python's `http.server` cannot send or read as it came: `GET /hints`: 103 Early Hints
+/// (`link`), 102, then 200 `hinted`; `GET /many-hints`: ten 103s (`x-n: 0` ...), then 200
+/// `hinted`; `GET /trailers`: `hello` chunked, then the trailers `x-sum: abc` and
+/// `grpc-status: 0`; `GET /trailer-forbidden`: the same with `set-cookie: a=b` among them;
+/// `GET /trailers-many`: 65 trailer fields; `POST /raw`: the request body's bytes as they came
+/// (chunk lines and trailer section too) as the body, with `Content-Length`. Its threads end
+/// with the test process.
+fn raw_backend() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let _ = raw_backend_connection(conn);
+            });
+        }
+    });
+    port
+}
+
+fn raw_backend_connection(conn: TcpStream) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    let mut out = conn.try_clone()?;
+    let mut r = BufReader::new(conn);
+    let line = |r: &mut BufReader<TcpStream>| -> std::io::Result<String> {
+        let mut l = String::new();
+        if r.read_line(&mut l)? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(l)
+    };
+    loop {
+        let request_line = line(&mut r)?;
+        let path = request_line.split(' ').nth(1).unwrap_or("/").to_string();
+        let (mut length, mut chunked) = (None, false);
+        loop {
+            let l = line(&mut r)?.to_ascii_lowercase();
+            if l == "\r\n" {
+                break;
+            }
+            if let Some(v) = l.strip_prefix("content-length:") {
+                length = v.trim().parse::<usize>().ok();
+            }
+            chunked |= l.starts_with("transfer-encoding:") && l.contains("chunked");
+        }
+        let mut raw = Vec::new();
+        if chunked {
+            loop {
+                let size_line = line(&mut r)?;
+                raw.extend_from_slice(size_line.as_bytes());
+                let hex = size_line.trim().split(';').next().unwrap_or("");
+                let n = usize::from_str_radix(hex, 16).expect("chunk size");
+                if n == 0 {
+                    loop {
+                        let t = line(&mut r)?;
+                        raw.extend_from_slice(t.as_bytes());
+                        if t == "\r\n" {
+                            break;
+                        }
+                    }
+                    break;
+                }
+                let mut data = vec![0; n + 2];
+                r.read_exact(&mut data)?;
+                raw.extend_from_slice(&data);
+            }
+        } else if let Some(n) = length {
+            raw.resize(n, 0);
+            r.read_exact(&mut raw)?;
+        }
+        let hinted = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nhinted";
+        let chunked_hello =
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-sum\r\n\r\n\
+                             2\r\nhe\r\n3;x=1\r\nllo\r\n0\r\n";
+        let answer: Vec<u8> = match path.as_str() {
+            "/hints" => [
+                &b"HTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n"[..],
+                b"HTTP/1.1 102 Processing\r\n\r\n",
+                hinted,
+            ]
+            .concat(),
+            "/many-hints" => {
+                let mut a: Vec<u8> = (0..10)
+                    .flat_map(|n| {
+                        format!("HTTP/1.1 103 Early Hints\r\nX-N: {n}\r\n\r\n").into_bytes()
+                    })
+                    .collect();
+                a.extend_from_slice(hinted);
+                a
+            }
+            "/trailers" => {
+                format!("{chunked_hello}X-Sum: abc\r\nGrpc-Status: 0\r\n\r\n").into_bytes()
+            }
+            // The head and content first, so that the trailer section comes after the
+            // response has begun.
+            "/trailer-forbidden" => {
+                out.write_all(chunked_hello.as_bytes())?;
+                std::thread::sleep(Duration::from_millis(200));
+                b"X-Sum: abc\r\nSet-Cookie: a=b\r\n\r\n".to_vec()
+            }
+            "/trailers-many" => {
+                out.write_all(chunked_hello.as_bytes())?;
+                std::thread::sleep(Duration::from_millis(200));
+                let many: String = (0..65).map(|i| format!("x-{i}: 1\r\n")).collect();
+                format!("{many}\r\n").into_bytes()
+            }
+            "/raw" => {
+                let mut a = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", raw.len())
+                    .into_bytes();
+                a.extend_from_slice(&raw);
+                a
+            }
+            _ => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n".to_vec(),
+        };
+        out.write_all(&answer)?;
+    }
+}
+
+/// What an h2 client got for one request.
+#[derive(Debug, Default)]
+struct H2Reply {
+    /// The interim responses, in order.
+    interim: Vec<(u16, http::HeaderMap)>,
+    status: u16,
+    fields: http::HeaderMap,
+    body: Vec<u8>,
+    trailers: Option<http::HeaderMap>,
+    /// Why the stream did not end cleanly (a reset: its reason), if it did not.
+    error: Option<String>,
+}
+
+/// Sends one request over h2 (Rust's `h2` as the client, over TLS to the proxy): `body` (none
+/// when empty), then `trailers` when given; every stream on one connection.
+fn h2_requests(
+    port: u16,
+    requests: Vec<(http::Request<()>, Vec<u8>, Option<http::HeaderMap>)>,
+) -> Vec<H2Reply> {
+    use crate::support::client::ClientOpts;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let exchanges = async {
+        let mut config = (*ClientOpts::version(Tls::V13).config()).clone();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        let name = rustls_pki_types::ServerName::try_from("localhost").expect("name");
+        let tls = connector.connect(name, tcp).await.expect("handshake");
+        let (mut client, conn) = h2::client::handshake(tls).await.expect("h2 handshake");
+        let driver = tokio::spawn(conn);
+        let mut replies = Vec::new();
+        for (req, body, trailers) in requests {
+            let mut reply = H2Reply::default();
+            client = client.ready().await.expect("ready");
+            let ends = body.is_empty() && trailers.is_none();
+            let (mut response, mut stream) = client.send_request(req, ends).expect("request");
+            if !body.is_empty() {
+                h2c_send(&mut stream, body.into(), trailers.is_none())
+                    .await
+                    .expect("body");
+            }
+            if let Some(t) = trailers {
+                stream.send_trailers(t).expect("trailers");
+            }
+            loop {
+                match std::future::poll_fn(|cx| response.poll_informational(cx)).await {
+                    Some(Ok(head)) => {
+                        let (parts, ()) = head.into_parts();
+                        reply.interim.push((parts.status.as_u16(), parts.headers));
+                    }
+                    Some(Err(e)) => {
+                        reply.error = Some(e.to_string());
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            let resp = match response.await {
+                Ok(r) => r,
+                Err(e) => {
+                    reply.error = Some(e.to_string());
+                    replies.push(reply);
+                    continue;
+                }
+            };
+            let (parts, mut from) = resp.into_parts();
+            reply.status = parts.status.as_u16();
+            reply.fields = parts.headers;
+            while let Some(data) = from.data().await {
+                match data {
+                    Ok(d) => {
+                        let _ = from.flow_control().release_capacity(d.len());
+                        reply.body.extend_from_slice(&d);
+                    }
+                    Err(e) => {
+                        reply.error = Some(format!("{:?}", e.reason()));
+                        break;
+                    }
+                }
+            }
+            if reply.error.is_none() {
+                match from.trailers().await {
+                    Ok(t) => reply.trailers = t,
+                    Err(e) => reply.error = Some(format!("{:?}", e.reason())),
+                }
+            }
+            replies.push(reply);
+        }
+        drop(client);
+        driver.abort();
+        replies
+    };
+    rt.block_on(async { tokio::time::timeout(Duration::from_secs(60), exchanges).await })
+        .expect("h2 exchanges within a minute")
+}
+
+fn get(port: u16, path: &str) -> (http::Request<()>, Vec<u8>, Option<http::HeaderMap>) {
+    let req = http::Request::get(format!("https://localhost:{port}{path}"))
+        .body(())
+        .expect("request");
+    (req, Vec::new(), None)
+}
+
+fn fields_of(pairs: &[(&str, &str)]) -> http::HeaderMap {
+    let mut m = http::HeaderMap::new();
+    for (k, v) in pairs {
+        m.append(
+            http::header::HeaderName::from_bytes(k.as_bytes()).expect("name"),
+            http::HeaderValue::from_str(v).expect("value"),
+        );
+    }
+    m
+}
+
+/// An HTTP/1.1 backend's interim responses reach h2 clients as HEADERS without END_STREAM
+/// before the final response, by the h2c path's rules: at most four a request.
+#[test]
+fn an_http1_backends_interim_responses_reach_h2_clients() {
+    let backend = raw_backend();
+    let server = h2_proxy(&format!("127.0.0.1:{backend}")).start();
+    let p = server.port();
+    let replies = h2_requests(p, vec![get(p, "/hints"), get(p, "/many-hints")]);
+    let [hints, many] = &replies[..] else {
+        panic!("{replies:?}")
+    };
+    let statuses = |r: &H2Reply| r.interim.iter().map(|(s, _)| *s).collect::<Vec<_>>();
+    assert_eq!(statuses(hints), [103, 102], "{hints:?}");
+    assert_eq!(
+        hints.interim[0].1["link"], "</s.css>; rel=preload",
+        "{hints:?}"
+    );
+    assert_eq!(
+        (hints.status, &hints.body[..]),
+        (200, &b"hinted"[..]),
+        "{hints:?}"
+    );
+    assert_eq!(statuses(many), [103; 4], "{many:?}");
+    let ns: Vec<_> = many.interim.iter().map(|(_, f)| f["x-n"].clone()).collect();
+    assert_eq!(ns, ["0", "1", "2", "3"], "{many:?}");
+    assert_eq!(
+        (many.status, &many.body[..]),
+        (200, &b"hinted"[..]),
+        "{many:?}"
+    );
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
+}
+
+/// An HTTP/1.1 backend's chunked response trailers reach h2 clients as a trailers HEADERS
+/// frame (the client sent no `TE: trailers`: h2 clients take them all); a section with a field
+/// a trailer may not carry, or with more fields than a head may have, resets the stream after
+/// the content rather than ending it as if whole.
+#[test]
+fn an_http1_backends_response_trailers_reach_h2_clients() {
+    let backend = raw_backend();
+    let server = h2_proxy(&format!("127.0.0.1:{backend}")).start();
+    let p = server.port();
+    let replies = h2_requests(
+        p,
+        vec![
+            get(p, "/trailers"),
+            get(p, "/trailer-forbidden"),
+            get(p, "/trailers-many"),
+            get(p, "/trailers"),
+        ],
+    );
+    let [whole, forbidden, many, again] = &replies[..] else {
+        panic!("{replies:?}")
+    };
+    for r in [whole, again] {
+        assert_eq!(
+            (r.status, &r.body[..], &r.error),
+            (200, &b"hello"[..], &None),
+            "{r:?}"
+        );
+        assert_eq!(r.fields["trailer"], "x-sum", "{r:?}");
+        assert_eq!(
+            r.trailers,
+            Some(fields_of(&[("x-sum", "abc"), ("grpc-status", "0")])),
+            "{r:?}"
+        );
+    }
+    for r in [forbidden, many] {
+        assert_eq!(r.status, 200, "{r:?}");
+        assert!(
+            r.error
+                .as_deref()
+                .is_some_and(|e| e.contains("INTERNAL_ERROR")),
+            "{r:?}"
+        );
+        assert_eq!(r.trailers, None, "{r:?}");
+    }
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_h2_streams_reset"], 2, "{stats:?}");
+}
+
+/// An h2 client's request trailers reach an HTTP/1.1 backend as the trailer section of the
+/// chunked body, without the fields a trailer may not carry; with a `Content-Length` (no
+/// place for them in HTTP/1.1) they are dropped; past a head's field count, 400.
+#[test]
+fn h2_request_trailers_reach_an_http1_backend_in_the_chunked_body() {
+    let backend = raw_backend();
+    let server = h2_proxy(&format!("127.0.0.1:{backend}")).start();
+    let p = server.port();
+    let post = |length: Option<usize>, trailers: http::HeaderMap| {
+        let mut req = http::Request::post(format!("https://localhost:{p}/raw"));
+        if let Some(n) = length {
+            req = req.header("content-length", n);
+        }
+        (
+            req.body(()).expect("request"),
+            b"abc".to_vec(),
+            Some(trailers),
+        )
+    };
+    let trailers = fields_of(&[
+        ("x-sum", "1"),
+        ("authorization", "secret"),
+        ("cookie", "c=1"),
+        ("x-forwarded-for", "6.6.6.6"),
+        ("content-type", "text/evil"),
+        ("x-sum", "2"),
+    ]);
+    let many: Vec<(String, &str)> = (0..65).map(|i| (format!("x-{i}"), "1")).collect();
+    let many: Vec<(&str, &str)> = many.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    let replies = h2_requests(
+        p,
+        vec![
+            post(None, trailers.clone()),
+            post(Some(3), trailers),
+            post(None, fields_of(&many)),
+            post(None, fields_of(&[("x-only", "trailer")])),
+        ],
+    );
+    let [chunked, sized, too_many, after] = &replies[..] else {
+        panic!("{replies:?}")
+    };
+    let body = |r: &H2Reply| String::from_utf8_lossy(&r.body).to_string();
+    assert_eq!(chunked.status, 200, "{chunked:?}");
+    assert_eq!(
+        body(chunked),
+        "3\r\nabc\r\n0\r\nx-sum: 1\r\nx-sum: 2\r\n\r\n"
+    );
+    assert_eq!((sized.status, body(sized)), (200, "abc".into()));
+    assert_eq!(too_many.status, 400, "{too_many:?}");
+    // The connection goes on.
+    assert_eq!(
+        (after.status, body(after)),
+        (200, "3\r\nabc\r\n0\r\nx-only: trailer\r\n\r\n".into())
+    );
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_refused"], 1, "{stats:?}");
 }
