@@ -19,7 +19,7 @@ use tlsplane_h2::greeting::{self, Greeting, Heard};
 use tlsplane_h2::transport::{Flusher, H2Io, Woken};
 use tlsplane_server::runtime::Idle;
 use tokio::sync::watch;
-use tokio::time::Instant;
+use tokio::time::{timeout_at, Instant};
 
 /// What one read of a connection's opening takes at most: the client's opening frames and the
 /// header of the frame that wakes h2 (a request's first bytes), which the pump reads the rest
@@ -151,43 +151,58 @@ pub(crate) struct Opening<'a> {
 /// starts, or `None` when the connection ended first (the caller closes it).
 pub(crate) async fn open(tls: &mut TlsStream, o: Opening<'_>) -> io::Result<Option<Woken>> {
     o.stats.connections.fetch_add(1, Relaxed);
-    tls.write_all(greeting::opening()).await?;
+    // The stream's futures are boxed for the moment they run: this future is what a
+    // connection in its opening holds while it waits, and inline they would make it several
+    // KiB (docs/HTTP2.md, "The opening").
+    let Some(opening) = greeting::opening() else {
+        // h2 did not show what it sends first: it opens the connection itself.
+        o.stats.started.fetch_add(1, Relaxed);
+        return Ok(Some(Woken::fresh()));
+    };
+    Box::pin(tls.write_all(opening)).await?;
     if *o.stop.borrow() {
-        tls.write_all(&greeting::GOAWAY_NONE_PROCESSED).await?;
+        Box::pin(tls.write_all(&greeting::GOAWAY_NONE_PROCESSED)).await?;
         return Ok(None);
     }
     let mut greeting = Greeting::new();
     let started = Instant::now();
     let mut idle_since = None;
     loop {
-        // Reads are cancel-safe, and the buffer exists only while one is under way.
-        let read = async {
-            tls.readable().await?;
-            let mut buf = vec![0u8; OPENING_READ];
-            let n = tls.read(&mut buf).await?;
-            buf.truncate(n);
-            Ok::<_, io::Error>(buf)
-        };
         let deadline = match idle_since {
             None => started + o.header_timeout,
             Some(since) => since + o.idle_timeout,
         };
-        let step = async {
+        let wait = async {
             tokio::select! {
-                read = read => Opened::Read(read),
+                ready = tls.readable() => Opened::Readable(ready),
                 _ = tokio::time::sleep_until(deadline) => Opened::Timeout,
                 _ = o.stop.changed() => Opened::Stop,
             }
         };
         // Once the preface is in, an idle connection like any: the first to go when a new one
         // needs room under --max-connections.
-        let step = if idle_since.is_some() {
-            o.idle.wait(step).await.unwrap_or(Opened::Evicted)
+        let mut step = if idle_since.is_some() {
+            o.idle.wait(wait).await.unwrap_or(Opened::Evicted)
         } else {
-            step.await
+            wait.await
         };
-        let bytes = match step {
-            Opened::Read(read) => read?,
+        let mut bytes = Vec::new();
+        if let Opened::Readable(ready) = step {
+            ready?;
+            // Readiness may come before a whole record (the kernel plane's is the socket's):
+            // the read that follows is held to the same deadline. Reads are cancel-safe, and
+            // the buffer exists only while one is under way.
+            bytes = vec![0u8; OPENING_READ];
+            step = match timeout_at(deadline, Box::pin(tls.read(&mut bytes))).await {
+                Ok(n) => {
+                    bytes.truncate(n?);
+                    Opened::Readable(Ok(()))
+                }
+                Err(_) => Opened::Timeout,
+            };
+        }
+        match step {
+            Opened::Readable(_) => {}
             Opened::Timeout if idle_since.is_none() => {
                 o.header_timeouts.fetch_add(1, Relaxed);
                 return Ok(None);
@@ -198,10 +213,10 @@ pub(crate) async fn open(tls: &mut TlsStream, o: Opening<'_>) -> io::Result<Opti
                     Opened::Evicted => o.stats.evictions.fetch_add(1, Relaxed),
                     _ => {}
                 };
-                tls.write_all(&greeting::GOAWAY_NONE_PROCESSED).await?;
+                Box::pin(tls.write_all(&greeting::GOAWAY_NONE_PROCESSED)).await?;
                 return Ok(None);
             }
-        };
+        }
         if bytes.is_empty() {
             return Ok(None);
         }
@@ -212,7 +227,7 @@ pub(crate) async fn open(tls: &mut TlsStream, o: Opening<'_>) -> io::Result<Opti
             }
             Heard::Asleep { acks: 0 } => {}
             Heard::Asleep { acks } => {
-                tls.write_all(&greeting::SETTINGS_ACK.repeat(acks)).await?;
+                Box::pin(tls.write_all(&greeting::SETTINGS_ACK.repeat(acks))).await?;
             }
         }
         if idle_since.is_none() && greeting.preface_done() {
@@ -223,7 +238,7 @@ pub(crate) async fn open(tls: &mut TlsStream, o: Opening<'_>) -> io::Result<Opti
 
 /// What ended one wait of a connection's opening.
 enum Opened {
-    Read(io::Result<Vec<u8>>),
+    Readable(io::Result<()>),
     Timeout,
     Stop,
     Evicted,
