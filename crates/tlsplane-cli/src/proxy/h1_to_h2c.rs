@@ -555,16 +555,15 @@ fn http1_response_head(
 }
 
 /// The end of a chunked body: the last chunk and the trailer section (`trailers`, without
-/// the fields a trailer may not carry).
-fn last_chunk(trailers: Option<&http::HeaderMap>, out: &mut Vec<u8>) {
+/// the fields a trailer may not carry, [`forward::may_be_trailer`]: RFC 9110 §6.5.1's list and
+/// the forwarding fields; a recipient that merges trailers into the head would take them for
+/// fields the proxy wrote or checked). Both ways: an h2c backend's trailers to an HTTP/1.1
+/// client, an h2 client's to an HTTP/1.1 backend.
+pub(super) fn last_chunk(trailers: Option<&http::HeaderMap>, out: &mut Vec<u8>) {
     out.extend_from_slice(b"0\r\n");
     for (name, value) in trailers.into_iter().flatten() {
         let name = name.as_str().as_bytes();
-        if is_connection_specific(name)
-            || [&b"content-length"[..], b"host", b"trailer"]
-                .iter()
-                .any(|f| name.eq_ignore_ascii_case(f))
-        {
+        if !forward::may_be_trailer(name) {
             continue;
         }
         out.extend_from_slice(name);
@@ -812,6 +811,8 @@ mod tests {
         let mut t = http::HeaderMap::new();
         t.insert("grpc-status", "0".parse().unwrap());
         t.insert("content-length", "9".parse().unwrap());
+        t.insert("set-cookie", "a=b".parse().unwrap());
+        t.insert("x-forwarded-for", "6.6.6.6".parse().unwrap());
         t.insert("x-sum", "abc".parse().unwrap());
         let mut out = Vec::new();
         last_chunk(Some(&t), &mut out);

@@ -31,7 +31,7 @@ use tlsplane_http::{error_response, Body, Limits};
 use tokio::sync::watch;
 use tokio::time::{timeout, timeout_at, Instant};
 
-use super::h1_to_h2c::{next_answer, Answer, InterimBudget};
+use super::h1_to_h2c::{last_chunk, next_answer, Answer, InterimBudget};
 use super::http::MAX_RESPONSE_HEAD;
 use super::http::{error_body_len, host_name, read_response_head, Buf, Fail, Progress};
 use super::{BackendProtocol, Ended, Proxy, Unavailable};
@@ -1287,21 +1287,11 @@ pub(super) struct Dechunk {
 /// the HTTP/1.1 path: a head's field count (64), and the proxy's own chunked parser
 /// ([`BodyFraming`], 4 KiB) reads the section as a backend would; past either, an error.
 fn chunked_end(trailers: Option<&http::HeaderMap>) -> Result<Vec<u8>, TooManyTrailers> {
-    let mut out = b"0\r\n".to_vec();
-    for (count, (name, value)) in trailers.into_iter().flatten().enumerate() {
-        if count >= Limits::default().max_headers {
-            return Err(TooManyTrailers);
-        }
-        let name = name.as_str().as_bytes();
-        if !forward::may_be_trailer(name) {
-            continue;
-        }
-        out.extend_from_slice(name);
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
+    if trailers.is_some_and(|t| t.len() > Limits::default().max_headers) {
+        return Err(TooManyTrailers);
     }
-    out.extend_from_slice(b"\r\n");
+    let mut out = Vec::new();
+    last_chunk(trailers, &mut out);
     let mut framing = BodyFraming::new(Framing::Chunked);
     match framing.advance(&out) {
         Ok(n) if n == out.len() && framing.is_done() => Ok(out),
