@@ -574,6 +574,21 @@ pub(super) fn last_chunk(trailers: Option<&http::HeaderMap>, out: &mut Vec<u8>) 
     out.extend_from_slice(b"\r\n");
 }
 
+/// `trailers` without the fields a trailer may not carry ([`forward::may_be_trailer`], as
+/// [`last_chunk`] leaves them out), for h2 trailers relayed as h2 trailers (h2 client to h2c
+/// backend and back); `None` when none is left.
+pub(super) fn relayable_trailers(mut trailers: http::HeaderMap) -> Option<http::HeaderMap> {
+    let forbidden: Vec<http::HeaderName> = trailers
+        .keys()
+        .filter(|name| !forward::may_be_trailer(name.as_str().as_bytes()))
+        .cloned()
+        .collect();
+    for name in forbidden {
+        trailers.remove(&name);
+    }
+    (!trailers.is_empty()).then_some(trailers)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -820,5 +835,19 @@ mod tests {
         out.clear();
         last_chunk(None, &mut out);
         assert_eq!(out, b"0\r\n\r\n");
+    }
+
+    #[test]
+    fn relayed_h2_trailers_lose_the_forbidden_ones() {
+        let mut t = http::HeaderMap::new();
+        t.insert("grpc-status", "7".parse().unwrap());
+        t.insert("authorization", "x".parse().unwrap());
+        t.append("x-forwarded-for", "6.6.6.6".parse().unwrap());
+        let t = relayable_trailers(t).expect("grpc-status is left");
+        assert_eq!(t.len(), 1);
+        assert_eq!(t["grpc-status"], "7");
+        let mut t = http::HeaderMap::new();
+        t.insert("set-cookie", "a=b".parse().unwrap());
+        assert!(relayable_trailers(t).is_none());
     }
 }

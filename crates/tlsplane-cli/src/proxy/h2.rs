@@ -31,7 +31,7 @@ use tlsplane_http::{error_response, Body, Limits};
 use tokio::sync::watch;
 use tokio::time::{timeout, timeout_at, Instant};
 
-use super::h1_to_h2c::{last_chunk, next_answer, Answer, InterimBudget};
+use super::h1_to_h2c::{last_chunk, next_answer, relayable_trailers, Answer, InterimBudget};
 use super::http::MAX_RESPONSE_HEAD;
 use super::http::{error_body_len, host_name, read_response_head, Buf, Fail, Progress};
 use super::{BackendProtocol, Ended, Proxy, Unavailable};
@@ -781,8 +781,11 @@ impl Shared<'_> {
             match timeout(backend_timeout, from.trailers()).await {
                 Err(_) => return Err(Fail::Midway("timed out before the trailers".into())),
                 Ok(Err(e)) => return Err(Fail::Midway(e.to_string())),
-                Ok(Ok(Some(trailers))) => to.send_trailers(trailers).map_err(|_| Fail::Client)?,
-                Ok(Ok(None)) => to.send_data(Bytes::new(), true).map_err(|_| Fail::Client)?,
+                Ok(Ok(trailers)) => match trailers.and_then(relayable_trailers) {
+                    Some(trailers) => to.send_trailers(trailers),
+                    None => to.send_data(Bytes::new(), true),
+                }
+                .map_err(|_| Fail::Client)?,
             }
             Ok(Relayed {
                 status,
@@ -842,8 +845,10 @@ impl Shared<'_> {
                 .fetch_add(n as u64, Relaxed);
         }
         match timeout(idle, body.trailers()).await {
-            Ok(Ok(Some(trailers))) => upstream.send_trailers(trailers),
-            Ok(Ok(None)) => upstream.send_data(Bytes::new(), true),
+            Ok(Ok(trailers)) => match trailers.and_then(relayable_trailers) {
+                Some(trailers) => upstream.send_trailers(trailers),
+                None => upstream.send_data(Bytes::new(), true),
+            },
             Ok(Err(_)) | Err(_) => return Err(Side::Client),
         }
         .map_err(|_| Side::Backend)
