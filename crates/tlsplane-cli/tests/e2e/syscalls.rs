@@ -149,30 +149,62 @@ fn threads(pid: u32) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Counts the server's calls while `work` runs `N` units, checks them against the budget,
-/// and returns the count per unit, and the calls by name.
-fn measure(server: &Server, name: &str, work: impl FnOnce()) -> (f64, BTreeMap<String, usize>) {
-    let trace = Trace::attach(server.pid());
-    work();
-    let calls = trace.finish();
-    let total: usize = calls.values().sum();
-    let per_unit = total as f64 / N as f64;
-    let table: Vec<String> = calls
-        .iter()
-        .map(|(k, v)| format!("{k} {:.2}", *v as f64 / N as f64))
-        .collect();
-    eprintln!(
-        "syscalls {name}: {per_unit:.2} per unit (budget {}): {}",
-        budget(name),
-        table.join(", ")
-    );
+/// Attempts at a scenario, of which the lowest count is judged. A slow moment of a shared
+/// machine only adds calls (a wait that the client's reply just missed, a connection moved to
+/// the connection loop while another's handshake ran): the same build gave 12.4 to 14.6 calls
+/// per resumed TLS 1.3 handshake in runs of one day (docs/BENCHMARKS.md). A change in the code
+/// adds its calls to every attempt.
+const ATTEMPTS: usize = 3;
+
+/// Counts the server's calls while `work` runs `N` units, until they are within the budget
+/// and `also` finds nothing wrong with them (at most [`ATTEMPTS`] times), checks the lowest
+/// count against the budget, and returns the count per unit, and the calls by name.
+fn measure(
+    server: &Server,
+    name: &str,
+    mut work: impl FnMut(),
+    also: impl Fn(&BTreeMap<String, usize>) -> Option<String>,
+) -> (f64, BTreeMap<String, usize>) {
+    let mut best: Option<(f64, BTreeMap<String, usize>, String)> = None;
+    for attempt in 1..=ATTEMPTS {
+        let trace = Trace::attach(server.pid());
+        work();
+        let calls = trace.finish();
+        let total: usize = calls.values().sum();
+        let per_unit = total as f64 / N as f64;
+        let table: Vec<String> = calls
+            .iter()
+            .map(|(k, v)| format!("{k} {:.2}", *v as f64 / N as f64))
+            .collect();
+        let table = table.join(", ");
+        let wrong = also(&calls);
+        eprintln!(
+            "syscalls {name} (attempt {attempt}): {per_unit:.2} per unit (budget {}): {table}{}",
+            budget(name),
+            wrong
+                .as_deref()
+                .map(|w| format!("; {w}"))
+                .unwrap_or_default()
+        );
+        let within = per_unit <= budget(name) && wrong.is_none();
+        if within || best.as_ref().is_none_or(|b| per_unit < b.0) {
+            best = Some((per_unit, calls, table));
+        }
+        if within {
+            break;
+        }
+    }
+    let (per_unit, calls, table) = best.expect("at least one attempt");
     assert!(
         per_unit <= budget(name),
-        "{name}: {per_unit:.2} system calls per unit, over the budget of {} ({}); if this is \
-         deliberate, raise the budget in tests/e2e/syscalls.rs and say why in BENCHMARKS",
+        "{name}: {per_unit:.2} system calls per unit (the lowest of {ATTEMPTS} attempts), over \
+         the budget of {} ({table}); if this is deliberate, raise the budget in \
+         tests/e2e/syscalls.rs and say why in BENCHMARKS",
         budget(name),
-        table.join(", ")
     );
+    if let Some(wrong) = also(&calls) {
+        panic!("{name}: {wrong} ({table})");
+    }
     (per_unit, calls)
 }
 
@@ -259,13 +291,18 @@ fn full_tls13_handshake() {
     let mut s = server();
     let config = ClientOpts::version(Tls::V13).config();
     handshake_only(s.port(), &config);
-    measure(&s, "tls13_full", || {
-        for _ in 0..N {
-            // A fresh configuration each time: no session to resume.
-            let fresh = ClientOpts::version(Tls::V13).config();
-            assert!(!handshake_only(s.port(), &fresh));
-        }
-    });
+    measure(
+        &s,
+        "tls13_full",
+        || {
+            for _ in 0..N {
+                // A fresh configuration each time: no session to resume.
+                let fresh = ClientOpts::version(Tls::V13).config();
+                assert!(!handshake_only(s.port(), &fresh));
+            }
+        },
+        |_| None,
+    );
     s.assert_alive();
     s.stop();
 }
@@ -278,11 +315,16 @@ fn resumed(v: Tls, name: &str) {
     let config = ClientOpts::version(v).config();
     handshake_only(s.port(), &config);
     assert!(handshake_only(s.port(), &config), "{name}: not resumed");
-    measure(&s, name, || {
-        for _ in 0..N {
-            assert!(handshake_only(s.port(), &config), "{name}: not resumed");
-        }
-    });
+    measure(
+        &s,
+        name,
+        || {
+            for _ in 0..N {
+                assert!(handshake_only(s.port(), &config), "{name}: not resumed");
+            }
+        },
+        |_| None,
+    );
     s.assert_alive();
     s.stop();
 }
@@ -328,11 +370,16 @@ fn new_connection_with_one_get() {
     let config = ClientOpts::version(Tls::V13).config();
     let one = |port| one_get(port, &config, f, Duration::ZERO);
     one(s.port());
-    let (_, calls) = measure(&s, "conn_get", || {
-        for _ in 0..N {
-            one(s.port());
-        }
-    });
+    let (_, calls) = measure(
+        &s,
+        "conn_get",
+        || {
+            for _ in 0..N {
+                one(s.port());
+            }
+        },
+        |_| None,
+    );
     file_calls(&calls);
     s.assert_alive();
     s.stop();
@@ -358,17 +405,25 @@ fn tls12_full_handshake_then_get() {
         assert_eq!(kind, Some(rustls::HandshakeKind::Full));
     };
     one(s.port());
-    let (_, calls) = measure(&s, "tls12_full_get", || {
-        for _ in 0..N {
-            one(s.port());
-        }
-    });
     // What the total's room for timing could hide: no move to the connection loop (which
     // deregisters from one event loop and registers with the other).
-    let epoll_ctl = calls.get("epoll_ctl").copied().unwrap_or(0) as f64 / N as f64;
-    assert!(
-        epoll_ctl <= 2.1,
-        "epoll_ctl {epoll_ctl:.2} per connection: connections moved to the connection loop"
+    let no_moves = |calls: &BTreeMap<String, usize>| {
+        let epoll_ctl = calls.get("epoll_ctl").copied().unwrap_or(0) as f64 / N as f64;
+        (epoll_ctl > 2.1).then(|| {
+            format!(
+                "epoll_ctl {epoll_ctl:.2} per connection: connections moved to the connection loop"
+            )
+        })
+    };
+    measure(
+        &s,
+        "tls12_full_get",
+        || {
+            for _ in 0..N {
+                one(s.port());
+            }
+        },
+        no_moves,
     );
     s.assert_alive();
     let stats = s.stop();
@@ -388,13 +443,18 @@ fn keep_alive_get() {
     let mut c = TlsClient::connect_version(s.port(), Tls::V13);
     // The first request moves the connection to the connection loop; counted from there.
     assert_eq!(c.get(&f.url).status, 200);
-    let (_, calls) = measure(&s, "keepalive_get", || {
-        for _ in 0..N {
-            let r = c.get(&f.url);
-            assert_eq!(r.status, 200);
-            assert_eq!(fixtures::sha256(&r.body), f.sha256);
-        }
-    });
+    let (_, calls) = measure(
+        &s,
+        "keepalive_get",
+        || {
+            for _ in 0..N {
+                let r = c.get(&f.url);
+                assert_eq!(r.status, 200);
+                assert_eq!(fixtures::sha256(&r.body), f.sha256);
+            }
+        },
+        |_| None,
+    );
     file_calls(&calls);
     c.close();
     s.assert_alive();
@@ -416,13 +476,18 @@ fn proxied_get() {
         .start();
     let mut c = TlsClient::connect_version(s.port(), Tls::V13);
     assert_eq!(c.get("/").status, 200);
-    measure(&s, "proxied_get", || {
-        for _ in 0..N {
-            let r = c.get("/");
-            assert_eq!(r.status, 200);
-            assert_eq!(r.body.len(), 1024);
-        }
-    });
+    measure(
+        &s,
+        "proxied_get",
+        || {
+            for _ in 0..N {
+                let r = c.get("/");
+                assert_eq!(r.status, 200);
+                assert_eq!(r.body.len(), 1024);
+            }
+        },
+        |_| None,
+    );
     c.close();
     s.assert_alive();
     s.stop();
