@@ -357,6 +357,7 @@ fn a_dead_or_stuck_keyd_fails_handshakes_fast_and_is_replaced_without_losing_con
         "the failure took {took:?}"
     );
     service_back_within(port, Duration::from_secs(4), "keyd was found stuck");
+    wait_spares(&server, 2);
     let replaced = keyd_pid(server.pid());
     assert_ne!(replaced, keyd, "the stuck daemon was replaced");
     let keyd = replaced;
@@ -557,6 +558,29 @@ fn send_signal(pid: u32, signal: &str) {
 }
 
 /// Waits for a stderr line containing `what`, at most 5 s.
+/// Waits until `n` spares have taken their keys over (each logs it once it listens), at most
+/// 5 s. The daemon in use must not be killed before: a spare still copying from it dies with
+/// it, and with both lost the keys in force are gone (the fallback is the key files).
+fn wait_spares(server: &crate::support::Server, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let lines = server.stderr_lines();
+        if lines
+            .iter()
+            .filter(|l| l.contains("keys taken over from"))
+            .count()
+            >= n
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "fewer than {n} spares took over: {lines:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn wait_line(server: &crate::support::Server, what: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -779,7 +803,7 @@ fn a_killed_keyd_serves_on_while_the_configuration_on_disk_is_broken() {
     assert_eq!(index(port), "a");
     // Killed again while the file is still broken: the new spare has the keys too, though
     // nothing could read them from the files.
-    std::thread::sleep(Duration::from_millis(300));
+    wait_spares(&server, 2);
     kill_keyd(&server);
     service_back_within(port, Duration::from_secs(1), "keyd was killed again");
     assert_eq!(
@@ -809,13 +833,14 @@ fn a_killed_keyd_signs_with_the_key_in_force_when_the_file_holds_another() {
     // The client checks the signature against the certificate in force: a handshake proves
     // the key in force signed it.
     service_back_within(port, Duration::from_secs(1), "keyd was killed");
-    std::thread::sleep(Duration::from_millis(300));
+    wait_spares(&server, 2);
     kill_keyd(&server);
     service_back_within(port, Duration::from_secs(1), "keyd was killed again");
     // A reload now fails (the key does not match), and the keys in force stay.
     hup(server.pid());
     wait_line(&server, "reload failed");
     assert_eq!(index(port), "a");
+    wait_spares(&server, 3);
     kill_keyd(&server);
     service_back_within(port, Duration::from_secs(1), "keyd was killed a third time");
     let stats = server.stop();
