@@ -151,14 +151,14 @@ pub(crate) struct Opening<'a> {
 /// starts, or `None` when the connection ended first (the caller closes it).
 pub(crate) async fn open(tls: &mut TlsStream, o: Opening<'_>) -> io::Result<Option<Woken>> {
     o.stats.connections.fetch_add(1, Relaxed);
-    // The stream's futures are boxed for the moment they run: this future is what a
-    // connection in its opening holds while it waits, and inline they would make it several
-    // KiB (docs/HTTP2.md, "The opening").
     let Some(opening) = greeting::opening() else {
         // h2 did not show what it sends first: it opens the connection itself.
         o.stats.started.fetch_add(1, Relaxed);
         return Ok(Some(Woken::fresh()));
     };
+    // The stream's futures are boxed for the moment they run: this future is what a
+    // connection in its opening holds while it waits, and inline they would make it several
+    // KiB (docs/HTTP2.md, "The opening").
     Box::pin(tls.write_all(opening)).await?;
     if *o.stop.borrow() {
         Box::pin(tls.write_all(&greeting::GOAWAY_NONE_PROCESSED)).await?;
