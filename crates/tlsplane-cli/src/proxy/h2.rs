@@ -19,7 +19,7 @@
 //! (RST_STREAM(INTERNAL_ERROR)) so that a truncated body is never taken for a whole one.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -39,6 +39,22 @@ use crate::h2_connection;
 use tlsplane_h2::transport::{self, H2Io, Woken};
 use tlsplane_server::access_log::{Entry, RequestLine};
 use tlsplane_server::runtime::{ConnContext, Idle};
+
+/// A wait that something else bounds (`head_due`): long, and still far from overflowing an
+/// `Instant`.
+const UNBOUNDED: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// How long the backend has for its response head from now. `--backend-timeout` counts from
+/// the end of the request body, as over HTTP/1.1: while the body still goes out, each write
+/// to the backend and each wait for the client have their own timeouts, and an upload longer
+/// than `--backend-timeout` is not a backend that does not answer.
+fn head_wait(body_done: bool, backend_timeout: Duration) -> Duration {
+    if body_done {
+        backend_timeout
+    } else {
+        UNBOUNDED
+    }
+}
 
 /// Fields HTTP/2 forbids (RFC 9113 §8.2.2), dropped from what a backend sends; `TE` is
 /// forbidden but for `trailers`, which only requests carry.
@@ -462,13 +478,12 @@ impl Shared<'_> {
             let chunked = request.framing == Framing::Chunked;
             let sending = self.body_to_http1(body, conn, chunked, progress);
             let reading = async {
-                // The whole wait is bounded, however many interim responses come in it.
-                let until = Instant::now() + backend_timeout;
+                // No clock of its own: `head_due` below bounds the whole wait, however many
+                // interim responses come in it.
                 let mut interim = InterimBudget::default();
                 let mut any_interim = false;
                 loop {
-                    let wait = until.saturating_duration_since(Instant::now());
-                    let r = match read_response_head(conn, backend, request, wait).await {
+                    let r = match read_response_head(conn, backend, request, UNBOUNDED).await {
                         // Not a connection the backend had closed while idle: it answered.
                         Err(Fail::Stale) if any_interim => {
                             return Err(Fail::BadGateway("closed after an interim response".into()))
@@ -489,13 +504,15 @@ impl Shared<'_> {
                     }
                 }
             };
-            tokio::pin!(sending, reading);
             let mut body_done = request.framing == Framing::Empty;
             let mut body_failed = None;
+            let head_due = tokio::time::sleep(head_wait(body_done, backend_timeout));
+            tokio::pin!(sending, reading, head_due);
             loop {
                 tokio::select! {
                     sent = &mut sending, if !body_done => {
                         body_done = true;
+                        head_due.as_mut().reset(Instant::now() + backend_timeout);
                         progress.set(Progress::Waiting);
                         match sent {
                             Ok(()) => {}
@@ -513,6 +530,12 @@ impl Shared<'_> {
                             (Err(e), None) => return Err(e),
                         };
                         break head;
+                    }
+                    () = &mut head_due, if body_done => {
+                        return Err(match body_failed {
+                            Some(why) => Fail::BadGateway(why),
+                            None => Fail::Timeout,
+                        });
                     }
                 }
             }
@@ -726,24 +749,24 @@ impl Shared<'_> {
         let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
         let stall = Duration::from_secs(proxy.args.server.idle_timeout.max(1));
         let sending = self.body_to_h2c(body, &mut upstream, ended);
+        // Set once the final response head is in: until then `head_due` bounds the wait.
+        let head_in = AtomicBool::new(false);
         let relaying = async {
             let mut response = response;
-            // The whole wait is bounded, however many interim responses come in it.
-            let deadline = Instant::now() + backend_timeout;
             let mut interim = InterimBudget::default();
             let response = loop {
-                match timeout_at(deadline, next_answer(&mut response)).await {
-                    Err(_) => return Err(Fail::Timeout),
-                    Ok(Answer::Final(Err(e))) => return Err(Fail::BadGateway(e.to_string())),
-                    Ok(Answer::Final(Ok(r))) => break r,
+                match next_answer(&mut response).await {
+                    Answer::Final(Err(e)) => return Err(Fail::BadGateway(e.to_string())),
+                    Answer::Final(Ok(r)) => break r,
                     // 103 Early Hints and the like, as for HTTP/1.1 clients.
-                    Ok(Answer::Interim(head)) => {
+                    Answer::Interim(head) => {
                         if interim.admits(head.status().as_u16()) {
                             send.send_informational(head).map_err(|_| Fail::Client)?;
                         }
                     }
                 }
             };
+            head_in.store(true, Relaxed);
             let (parts, mut from) = response.into_parts();
             let status = parts.status.as_u16();
             // h2 has refused any connection-specific field from the backend already.
@@ -793,12 +816,14 @@ impl Shared<'_> {
                 reusable: true,
             })
         };
-        tokio::pin!(sending, relaying);
         let mut body_done = ended;
+        let head_due = tokio::time::sleep(head_wait(body_done, backend_timeout));
+        tokio::pin!(sending, relaying, head_due);
         loop {
             tokio::select! {
                 sent = &mut sending, if !body_done => {
                     body_done = true;
+                    head_due.as_mut().reset(Instant::now() + backend_timeout);
                     match sent {
                         Ok(()) => progress.set(match progress.get() {
                             Progress::Receiving => Progress::Waiting,
@@ -810,6 +835,9 @@ impl Shared<'_> {
                     }
                 }
                 relayed = &mut relaying => return relayed,
+                () = &mut head_due, if body_done && !head_in.load(Relaxed) => {
+                    return Err(Fail::Timeout);
+                }
             }
         }
     }

@@ -61,8 +61,9 @@ pub struct ProxyArgs {
     /// HTTP mode: seconds from the first byte of a request to the end of its head.
     #[arg(long, default_value_t = 10)]
     pub header_timeout: u64,
-    /// HTTP mode: seconds to wait for the backend to take the request, for the response head,
-    /// and between reads of the response body (504 before the response begins).
+    /// HTTP mode: seconds to wait for the backend to take each write of the request, for the
+    /// response head once the request body has ended, and between reads of the response body
+    /// (504 before the response begins).
     #[arg(long, default_value_t = 60)]
     pub backend_timeout: u64,
     /// HTTP mode: seconds a request may take in all, from the end of its head to the end of

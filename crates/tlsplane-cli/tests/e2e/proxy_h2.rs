@@ -1615,6 +1615,11 @@ fn raw_backend_connection(conn: TcpStream) -> std::io::Result<()> {
                 let many: String = (0..65).map(|i| format!("x-{i}: 1\r\n")).collect();
                 format!("{many}\r\n").into_bytes()
             }
+            // The body taken, and no answer.
+            "/silent" => {
+                std::thread::sleep(Duration::from_secs(20));
+                return Ok(());
+            }
             "/raw" => {
                 let mut a = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", raw.len())
                     .into_bytes();
@@ -1646,6 +1651,15 @@ fn h2_requests(
     port: u16,
     requests: Vec<(http::Request<()>, Vec<u8>, Option<http::HeaderMap>)>,
 ) -> Vec<H2Reply> {
+    h2_requests_paced(port, requests, None)
+}
+
+/// [`h2_requests`], with each body sent in five pieces `gap` apart when `gap` is given.
+fn h2_requests_paced(
+    port: u16,
+    requests: Vec<(http::Request<()>, Vec<u8>, Option<http::HeaderMap>)>,
+    gap: Option<Duration>,
+) -> Vec<H2Reply> {
     use crate::support::client::ClientOpts;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -1668,7 +1682,24 @@ fn h2_requests(
             client = client.ready().await.expect("ready");
             let ends = body.is_empty() && trailers.is_none();
             let (mut response, mut stream) = client.send_request(req, ends).expect("request");
-            if !body.is_empty() {
+            if let (Some(gap), false) = (gap, body.is_empty()) {
+                // The stream may be answered (and closed) before the body is all sent: the
+                // reply says how.
+                let piece = body.len().div_ceil(5);
+                let mut open = true;
+                for (i, part) in body.chunks(piece).enumerate() {
+                    if i > 0 {
+                        tokio::time::sleep(gap).await;
+                    }
+                    open = open
+                        && h2c_send(&mut stream, part.to_vec().into(), false)
+                            .await
+                            .is_ok();
+                }
+                if open && trailers.is_none() {
+                    let _ = stream.send_data(bytes::Bytes::new(), true);
+                }
+            } else if !body.is_empty() {
                 h2c_send(&mut stream, body.into(), trailers.is_none())
                     .await
                     .expect("body");
@@ -1887,4 +1918,56 @@ fn h2_request_trailers_reach_an_http1_backend_in_the_chunked_body() {
     assert_no_panic(&server);
     let stats = server.stop();
     assert_eq!(stats["proxy_http_refused"], 1, "{stats:?}");
+}
+
+/// `--backend-timeout` counts from the end of the request body, as over HTTP/1.1: an h2
+/// client's upload that takes longer than it, to a backend taking it as it comes, is
+/// answered (HTTP/1.1 and h2c backends alike), and a backend silent after the body is still
+/// 504 at the timeout.
+#[test]
+fn an_upload_longer_than_the_backend_timeout_is_answered_over_h2() {
+    let post = |port: u16, path: &str, body: &[u8]| {
+        let req = http::Request::post(format!("https://localhost:{port}{path}"))
+            .header("content-length", body.len())
+            .body(())
+            .expect("request");
+        (req, body.to_vec(), None)
+    };
+    let body = pattern(5000);
+    // Five pieces 400 ms apart: 1.6 s, against a 1 s --backend-timeout.
+    let gap = Some(Duration::from_millis(400));
+
+    let raw = raw_backend();
+    let server = h2_proxy(&format!("127.0.0.1:{raw}"))
+        .arg("--backend-timeout")
+        .arg("1")
+        .start();
+    let p = server.port();
+    let replies = h2_requests_paced(p, vec![post(p, "/raw", &body)], gap);
+    assert_eq!(replies[0].status, 200, "{:?}", replies[0].error);
+    assert!(replies[0].body == body, "the body came back changed");
+    let started = Instant::now();
+    let replies = h2_requests(p, vec![post(p, "/silent", b"x")]);
+    assert_eq!(replies[0].status, 504, "{:?}", replies[0]);
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "504 after {:?}",
+        started.elapsed()
+    );
+    assert_no_panic(&server);
+    server.stop();
+
+    let backend = h2c_backend();
+    let server = h2c_proxy_builder(&backend)
+        .arg("--alpn")
+        .arg("h2,http/1.1")
+        .arg("--backend-timeout")
+        .arg("1")
+        .start();
+    let p = server.port();
+    let replies = h2_requests_paced(p, vec![post(p, "/echo", &body)], gap);
+    assert_eq!(replies[0].status, 200, "{:?}", replies[0].error);
+    assert!(replies[0].body == body, "the body came back changed");
+    assert_no_panic(&server);
+    server.stop();
 }
