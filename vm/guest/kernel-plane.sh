@@ -118,7 +118,7 @@ if [ "$VM_LABEL" = new ]; then
 	step "end-to-end suite (same tests as natively) with the kernel plane required"
 	run /bin/e2e --test-threads=1
 else
-	# Under emulation the whole suite takes 7-9 minutes a kernel; the older kernels run the
+	# Under emulation the whole suite takes about 11 minutes a kernel; the older kernels run the
 	# tests whose bytes cross the kernel's TLS code (records, alerts, sendfile, splice,
 	# KeyUpdate, close_notify, lingering close, shutdown; each suite is in the cipher matrix
 	# above), and the newest runs everything, so that CI stays well under its time limit.
