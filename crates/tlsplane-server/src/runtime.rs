@@ -890,9 +890,16 @@ fn handshake_loop<H: Handler>(
             let _ = a.await;
         }
         let _ = watcher.await;
-        // Listeners are closed; handshakes in progress still finish (or time out) and go to
-        // the connection loop, which drains them.
-        let deadline = tokio::time::Instant::now() + shared.config.handshake_timeout;
+        // Listeners are closed; handshakes in progress still finish (or time out: each has
+        // its own timeout) and go to the connection loop, which drains them. A connection
+        // whose first request this loop is answering is in flight like any other and gets
+        // the grace: with only the handshake timeout, a large first response was cut off
+        // (the runtime drops what is left) when it outlasted that.
+        let deadline = tokio::time::Instant::now()
+            + shared
+                .config
+                .shutdown_grace
+                .max(shared.config.handshake_timeout);
         while handshaking.load(Relaxed) > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -16,7 +16,13 @@ fn sigterm_during_64mib_response() {
     for v in BOTH {
         // Long enough for 64 MiB through an emulated guest that shares its cores.
         let grace = 60;
-        let mut server = Server::builder().shutdown_grace(grace).start();
+        // The first response is answered on the handshake loop; after SIGTERM it must be
+        // given the grace, not the (shorter) handshake timeout.
+        let mut server = Server::builder()
+            .shutdown_grace(grace)
+            .arg("--handshake-timeout")
+            .arg("1")
+            .start();
         let port = server.port();
         let mut c = TlsClient::connect_version(port, v);
         c.write_all(&get_request(&big.url, "")).expect("request");
@@ -27,7 +33,8 @@ fn sigterm_during_64mib_response() {
             .any(|(k, val)| k == "content-length" && *val == big.size.to_string()));
         let mut ctx = digest::Context::new(&digest::SHA256);
         let mut got = 0u64;
-        // Read slowly: 2 MiB over ~0.5 s, then signal, then keep reading slowly a bit.
+        // Read slowly: 2 MiB over ~0.5 s, then signal, then keep reading slowly for longer
+        // than the handshake timeout (6 MiB over ~1.5 s).
         let slow = |c: &mut TlsClient, ctx: &mut digest::Context, got: &mut u64, n: u64| {
             for _ in 0..(n / (256 << 10)) {
                 c.read_body_with(256 << 10, |b| ctx.update(b))
@@ -39,7 +46,7 @@ fn sigterm_during_64mib_response() {
         slow(&mut c, &mut ctx, &mut got, 2 << 20);
         server.terminate();
         let signalled = Instant::now();
-        slow(&mut c, &mut ctx, &mut got, 2 << 20);
+        slow(&mut c, &mut ctx, &mut got, 6 << 20);
         // The listener closes promptly: new connections are refused.
         let deadline = Instant::now() + Duration::from_secs(3);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
