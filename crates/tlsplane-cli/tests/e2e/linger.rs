@@ -134,6 +134,11 @@ fn responses(mut plain: &[u8]) -> Vec<(u16, Vec<u8>)> {
 /// Runs the cases at once, each on its own connection, and checks that each got the whole
 /// 8 MiB body, then responses with `then` statuses, then close_notify.
 fn check_all(port: u16, cases: Vec<Case>, then: &[&[u16]]) {
+    check_all_or(port, cases, then, None)
+}
+
+/// [`check_all`], where `or` may also follow the first response in place of `then`.
+fn check_all_or(port: u16, cases: Vec<Case>, then: &[&[u16]], or: Option<&[u16]>) {
     let handles: Vec<_> = cases
         .into_iter()
         .map(|case| thread::spawn(move || run(port, case)))
@@ -148,7 +153,8 @@ fn check_all(port: u16, cases: Vec<Case>, then: &[&[u16]]) {
             .is_some_and(|(s, b)| *s == 206 && b.as_slice() == expected_body());
         let mut want = vec![206];
         want.extend_from_slice(then);
-        if !first_ok || statuses != want || got.end.is_err() {
+        let or_ok = or.is_some_and(|or| statuses.first() == Some(&206) && statuses[1..] == *or);
+        if !first_ok || (statuses != want && !or_ok) || got.end.is_err() {
             failures.push(format!(
                 "{}: {} bytes of plaintext, statuses {statuses:?} (want {want:?}), first body {} of {BODY} bytes, intact: {first_ok}; end: {:?}",
                 got.what,
@@ -331,7 +337,7 @@ fn a_post_body_left_unread_after_a_response_loses_nothing() {
 
 /// SIGTERM while an 8 MiB response is on its way and another request is pipelined behind it:
 /// the drain finishes the response and closes without a reset (the pending request is not
-/// answered).
+/// answered, unless it was read before the SIGTERM: then it is, with `Connection: close`).
 #[test]
 fn graceful_drain_with_a_pipelined_request_loses_nothing() {
     let mut server = Server::builder().shutdown_grace(8).start();
@@ -347,7 +353,10 @@ fn graceful_drain_with_a_pipelined_request_loses_nothing() {
             rate,
         });
     }
-    let clients = thread::spawn(move || check_all(port, cases, &[&[], &[]]));
+    // A request the server had already read when the SIGTERM came (under emulation, the
+    // pipelined one can arrive with the first) may be answered too, with `Connection: close`:
+    // nothing is lost either way.
+    let clients = thread::spawn(move || check_all_or(port, cases, &[&[], &[]], Some(&[200])));
     thread::sleep(Duration::from_millis(600));
     server.terminate();
     let result = clients.join();
