@@ -628,6 +628,9 @@ fn with_user_the_server_runs_unprivileged_and_keyd_keeps_the_keys() {
     // A reload re-reads the key through keyd, as root.
     hup(server.pid());
     wait_line(&server, "configuration reloaded");
+    // The reload's new spare copies the keys in force from the daemon in use: killed before
+    // it has them, both would be lost.
+    wait_spares(&server, 2);
     // A killed keyd comes back from the launcher, with the key the server cannot read.
     assert!(Command::new("kill")
         .args(["-KILL", &keyd.to_string()])
