@@ -1,7 +1,8 @@
 //! The floor of `h2` itself (docs/HTTP2.md, "The floor of h2"): CPU per request of
-//! hyperium's h2 server answering 1 KiB responses to 100 streams at a time, in memory. No TLS,
-//! no socket, no file (unless asked), no tokio reactor, none of serve's work: the client's bytes are made
-//! here, once per batch, and the server's are parsed only far enough to see each stream end.
+//! hyperium's h2 server answering 1 KiB responses to 100 streams at a time, in memory. No
+//! TLS, no socket, no file (unless asked), no tokio reactor, none of serve's work: the
+//! client's bytes are made here, once per batch, and the server's are parsed only far enough
+//! to see each stream end.
 //! The server is configured as serve's (`settings::server`), sends serve's header fields for
 //! a 1 KiB file, and is driven the leanest way h2 allows: one task that accepts a stream and
 //! answers it in place. So this is less than serve can spend per request over h2, and
