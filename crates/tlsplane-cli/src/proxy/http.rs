@@ -23,6 +23,7 @@ use tlsplane_http::{error_response, Body, HeadReader, Limits};
 use tokio::time::{timeout, timeout_at, Instant};
 
 use super::backend::BackendConn;
+use super::h1_to_h2c::InterimBudget;
 use super::tcp::relay;
 use super::{reset, Ended, Proxy, Unavailable};
 use tlsplane_server::access_log::{Entry, RequestLine};
@@ -674,14 +675,28 @@ async fn forward_one(
         stats.early_responses.fetch_add(1, Relaxed);
     }
 
-    // The response head, after any interim ones.
+    // The response head, after any interim ones: one --backend-timeout for the whole wait,
+    // however many interim responses come in it, and at most four of them relayed, as on
+    // every other pair of protocols (`InterimBudget`).
+    let head_due = Instant::now() + backend_timeout;
+    let mut interim = InterimBudget::default();
+    let mut any_interim = false;
     let response = loop {
-        let response = read_response_head(conn, backend, request, backend_timeout).await?;
+        let wait = head_due.saturating_duration_since(Instant::now());
+        let response = match read_response_head(conn, backend, request, wait).await {
+            // Not a connection the backend had closed while idle (to retry on another): it
+            // answered.
+            Err(Fail::Stale) if any_interim => {
+                return Err(Fail::BadGateway("closed after an interim response".into()))
+            }
+            r => r?,
+        };
         if !response.is_interim() {
             break response;
         }
+        any_interim = true;
         // 100 Continue was the proxy's to send; others (103 Early Hints) go to 1.1 clients.
-        if response.status != 100 && request.minor_version == 1 {
+        if request.minor_version == 1 && interim.admits(response.status) {
             *progress = Progress::Responding;
             let mut out = Vec::new();
             response.encode(1, true, &mut out);

@@ -1508,10 +1508,57 @@ fn interim_responses_reach_h2_clients() {
     assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
 }
 
+/// An HTTP/1.1 backend's interim responses reach HTTP/1.1 clients as on the other paths: at
+/// most four a request, then the final response; and they do not keep the wait for it going
+/// past --backend-timeout (a 102 every 300 ms against 1 s: 504 in about a second).
+#[test]
+fn interim_responses_of_an_http11_backend_are_bounded_for_http11_clients() {
+    let raw = raw_backend();
+    let server = h2_proxy(&format!("127.0.0.1:{raw}"))
+        .arg("--backend-timeout")
+        .arg("1")
+        .start();
+    let p = server.port();
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    c.write_all(&get_request("/many-hints", "")).expect("send");
+    for n in 0..4 {
+        let (status, fields) = c.read_head().expect("103");
+        assert_eq!(status, 103, "{n}");
+        assert_eq!(header(&fields, "x-n"), Some(n.to_string().as_str()));
+    }
+    let r = c.read_response(false).expect("200");
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"hinted"[..]));
+    c.close();
+
+    let mut c = TlsClient::connect_version(p, Tls::V13);
+    let started = Instant::now();
+    c.write_all(&get_request("/drip-hints", "")).expect("send");
+    let mut interim = 0;
+    let status = loop {
+        let (status, _) = c.read_head().expect("a head");
+        if status >= 200 {
+            break status;
+        }
+        assert_eq!(status, 102);
+        interim += 1;
+    };
+    assert_eq!(status, 504, "after {interim} interim responses");
+    assert!(interim <= 4, "{interim} interim responses relayed");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "504 after {:?}",
+        started.elapsed()
+    );
+    drop(c);
+    assert_no_panic(&server);
+    let stats = server.stop();
+    assert_eq!(stats["proxy_http_504"], 1, "{stats:?}");
+}
+
 /// An HTTP/1.1 backend written byte by byte (keep-alive, a thread per connection), for what
 /// Python's `http.server` cannot send or read as it came: `GET /hints`: 103 Early Hints
 /// (`link`), 102, then 200 `hinted`; `GET /many-hints`: ten 103s (`x-n: 0` ...), then 200
-/// `hinted`; `GET /trailers`: `hello` chunked, then the trailers `x-sum: abc` and
+/// `hinted`; `GET /drip-hints`: a 102 every 300 ms for 6 s, then 200 `hinted`; `GET /trailers`: `hello` chunked, then the trailers `x-sum: abc` and
 /// `grpc-status: 0`; `GET /trailer-forbidden`: the same with `set-cookie: a=b` among them;
 /// `GET /trailers-many`: 65 trailer fields; `POST /raw`: the request body's bytes as they came
 /// (chunk lines and trailer section too) as the body, with `Content-Length`. Its threads end
@@ -1614,6 +1661,15 @@ fn raw_backend_connection(conn: TcpStream) -> std::io::Result<()> {
                 std::thread::sleep(Duration::from_millis(200));
                 let many: String = (0..65).map(|i| format!("x-{i}: 1\r\n")).collect();
                 format!("{many}\r\n").into_bytes()
+            }
+            // A 102 every 300 ms for 6 s, then the answer: interim responses as a
+            // keep-alive, longer than the proxy's --backend-timeout.
+            "/drip-hints" => {
+                for _ in 0..20 {
+                    out.write_all(b"HTTP/1.1 102 Processing\r\n\r\n")?;
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+                hinted.to_vec()
             }
             // The body taken, and no answer.
             "/silent" => {
