@@ -67,4 +67,6 @@ pub use head::HeadReader;
 pub use mime::content_type;
 pub use parse::{parse_request, Limits, Method, Parsed, Request};
 pub use resolve::DocRoot;
-pub use response::{error_response, error_response_at, reason_phrase, respond, Body, Response};
+pub use response::{
+    error_response, error_response_at, fields_of, reason_phrase, respond, Body, Response,
+};

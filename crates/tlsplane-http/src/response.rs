@@ -44,19 +44,47 @@ impl Response {
     /// (hop-by-hop, which HTTP/2 forbids: RFC 9113 §8.2.2) has no place, so it is left out.
     /// One planning for both protocols: HTTP/2 renders these fields, HTTP/1.1 sends `head`.
     pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
-        // `head` is ours (see `Head`): a status line, then `Name: value` lines, each ending
-        // in CRLF, then an empty line. Nothing here is the client's.
-        self.head
-            .split(|&b| b == b'\n')
-            .skip(1)
-            .map(|line| line.strip_suffix(b"\r").unwrap_or(line))
-            .take_while(|line| !line.is_empty())
-            .filter_map(|line| {
-                let colon = line.iter().position(|&b| b == b':')?;
-                let (name, value) = (&line[..colon], &line[colon + 1..]);
-                Some((name, value.strip_prefix(b" ").unwrap_or(value)))
-            })
-            .filter(|(name, _)| !name.eq_ignore_ascii_case(b"connection"))
+        fields_of(&self.head)
+    }
+}
+
+/// The header fields of a planned head ([`Response::head`], or its bytes moved elsewhere), in
+/// order, as (name, value), less `Connection`: see [`Response::fields`].
+pub fn fields_of(head: &[u8]) -> impl Iterator<Item = (&[u8], &[u8])> {
+    // The head is ours (see `Head`): a status line, then `Name: value` lines, each ending in
+    // CRLF, then an empty line. Nothing here is the client's. Past the status line:
+    let rest = memchr::memchr(b'\n', head).map_or(&[][..], |n| &head[n + 1..]);
+    Fields { rest }
+}
+
+/// [`fields_of`]'s iterator: a line at a time, found with `memchr` (an h2 response renders
+/// its fields from the planned head, so this runs for every one).
+struct Fields<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Iterator for Fields<'a> {
+    type Item = (&'a [u8], &'a [u8]);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            let end = memchr::memchr(b'\n', self.rest)?;
+            let line = &self.rest[..end];
+            self.rest = &self.rest[end + 1..];
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            if line.is_empty() {
+                self.rest = &[];
+                return None;
+            }
+            let Some(colon) = memchr::memchr(b':', line) else {
+                continue;
+            };
+            let (name, value) = (&line[..colon], &line[colon + 1..]);
+            if name.eq_ignore_ascii_case(b"connection") {
+                continue;
+            }
+            return Some((name, value.strip_prefix(b" ").unwrap_or(value)));
+        }
     }
 }
 
@@ -284,7 +312,24 @@ fn make_etag(mtime: Option<SystemTime>, size: u64) -> String {
     let nanos = mtime
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_nanos());
-    format!("\"{nanos:x}-{size:x}\"")
+    // By hand rather than `format!`: `u128`'s formatting was 2.5 % of serve's CPU per 1 KiB
+    // request over h2 (perf).
+    let mut tag = String::with_capacity(2 + 32 + 1 + 16);
+    tag.push('"');
+    push_hex(&mut tag, nanos);
+    tag.push('-');
+    push_hex(&mut tag, u128::from(size));
+    tag.push('"');
+    tag
+}
+
+/// `v` in lower-case hexadecimal, no leading zeros (as `{:x}`).
+fn push_hex(out: &mut String, v: u128) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let digits = (128 - v.leading_zeros()).div_ceil(4).max(1);
+    for i in (0..digits).rev() {
+        out.push(char::from(DIGITS[((v >> (i * 4)) & 0xf) as usize]));
+    }
 }
 
 /// Weak comparison against a list of entity-tags or `*` (RFC 9110 §13.1.2).
@@ -580,6 +625,30 @@ mod tests {
         assert!(!redirect
             .fields()
             .any(|(n, _)| n.eq_ignore_ascii_case(b"connection")));
+    }
+
+    #[test]
+    fn push_hex_is_lower_hex() {
+        for v in [
+            0,
+            1,
+            0xf,
+            0x10,
+            0xabc,
+            u128::from(u64::MAX),
+            u128::MAX,
+            1 << 64,
+        ] {
+            let mut out = String::new();
+            push_hex(&mut out, v);
+            assert_eq!(out, format!("{v:x}"));
+        }
+        let t = UNIX_EPOCH + std::time::Duration::new(1_700_000_000, 123);
+        assert_eq!(
+            make_etag(Some(t), 1024),
+            format!("\"{:x}-400\"", 1_700_000_000_000_000_123u128)
+        );
+        assert_eq!(make_etag(None, 0), "\"0-0\"");
     }
 
     #[test]
