@@ -1558,7 +1558,8 @@ fn interim_responses_of_an_http11_backend_are_bounded_for_http11_clients() {
 /// An HTTP/1.1 backend written byte by byte (keep-alive, a thread per connection), for what
 /// Python's `http.server` cannot send or read as it came: `GET /hints`: 103 Early Hints
 /// (`link`), 102, then 200 `hinted`; `GET /many-hints`: ten 103s (`x-n: 0` ...), then 200
-/// `hinted`; `GET /drip-hints`: a 102 every 300 ms for 6 s, then 200 `hinted`; `GET /trailers`: `hello` chunked, then the trailers `x-sum: abc` and
+/// `hinted`; `GET /drip-hints`: a 102 every 300 ms for 6 s, then 200 `hinted`;
+/// `GET /trailers`: `hello` chunked, then the trailers `x-sum: abc` and
 /// `grpc-status: 0`; `GET /trailer-forbidden`: the same with `set-cookie: a=b` among them;
 /// `GET /trailers-many`: 65 trailer fields; `POST /raw`: the request body's bytes as they came
 /// (chunk lines and trailer section too) as the body, with `Content-Length`. Its threads end
