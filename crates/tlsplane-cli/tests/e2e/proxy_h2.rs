@@ -1379,6 +1379,19 @@ fn chunked_request_trailers_reach_an_h2c_backend_within_bounds() {
     assert_eq!(stats["proxy_http_502"], 0, "{stats:?}");
 }
 
+/// `GET /many-hints` (ten 103s from the backend, then 200 `hinted`) gives an HTTP/1.1 client
+/// the first four 103s, then the final response.
+fn many_hints_relay_four(c: &mut TlsClient) {
+    c.write_all(&get_request("/many-hints", "")).expect("send");
+    for n in 0..4 {
+        let (status, fields) = c.read_head().expect("103");
+        assert_eq!(status, 103, "{n}");
+        assert_eq!(header(&fields, "x-n"), Some(n.to_string().as_str()));
+    }
+    let r = c.read_response(false).expect("200");
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"hinted"[..]));
+}
+
 /// Interim responses of an h2c backend reach HTTP/1.1 clients as HTTP/1.1 heads before the
 /// final one (103 Early Hints, 102), also while the client's body is still awaited; at most
 /// four per request (the rest dropped, the final response relayed); none to an HTTP/1.0 client.
@@ -1397,14 +1410,7 @@ fn interim_responses_reach_http11_clients_but_not_http10_ones() {
     let r = c.read_response(false).expect("200");
     assert_eq!((r.status, r.body.as_slice()), (200, &b"hinted"[..]));
 
-    c.write_all(&get_request("/many-hints", "")).expect("send");
-    for n in 0..4 {
-        let (status, fields) = c.read_head().expect("103");
-        assert_eq!(status, 103, "{n}");
-        assert_eq!(header(&fields, "x-n"), Some(n.to_string().as_str()));
-    }
-    let r = c.read_response(false).expect("200");
-    assert_eq!((r.status, r.body.as_slice()), (200, &b"hinted"[..]));
+    many_hints_relay_four(&mut c);
 
     // Before the body: the client sees the hint, then sends the body, all of it relayed.
     c.write_all(b"POST /hints-first HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\n\r\n")
@@ -1520,14 +1526,7 @@ fn interim_responses_of_an_http11_backend_are_bounded_for_http11_clients() {
         .start();
     let p = server.port();
     let mut c = TlsClient::connect_version(p, Tls::V13);
-    c.write_all(&get_request("/many-hints", "")).expect("send");
-    for n in 0..4 {
-        let (status, fields) = c.read_head().expect("103");
-        assert_eq!(status, 103, "{n}");
-        assert_eq!(header(&fields, "x-n"), Some(n.to_string().as_str()));
-    }
-    let r = c.read_response(false).expect("200");
-    assert_eq!((r.status, r.body.as_slice()), (200, &b"hinted"[..]));
+    many_hints_relay_four(&mut c);
     c.close();
 
     let mut c = TlsClient::connect_version(p, Tls::V13);
