@@ -483,13 +483,8 @@ impl Shared<'_> {
                 let mut interim = InterimBudget::default();
                 let mut any_interim = false;
                 loop {
-                    let r = match read_response_head(conn, backend, request, UNBOUNDED).await {
-                        // Not a connection the backend had closed while idle: it answered.
-                        Err(Fail::Stale) if any_interim => {
-                            return Err(Fail::BadGateway("closed after an interim response".into()))
-                        }
-                        r => r?,
-                    };
+                    let r =
+                        read_response_head(conn, backend, request, UNBOUNDED, any_interim).await?;
                     if !r.is_interim() {
                         return Ok::<_, Fail>(r);
                     }

@@ -683,14 +683,7 @@ async fn forward_one(
     let mut any_interim = false;
     let response = loop {
         let wait = head_due.saturating_duration_since(Instant::now());
-        let response = match read_response_head(conn, backend, request, wait).await {
-            // Not a connection the backend had closed while idle (to retry on another): it
-            // answered.
-            Err(Fail::Stale) if any_interim => {
-                return Err(Fail::BadGateway("closed after an interim response".into()))
-            }
-            r => r?,
-        };
+        let response = read_response_head(conn, backend, request, wait, any_interim).await?;
         if !response.is_interim() {
             break response;
         }
@@ -860,11 +853,16 @@ fn backend_answered(
     }
 }
 
+/// The backend's next response head, within `wait`. A close before any of it is a connection
+/// the backend had closed while idle ([`Fail::Stale`], retried where possible), unless
+/// `answered`: an interim response to this request came first, so the close is the backend
+/// failing.
 pub(super) async fn read_response_head(
     conn: &BackendConn,
     backend: &mut Buf,
     request: &RequestHead,
     wait: Duration,
+    answered: bool,
 ) -> Result<ResponseHead, Fail> {
     let until = Instant::now() + wait;
     let mut any = !backend.is_empty();
@@ -884,6 +882,9 @@ pub(super) async fn read_response_head(
         }
         match timeout_at(until, conn.read(backend.spare())).await {
             Err(_) => return Err(Fail::Timeout),
+            Ok(Ok(0)) | Ok(Err(_)) if !any && answered => {
+                return Err(Fail::BadGateway("closed after an interim response".into()))
+            }
             Ok(Ok(0)) | Ok(Err(_)) if !any => return Err(Fail::Stale),
             Ok(Ok(0)) => return Err(Fail::BadGateway("closed within the response head".into())),
             Ok(Err(e)) => return Err(Fail::BadGateway(e.to_string())),
