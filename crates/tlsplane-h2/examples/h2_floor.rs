@@ -88,7 +88,7 @@ impl Wire {
         for _ in 0..STREAMS {
             let id = self.next_stream;
             self.next_stream += 2;
-            let block: Vec<u8> = if self.first && id == 1 {
+            let block: Vec<u8> = if id == 1 {
                 // :method GET, :scheme https (static), then :path, :authority and user-agent
                 // as literals added to the dynamic table.
                 let mut b = vec![0x82, 0x87];
