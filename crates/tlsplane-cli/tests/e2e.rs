@@ -78,6 +78,8 @@ mod proxy_h2;
 mod proxy_http;
 #[path = "e2e/reload.rs"]
 mod reload;
+#[path = "e2e/send_timeout.rs"]
+mod send_timeout;
 #[path = "e2e/shutdown.rs"]
 mod shutdown;
 #[path = "e2e/sites.rs"]

@@ -39,6 +39,9 @@ pub struct RuntimeConfig {
     pub listen: Vec<SocketAddr>,
     pub workers: usize,
     pub handshake_timeout: Duration,
+    /// `TCP_USER_TIMEOUT` of the listening sockets, inherited by each connection (None: the
+    /// kernel's default): see `ServerArgs::send_timeout`.
+    pub send_timeout: Option<Duration>,
     pub shutdown_grace: Duration,
     /// Nice value of the handshake threads (0: same priority as the connection threads).
     pub handshake_nice: i32,
@@ -330,7 +333,7 @@ pub fn run<H: Handler>(
             signal(SignalKind::hangup())?,
         )
     };
-    let per_worker = bind_all(&config.listen, config.workers)?;
+    let per_worker = bind_all(&config.listen, config.workers, config.send_timeout)?;
     let mut pid_file = config
         .pid_file
         .as_deref()
@@ -494,6 +497,7 @@ pub fn reload_status_path(pid_file: &std::path::Path) -> std::path::PathBuf {
 fn bind_all(
     listen: &[SocketAddr],
     workers: usize,
+    send_timeout: Option<Duration>,
 ) -> anyhow::Result<Vec<Vec<std::net::TcpListener>>> {
     // All probes before any bind: our own sockets for one address must not look like
     // another server to the probe of an overlapping one (0.0.0.0:443 and 127.0.0.1:443).
@@ -503,7 +507,8 @@ fn bind_all(
     for addr in listen {
         let mut actual = *addr;
         for (i, slot) in per_worker.iter_mut().enumerate() {
-            let l = bind_reuseport(actual).with_context(|| format!("cannot listen on {actual}"))?;
+            let l = bind_reuseport(actual, send_timeout)
+                .with_context(|| format!("cannot listen on {actual}"))?;
             if i == 0 {
                 actual = l.local_addr()?;
             }
@@ -545,7 +550,10 @@ fn refuse_if_listened(addr: SocketAddr) -> anyhow::Result<()> {
     }
 }
 
-fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+fn bind_reuseport(
+    addr: SocketAddr,
+    send_timeout: Option<Duration>,
+) -> std::io::Result<std::net::TcpListener> {
     use socket2::{Domain, Socket, Type};
     let s = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     s.set_reuse_address(true)?;
@@ -557,6 +565,10 @@ fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     // Accepted sockets inherit TCP_NODELAY from the listener: one setsockopt per listener
     // instead of one per connection.
     s.set_nodelay(true)?;
+    // ... and TCP_USER_TIMEOUT (the send timeout), as HAProxy's `tcp-ut` does.
+    if send_timeout.is_some() {
+        s.set_tcp_user_timeout(send_timeout)?;
+    }
     s.bind(&addr.into())?;
     s.listen(1024)?;
     Ok(s.into())

@@ -106,6 +106,15 @@ pub struct ServerArgs {
     /// moving either way.
     #[arg(long, default_value_t = 60)]
     pub idle_timeout: u64,
+    /// Seconds a client may take none of our bytes (its window closed: it stopped reading; or
+    /// no acknowledgement: it is gone) before the kernel aborts the connection with a reset
+    /// (nginx's send_timeout, HAProxy's tcp-ut). Counted as `send_timeouts`. Without it a
+    /// client that stops reading holds its connection, and everything queued for it, as long
+    /// as it answers TCP's window probes. Set as TCP_USER_TIMEOUT on the listening sockets:
+    /// no system call per connection. 0: the kernel's default (no limit while probes are
+    /// answered).
+    #[arg(long, default_value_t = 60.0, value_name = "S", value_parser = parse_send_timeout)]
+    pub send_timeout: f64,
     /// Nice value of the threads that accept and run handshakes, relative to the threads that
     /// serve established connections. When both have work, established connections come
     /// first (at 5 handshakes still get about a quarter of a busy core); 0 is equal priority.
@@ -166,6 +175,15 @@ fn parse_keyd_timeout(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(t) if (0.01..=60.0).contains(&t) => Ok(t),
         Ok(_) => Err("must be between 0.01 and 60 seconds".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn parse_send_timeout(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        // TCP_USER_TIMEOUT is in milliseconds (an int): at least 1 of them, at most ~24 days.
+        Ok(t) if t == 0.0 || (0.001..=86400.0).contains(&t) => Ok(t),
+        Ok(_) => Err("must be 0 (off) or between 0.001 and 86400 seconds".into()),
         Err(e) => Err(e.to_string()),
     }
 }
@@ -407,6 +425,8 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
         listen: server.listen.clone(),
         workers,
         handshake_timeout: Duration::from_secs(server.handshake_timeout),
+        send_timeout: (server.send_timeout > 0.0)
+            .then(|| Duration::from_secs_f64(server.send_timeout)),
         shutdown_grace: Duration::from_secs(server.shutdown_grace),
         handshake_nice: server.handshake_nice,
         limits: server.limits.clone(),

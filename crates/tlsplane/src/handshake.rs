@@ -265,7 +265,7 @@ pub(crate) async fn send_with<T>(
 ) -> io::Result<T> {
     match send() {
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-        r => return r,
+        r => return counted(r),
     }
     loop {
         // Readiness recorded before the WouldBlock above may be stale: the try below then
@@ -273,9 +273,20 @@ pub(crate) async fn send_with<T>(
         sock.writable().await?;
         match sock.try_io(tokio::io::Interest::WRITABLE, &mut send) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            r => return r,
+            r => return counted(r),
         }
     }
+}
+
+/// ETIMEDOUT from a send: the kernel ended the connection because the peer took none of our
+/// bytes for the send timeout (`TCP_USER_TIMEOUT`, set on the listening sockets).
+fn counted<T>(r: io::Result<T>) -> io::Result<T> {
+    if let Err(e) = &r {
+        if e.kind() == io::ErrorKind::TimedOut {
+            crate::stats::bump(&crate::stats::global().send_timeouts);
+        }
+    }
+    r
 }
 
 /// Appends an encoded TLS message from rustls to `out`, growing it as rustls asks.

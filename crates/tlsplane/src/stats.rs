@@ -207,6 +207,10 @@ counters! {
     lingering_byte_limits,
     /// Bytes read and dropped by lingering closes.
     lingering_bytes,
+    /// Writes that failed because the kernel ended the connection: the client had taken none
+    /// of our bytes (a closed window, or no acknowledgement) for the send timeout
+    /// (`--send-timeout`, `TCP_USER_TIMEOUT`).
+    send_timeouts,
 }
 
 /// Connections open now, by plane: gauges (they go down), apart from the counters. A
