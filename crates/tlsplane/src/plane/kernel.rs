@@ -439,6 +439,9 @@ impl KernelPlane {
         io::Error::new(io::ErrorKind::InvalidData, why)
     }
 
+    /// For ends on an error (and the closes that stand for one): bounded to 1 s, since the
+    /// connection is dropped right after in any case. A response's close_notify is
+    /// [`shutdown`](Self::shutdown)'s, which waits as a write does.
     async fn send_alert(&mut self, sock: &TcpStream, desc: u8) -> io::Result<()> {
         if self.write_closed {
             return Ok(());
@@ -658,9 +661,21 @@ impl KernelPlane {
     }
 
     /// close_notify through kTLS, then TCP FIN.
+    ///
+    /// The close_notify waits for room as any write does, for as long: it queues behind the
+    /// end of the response, which a slow client may take minutes to read (a full send buffer
+    /// frees room for it only once a third of it has drained). A time limit here would drop
+    /// the connection, and with it the response's last records still in kTLS's own queue:
+    /// the client's download would end short, without close_notify. What bounds a client that
+    /// takes nothing at all is the send timeout (`TCP_USER_TIMEOUT`), as for every write.
     pub(crate) async fn shutdown(&mut self, sock: &TcpStream) -> io::Result<()> {
         if !self.write_closed {
-            self.send_alert(sock, ALERT_CLOSE_NOTIFY).await?;
+            // Cancel-safe: the record goes out whole or not at all, and until it has gone
+            // (or failed) the write side stays open for a later try.
+            let sent = send_all_record(sock, CT_ALERT, &[1, ALERT_CLOSE_NOTIFY]).await;
+            bump(&global().kernel_alerts_sent);
+            self.write_closed = true;
+            sent?;
         }
         if self.read_closed {
             // As on the user plane: the close on drop sends the FIN.
