@@ -9,14 +9,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The build profile of the tests (Cargo.toml: release without LTO, much quicker to build);
+# vm/ktls-suite takes the same, so nothing is compiled twice.
+export TEST_PROFILE=${TEST_PROFILE:-test-release}
 echo "== native: unit tests + end-to-end tests with real clients (user plane) =="
-cargo test --release --workspace -- --skip syscalls::
+cargo test --profile "$TEST_PROFILE" --workspace -- --skip syscalls::
 # The system-call budgets alone: a test running beside them (two threads) slows the client or
 # the server at random, and every wait that a reply just missed adds calls to the count.
 # The same selection of targets as above (a filter, not `--test e2e`): selecting one target
 # unifies dependency features differently and compiled the workspace again (3.5 min in CI).
 echo "== native: system calls per connection (tests/e2e/syscalls.rs), one test at a time =="
-cargo test --release --workspace -- --test-threads=1 syscalls::
+cargo test --profile "$TEST_PROFILE" --workspace -- --test-threads=1 syscalls::
 
 if [ "${SKIP_FUZZ:-0}" = 1 ]; then
 	echo "== fuzz: skipped (SKIP_FUZZ=1) =="
