@@ -104,6 +104,10 @@ fail() {
 		echo "FAIL: $*"
 		echo "--- /proc/net/tls_stat at failure:"
 		tls_stat_all
+		# TCP's memory (pages) against its limits: under pressure the kernel shrinks send
+		# buffers and refuses allocations, which the data path meets as waits or errors.
+		echo "--- /proc/net/sockstat, tcp_mem at failure:"
+		cat /proc/net/sockstat /proc/sys/net/ipv4/tcp_mem 2>/dev/null
 	} >&2
 	exit 1
 }

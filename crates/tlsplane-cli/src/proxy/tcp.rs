@@ -127,7 +127,8 @@ pub(crate) async fn relay(
         }
         if backend_done && !client_shut {
             client_shut = true;
-            if Box::pin(tls.shutdown()).await.is_err() {
+            if let Err(e) = Box::pin(tls.shutdown()).await {
+                tracing::debug!(error = %e, "relay: close_notify to the client failed");
                 return Ended::ClientError;
             }
         }
@@ -181,7 +182,10 @@ pub(crate) async fn relay(
                     up_held = Held::Pipe(n);
                     deadline = tokio::time::Instant::now() + idle;
                 }
-                Up::Read(Err(_)) => return Ended::ClientError,
+                Up::Read(Err(e)) => {
+                    tracing::debug!(error = %e, "relay: reading the client failed");
+                    return Ended::ClientError;
+                }
                 // The backend has said all it had to (its EOF, passed on with close_notify) and
                 // takes no more: a clean end for the client, whose remaining input is dropped.
                 Up::Wrote(Ok(0) | Err(_), _) if backend_done && client_shut => return Ended::Closed,
@@ -209,7 +213,8 @@ pub(crate) async fn relay(
                     loop {
                         tokio::select! {
                             w = &mut write => {
-                                if w.is_err() {
+                                if let Err(e) = w {
+                                    tracing::debug!(error = %e, "relay: writing to the client failed");
                                     return Ended::ClientError;
                                 }
                                 break;
