@@ -107,8 +107,9 @@ pub struct ServerArgs {
     #[arg(long, default_value_t = 60)]
     pub idle_timeout: u64,
     /// Seconds a client may take none of our bytes (its window closed: it stopped reading; or
-    /// no acknowledgement: it is gone) before the kernel aborts the connection with a reset
-    /// (nginx's send_timeout, HAProxy's tcp-ut). Counted as `send_timeouts`. Without it a
+    /// no acknowledgement: it is gone) before the kernel drops the connection; it sends
+    /// nothing then, and the client's next packet meets a reset (nginx's send_timeout,
+    /// HAProxy's tcp-ut). Counted as `send_timeouts`. Without it a
     /// client that stops reading holds its connection, and everything queued for it, as long
     /// as it answers TCP's window probes. Set as TCP_USER_TIMEOUT on the listening sockets:
     /// no system call per connection. 0: the kernel's default (no limit while probes are
