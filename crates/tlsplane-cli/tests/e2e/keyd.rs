@@ -582,7 +582,8 @@ fn wait_spares(server: &crate::support::Server, n: usize) {
 }
 
 fn wait_line(server: &crate::support::Server, what: &str) -> String {
-    let deadline = Instant::now() + Duration::from_secs(5);
+    // Generous: a daemon started again under emulation takes seconds to be tried and used.
+    let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if let Some(l) = server.stderr_lines().into_iter().find(|l| l.contains(what)) {
             return l;
@@ -1237,30 +1238,46 @@ fn with_two_keyds_over_tls_handshakes_go_on_through_the_other_when_one_dies() {
         .start();
     let port = server.port();
 
-    // Handshakes in a loop, each success and failure with when it happened.
+    // Handshakes in a loop, each success and failure with when it happened. Each step waits
+    // for handshakes to succeed rather than for a fixed time: under emulation (the kernel-plane
+    // guests) a handshake can take a large part of any fixed window.
+    type Outcomes = (Vec<Duration>, Vec<(Duration, String)>);
+    let outcomes = std::sync::Arc::new(std::sync::Mutex::new(Outcomes::default()));
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (stop2, started) = (stop.clone(), Instant::now());
+    let (stop2, seen, started) = (stop.clone(), outcomes.clone(), Instant::now());
     let looper = std::thread::spawn(move || {
-        let (mut ok, mut failed) = (Vec::new(), Vec::new());
         while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
             let (r, _) = try_handshake(port);
+            let mut seen = seen.lock().unwrap();
             match r {
-                Ok(()) => ok.push(started.elapsed()),
-                Err(e) => failed.push((started.elapsed(), e)),
+                Ok(()) => seen.0.push(started.elapsed()),
+                Err(e) => seen.1.push((started.elapsed(), e)),
             }
+            drop(seen);
             std::thread::sleep(Duration::from_millis(5));
         }
-        (ok, failed)
     });
-    let ok_between = |ok: &[Duration], from: Duration, to: Duration| {
-        ok.iter().filter(|t| **t >= from && **t < to).count()
+    let five_ok_after = |from: Duration, what: &str| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let seen = outcomes.lock().unwrap();
+            if seen.0.iter().filter(|t| **t >= from).count() >= 5 {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{what}: {seen:?}");
+            drop(seen);
+            std::thread::sleep(Duration::from_millis(20));
+        }
     };
-    std::thread::sleep(Duration::from_millis(500));
+    five_ok_after(Duration::ZERO, "no handshakes through A and B");
     // A dies (SIGKILL): the next handshakes go to B.
     let a_port = keyds[0].port;
     let killed_a = started.elapsed();
     drop(keyds.remove(0));
-    std::thread::sleep(Duration::from_millis(700));
+    five_ok_after(
+        killed_a + Duration::from_millis(200),
+        "no handshakes through B after A died",
+    );
     // A is started again on its port, from the key file (put back for it alone).
     let back_a = started.elapsed();
     fs::write(&site.key_pem, &saved).unwrap();
@@ -1271,10 +1288,13 @@ fn with_two_keyds_over_tls_handshakes_go_on_through_the_other_when_one_dies() {
     let killed_b = started.elapsed();
     keyds.clear();
     keyds.push(a);
-    std::thread::sleep(Duration::from_millis(700));
+    five_ok_after(
+        killed_b + Duration::from_millis(200),
+        "no handshakes through A, back, after B died",
+    );
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let (ok, failed) = looper.join().unwrap();
-    let end = started.elapsed();
+    looper.join().unwrap();
+    let (ok, failed) = std::mem::take(&mut *outcomes.lock().unwrap());
     eprintln!(
         "{} handshakes, {} failed: {failed:?}; A killed at {killed_a:?}, started again at {back_a:?}, B killed at {killed_b:?}",
         ok.len() + failed.len(),
@@ -1283,15 +1303,6 @@ fn with_two_keyds_over_tls_handshakes_go_on_through_the_other_when_one_dies() {
     assert!(
         failed.len() <= 2,
         "more than the in-flight handshakes failed: {failed:?}"
-    );
-    assert!(ok_between(&ok, Duration::ZERO, killed_a) >= 5, "{ok:?}");
-    assert!(
-        ok_between(&ok, killed_a + Duration::from_millis(200), back_a) >= 5,
-        "no handshakes through B after A died: {ok:?}"
-    );
-    assert!(
-        ok_between(&ok, killed_b + Duration::from_millis(200), end) >= 5,
-        "no handshakes through A, back, after B died: {ok:?}"
     );
     keyds[0].assert_alive();
     let lines = server.stderr_lines();
