@@ -26,6 +26,12 @@ impl Impostor {
     /// writing `request` on each connection it hands out. None (the caller skips, saying so)
     /// when this process is not root: it cannot act as another user then.
     pub fn start(name: &str, request: &str) -> Option<Impostor> {
+        Self::start_in(Self::make_dir(name)?, request)
+    }
+
+    /// A fresh directory owned by [`IMPOSTOR_UID`], for [`start_in`](Self::start_in) (None
+    /// when not root, as for `start`). Its socket path is `handoff.sock` in it.
+    pub fn make_dir(name: &str) -> Option<PathBuf> {
         if tlsplane_sys::effective_uid() != 0 {
             eprintln!("SKIPPED: not root, so no process of another user can be started");
             return None;
@@ -36,6 +42,11 @@ impl Impostor {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         std::os::unix::fs::chown(&dir, Some(IMPOSTOR_UID), Some(IMPOSTOR_UID)).unwrap();
+        Some(dir)
+    }
+
+    /// Starts it in `dir` (from [`make_dir`](Self::make_dir)), which it removes when dropped.
+    pub fn start_in(dir: PathBuf, request: &str) -> Option<Impostor> {
         let path = dir.join("handoff.sock");
         let script =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../tlsplane-handoff/tests/impostor.py");
