@@ -246,16 +246,23 @@ struct frame_lock {
                         * of, 0 between frames */
 };
 
-/* Children forked lately, for the kernel plane's CLOSE (shared memory: children write). */
-struct children {
-    unsigned next;                      /* atomic */
-    uint64_t pids[MAX_CHILDREN];        /* atomic: parent pid << 32 | child pid */
-};
+/* CLOSEs sent for connections that more than one process held (forked ones), in memory
+ * shared with the processes forked after init: each connection's CLOSE goes out once, from
+ * whichever process saw the last copy go. A slot holds conn_id + 1 (0: empty). */
+#define SENT_SLOTS 256
+
+/* Children this process forked lately, for the kernel plane's CLOSE: the fork wrapper
+ * notes each before returning, so a close right after the fork already knows it. A child
+ * inherits its parent's entries, which name another parent and are skipped. */
+static struct {
+    unsigned next;               /* atomic */
+    uint64_t pids[MAX_CHILDREN]; /* atomic: parent pid << 32 | child pid */
+} children;
 
 static struct taken taken[MAX_TAKEN];
 static int n_taken; /* atomic: slots in use, a fast path for every close */
 static struct frame_lock *frame_locks; /* MAX_TAKEN, shared */
-static struct children *children;     /* shared */
+static uint64_t *sent_closes;          /* SENT_SLOTS, shared */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void note(const char *what, int e) {
@@ -415,46 +422,110 @@ static int holds(pid_t pid, int fd, int ours) {
                    (unsigned long)fd) == 0;
 }
 
-/* Whether a process other than this one still holds connection k at fd, which this process
- * no longer does (`ours` is a copy kept for comparing): the accepting process, for a child;
- * a recent child, for the accepting process. */
-static int held_elsewhere(const struct kconn *k, int fd, int ours) {
+/* Whether one of this process's recent children holds, at fd, the file `ours` is. */
+static int held_by_child(int fd, int ours) {
     pid_t self = getpid();
-    if (k->pid != self)
-        return holds(k->pid, fd, ours);
-    if (!__atomic_load_n(&k->forked, __ATOMIC_ACQUIRE) || !children)
-        return 0;
     for (int i = 0; i < MAX_CHILDREN; i++) {
-        uint64_t e = __atomic_load_n(&children->pids[i], __ATOMIC_ACQUIRE);
-        if ((pid_t)(e >> 32) == self && holds((pid_t)(uint32_t)e, fd, ours))
+        uint64_t e = __atomic_load_n(&children.pids[i], __ATOMIC_ACQUIRE);
+        if (e && (pid_t)(e >> 32) == self && holds((pid_t)(uint32_t)e, fd, ours))
             return 1;
     }
     return 0;
 }
 
+/* CLOSE for a connection several processes held, unless one of them sent it already. */
+static void send_close_once(struct kconn *k) {
+    if (sent_closes) {
+        uint64_t *slot = &sent_closes[(k->conn_id * 0x9e3779b97f4a7c15ull) >> 56];
+        uint64_t cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+        do {
+            if (cur == k->conn_id + 1)
+                return;
+        } while (!__atomic_compare_exchange_n(slot, &cur, k->conn_id + 1, 0, __ATOMIC_ACQ_REL,
+                                              __ATOMIC_ACQUIRE));
+    }
+    send_close(k);
+}
+
+/* Connections this process accepted and closed while a child still held them: the watcher
+ * thread (started by the fork wrapper, so that close itself never creates one) sends each
+ * CLOSE once no child holds the connection any more, which also covers a child that exits
+ * or execs without closing it. */
+#define MAX_DEFERRED 64
+static struct deferred {
+    int state; /* atomic: 0 free, 1 being filled, 2 watched */
+    int fd, ours;
+    struct kconn k; /* a copy: kconns[fd] is free again */
+} deferred[MAX_DEFERRED];
+static int watching; /* atomic: the watcher thread runs */
+
+static int defer_close(const struct kconn *k, int fd, int ours) {
+    if (!__atomic_load_n(&watching, __ATOMIC_ACQUIRE))
+        return 0;
+    for (int i = 0; i < MAX_DEFERRED; i++) {
+        int free_slot = 0;
+        struct deferred *d = &deferred[i];
+        if (!__atomic_compare_exchange_n(&d->state, &free_slot, 1, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_RELAXED))
+            continue;
+        d->fd = fd;
+        d->ours = ours;
+        d->k = *k;
+        __atomic_store_n(&d->state, 2, __ATOMIC_RELEASE);
+        return 1;
+    }
+    return 0; /* full: CLOSE now, as if no child held it */
+}
+
+static void *watch_deferred(void *arg) {
+    (void)arg;
+    for (;;) {
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        for (int i = 0; i < MAX_DEFERRED; i++) {
+            struct deferred *d = &deferred[i];
+            if (__atomic_load_n(&d->state, __ATOMIC_ACQUIRE) != 2 || held_by_child(d->fd, d->ours))
+                continue;
+            send_close_once(&d->k);
+            REAL(close)(d->ours);
+            __atomic_store_n(&d->state, 0, __ATOMIC_RELEASE);
+        }
+    }
+    return NULL;
+}
+
 /* Closes (or, for dup2/dup3, replaces) descriptor fd through `op`, forgetting its kernel-plane
- * connection and sending CLOSE unless sent, or unless another process still holds it (see
- * the header: fork). Only atomics and system calls: safe in a signal handler. */
+ * connection and sending its CLOSE unless sent. A connection more than one process held (this
+ * one forked since accepting it, or inherited it) gets its CLOSE once the last of them lets
+ * go (see the header: fork). Only atomics and system calls: safe in a signal handler. */
 static int kclose(int fd, int (*op)(int, int, int), int a, int b, int c) {
     struct kconn *k = kfind(fd);
     if (!k || !__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
         return op(a, b, c);
     __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
     /* The fields stay valid: fd is not reused before the close below. */
-    int shared = k->pid != getpid() || __atomic_load_n(&k->forked, __ATOMIC_ACQUIRE);
-    if (!shared) {
+    int mine = k->pid == getpid();
+    if (mine && !__atomic_load_n(&k->forked, __ATOMIC_ACQUIRE)) {
         send_close(k);
         return op(a, b, c);
     }
     if (inode_of(fd) != k->ino)
         return op(a, b, c); /* stale (see kforget_stale): not this process's to tell */
     /* This process's copy goes first, then the others are asked: of two processes closing
-     * at once, at least the later one sees the other's copy gone, and sends. */
+     * at once, at least the later one sees the other's copy gone. */
     int ours = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     int r = op(a, b, c);
     int e = errno;
-    if (ours < 0 || !held_elsewhere(k, fd, ours))
-        send_close(k);
+    if (ours < 0) {
+        send_close_once(k);
+    } else if (mine) {
+        if (!held_by_child(fd, ours) || !defer_close(k, fd, ours))
+            send_close_once(k);
+        else
+            ours = -1; /* the watcher's now */
+    } else if (!holds(k->pid, fd, ours)) {
+        send_close_once(k); /* the accepting process let go first */
+    }
     if (ours >= 0)
         REAL(close)(ours);
     errno = e;
@@ -673,14 +744,45 @@ static void fork_parent(void) {
 }
 
 static void start_reconnect(struct taken *t, int fd);
+static pid_t (*real_fork)(void);
+
+/* Notes each child before returning, so that a close right after the fork already knows
+ * it; and once a kernel-plane connection was open at a fork, starts the watcher thread. */
+pid_t fork(void) {
+    pid_t pid = REAL(fork)();
+    if (pid <= 0)
+        return pid;
+    unsigned i = __atomic_fetch_add(&children.next, 1, __ATOMIC_ACQ_REL) % MAX_CHILDREN;
+    uint64_t e = (uint64_t)(uint32_t)getpid() << 32 | (uint32_t)pid;
+    __atomic_store_n(&children.pids[i], e, __ATOMIC_RELEASE);
+    int idle = 0;
+    if (__atomic_load_n(&n_kernel, __ATOMIC_ACQUIRE) > 0 &&
+        __atomic_compare_exchange_n(&watching, &idle, 1, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_RELAXED)) {
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&th, &attr, watch_deferred, NULL) != 0)
+            __atomic_store_n(&watching, 0, __ATOMIC_RELEASE);
+        pthread_attr_destroy(&attr);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
+    return pid;
+}
 
 /* The child: only the forking thread exists here. Counts of other threads' work on a slot are
  * stale, a half-claimed slot will never be finished, and a reconnecting thread is missing. */
 static void fork_child(void) {
-    if (children) {
-        unsigned i = __atomic_fetch_add(&children->next, 1, __ATOMIC_ACQ_REL) % MAX_CHILDREN;
-        uint64_t e = (uint64_t)(uint32_t)getppid() << 32 | (uint32_t)getpid();
-        __atomic_store_n(&children->pids[i], e, __ATOMIC_RELEASE);
+    __atomic_store_n(&watching, 0, __ATOMIC_RELEASE);
+    for (int i = 0; i < MAX_DEFERRED; i++) {
+        /* The parent's to send; this process's copy of its watched socket goes. */
+        if (__atomic_load_n(&deferred[i].state, __ATOMIC_ACQUIRE) == 2)
+            REAL(close)(deferred[i].ours);
+        __atomic_store_n(&deferred[i].state, 0, __ATOMIC_RELEASE);
     }
     for (int i = 0; i < MAX_TAKEN; i++) {
         struct taken *t = &taken[i];
@@ -848,7 +950,7 @@ static void init(void) {
         cfg.fail = EINVAL;
         return;
     }
-    void *shared = mmap(NULL, sizeof(struct frame_lock) * MAX_TAKEN + sizeof(struct children),
+    void *shared = mmap(NULL, sizeof(struct frame_lock) * MAX_TAKEN + 8 * SENT_SLOTS,
                         PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     pthread_mutexattr_t attr;
     if (shared == MAP_FAILED || pthread_mutexattr_init(&attr) != 0) {
@@ -857,7 +959,7 @@ static void init(void) {
         return;
     }
     frame_locks = shared;
-    children = (struct children *)(frame_locks + MAX_TAKEN);
+    sent_closes = (uint64_t *)(frame_locks + MAX_TAKEN);
     pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
     pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
     pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
@@ -1470,7 +1572,10 @@ int shutdown(int fd, int how) {
         return (int)fail(EINVAL);
     if (how == SHUT_RDWR && REAL(shutdown)(fd, SHUT_RD) < 0)
         return -1;
-    send_close(k);
+    if (k->pid == getpid() && !__atomic_load_n(&k->forked, __ATOMIC_ACQUIRE))
+        send_close(k);
+    else
+        send_close_once(k);
     return 0;
 }
 
