@@ -96,16 +96,20 @@
  *     (EPIPE): nothing can be sent. If tlsplane restarts after a KEY_UPDATE went out, the
  *     new one answers REPLY status 1 (unknown connection), which accept skips, and the read
  *     keeps getting EKEYEXPIRED until the 5 s bound -> ECONNRESET.
- *   - fork: a connection is the accepting process's: a child closing its copy sends nothing
- *     while that process still holds the descriptor. But when the accepting process closes a
- *     connection it forked with while one of its last 64 children still holds it (kcmp(2)),
- *     it sends nothing, and that child's close sends the CLOSE once the accepting process no
- *     longer holds it. So an accept-then-fork server (socketserver.ForkingMixIn: the parent
- *     closes its copy at once, the child serves) and a threaded server whose subprocesses
- *     exec (closing the descriptor, close-on-exec) both get close_notify at the right time.
- *     Where kcmp is unavailable (a kernel without it; a child that may not inspect its
- *     parent under Yama) a close sends CLOSE. A child forwards KeyUpdates on the inherited
- *     hand-off connection.
+ *   - fork: a connection that several processes hold (accepted, then forked) gets its CLOSE
+ *     when the last of them lets go, once. The shim wraps fork(2) to note each child (the
+ *     last 64), and compares descriptors across processes with kcmp(2). When the accepting
+ *     process closes a connection that a child still holds at the same descriptor, it sends
+ *     nothing yet: a thread of its own (started at the first fork with a kernel-plane
+ *     connection open) checks every 50 ms and sends the CLOSE once no child holds it, which
+ *     covers a child that exits or execs without closing it (a subprocess). A child closing
+ *     its copy sends the CLOSE itself when the accepting process no longer holds it. A set of
+ *     connection ids in shared memory keeps the two from both sending. So an accept-then-fork
+ *     server (socketserver.ForkingMixIn: the parent closes its copy at once, the child serves
+ *     and closes) and a threaded server that forks subprocesses both get close_notify at the
+ *     right time. Where kcmp cannot tell (a kernel without it; a child that may not inspect
+ *     its parent under Yama; more than 64 forks since) a close sends CLOSE, as if no other
+ *     process held it. A child forwards KeyUpdates on the inherited hand-off connection.
  *   - The documented limit of the kernel plane: a client KeyUpdate with update_requested makes
  *     tlsplane send our KeyUpdate on its duplicate under the old TX key and install the next;
  *     the reading thread waits meanwhile, but a program writing from another thread during
@@ -130,7 +134,8 @@
  *     in the middle of a frame leaves a stream that cannot be framed: the next holder shuts it
  *     down, and each process reconnects.
  *   - A child forked while tlsplane was away starts its own reconnecting thread (threads are
- *     not inherited).
+ *     not inherited). fork(2) is wrapped (see above); vfork, posix_spawn and clone are not,
+ *     and need not be: their children exec.
  *
  * Limits: one hand-off connection per taken-over socket and process (processes forked after
  * listen share it until tlsplane restarts; then each connects on its own). When tlsplane closes
@@ -1579,15 +1584,20 @@ int shutdown(int fd, int how) {
     return 0;
 }
 
+/* Whether a dup2/dup3 of `old` onto fd closes one of the shim's descriptors. */
+static int replaces_ours(int old, int fd) {
+    return old != fd && (kfind(fd) || find(fd)) && fcntl(old, F_GETFD) >= 0;
+}
+
 int dup2(int old, int fd) {
-    if (old == fd || fcntl(old, F_GETFD) < 0)
+    if (!replaces_ours(old, fd))
         return REAL(dup2)(old, fd);
     release_taken(fd);
     return kclose(fd, op_dup3, old, fd, 0);
 }
 
 int dup3(int old, int fd, int flags) {
-    if (old == fd || fcntl(old, F_GETFD) < 0)
+    if (!replaces_ours(old, fd))
         return REAL(dup3)(old, fd, flags);
     release_taken(fd);
     return kclose(fd, op_dup3, old, fd, flags);

@@ -695,7 +695,7 @@ fn a_threaded_server_that_forks_is_served_without_deadlock_or_waiting_behind_a_s
                             .unwrap();
                         let mut k = info(id, "10.1.2.3:4444");
                         k.plane = Plane::Kernel;
-                        send_connection(&*sender.lock().unwrap(), server.as_fd(), &k).unwrap();
+                        send_connection(&sender.lock().unwrap(), server.as_fd(), &k).unwrap();
                         drop(server);
                         let body = payload(id);
                         peer.write_all(&body).unwrap();

@@ -413,7 +413,7 @@ fn connections_past_the_queue_limit_are_ended_on_arrival_and_counted() {
         send_reply(&theirs, &reply).unwrap();
         // What the client asked afterwards, to its end.
         let mut closes = Vec::new();
-        while let Some(_) = read_frame(&theirs, &mut frame).unwrap() {
+        while read_frame(&theirs, &mut frame).unwrap().is_some() {
             if let Some(Message::Close { conn_id, .. }) = Message::decode(&frame).unwrap() {
                 closes.push(conn_id);
             }
