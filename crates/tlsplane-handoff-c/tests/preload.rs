@@ -852,27 +852,35 @@ fn the_shim_never_takes_a_connection_from_another_user_at_the_path() {
     );
     assert!(!err.contains("reconnected"), "{err}");
 
-    // Another user there at listen: refused.
-    let port = free_port();
-    let out = Command::new(&frames)
-        .arg(port.to_string())
-        .env("LD_PRELOAD", &shim)
-        .env("TLSPLANE_HANDOFF", &path)
-        .env("TLSPLANE_LISTEN", port.to_string())
-        .env_remove("TLSPLANE_HANDOFF_UID")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        "listen: Operation not permitted\n",
+    // Another user there at listen: refused; a malformed list of ids fails the listen too.
+    let listen_with = |uid_env: Option<&str>| {
+        let port = free_port();
+        let mut cmd = Command::new(&frames);
+        cmd.arg(port.to_string())
+            .env("LD_PRELOAD", &shim)
+            .env("TLSPLANE_HANDOFF", &path)
+            .env("TLSPLANE_LISTEN", port.to_string())
+            .env_remove("TLSPLANE_HANDOFF_UID");
+        if let Some(v) = uid_env {
+            cmd.env("TLSPLANE_HANDOFF_UID", v);
+        }
+        let out = cmd.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        (stdout, String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (stdout, stderr) = listen_with(None);
+    assert_eq!(stdout, "listen: Operation not permitted\n", "{stderr}");
+    assert!(stderr.contains(&refusal), "{stderr}");
+    let (stdout, stderr) = listen_with(Some("1000,"));
+    assert_eq!(stdout, "listen: Invalid argument\n", "{stderr}");
+    assert!(
+        stderr.contains("TLSPLANE_HANDOFF_UID: expected"),
         "{stderr}"
     );
-    assert!(stderr.contains(&refusal), "{stderr}");
 
     // Trusted, the same impostor is served the file.
     let err_b = dir.join("http-b.err");
-    let mut py = http_server(Some("65534"), &err_b);
+    let mut py = http_server(Some("1000,65534"), &err_b);
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut served = None;
     while served.is_none() && Instant::now() < deadline {
