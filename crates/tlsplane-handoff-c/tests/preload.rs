@@ -969,3 +969,78 @@ fn a_fork_per_connection_server_sends_close_when_the_child_is_done() {
     assert_eq!(stdout, "listening\nserved=4\ndone\n", "{stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A pre-fork server under the shim (tests/c/shim_servers.c prefork: 4 processes forked after
+/// listen, each in a blocking accept on the shared socket). The fake sends each CONNECTION
+/// frame in two pieces, 5 ms apart, as a stream may carry it: a process must take the whole
+/// frame, or another one, waiting in its own accept, reads the tail as a frame of its own.
+#[test]
+fn a_pre_fork_server_takes_whole_frames_in_each_process() {
+    let (dir, shim, exe) = build("preload-prefork", "shim_servers");
+    let path = dir.join("handoff.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let port = free_port();
+    let mut child = Command::new(&exe)
+        .args([&port.to_string(), "prefork", "4"])
+        .env("LD_PRELOAD", &shim)
+        .env("TLSPLANE_HANDOFF", &path)
+        .env("TLSPLANE_LISTEN", port.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let sock = accept_within(&listener).expect("the program did not connect");
+    std::thread::sleep(Duration::from_millis(200)); // the processes are forked and accepting
+    const CONNS: u64 = 40;
+    let mut peers = Vec::new();
+    for id in 1..=CONNS {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let mut frame = vec![0u8; 1024];
+        let n = Message::Connection(info(id, "10.1.2.3:4444"))
+            .encode(&mut frame)
+            .unwrap();
+        tlsplane_sys::send_with_fd(sock.as_fd(), &frame[..8], theirs.as_fd()).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        (&sock).write_all(&frame[8..n]).unwrap();
+        peers.push((id, ours));
+    }
+    let exact = std::thread::scope(|s| {
+        let checks: Vec<_> = peers
+            .iter_mut()
+            .map(|(id, peer)| {
+                s.spawn(move || {
+                    peer.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                    // A connection the program lost fails here: it counts as not echoed.
+                    let line = format!("connection {id}\n");
+                    let mut back = vec![0u8; line.len()];
+                    let exact = peer.write_all(line.as_bytes()).is_ok()
+                        && peer.read_exact(&mut back).is_ok()
+                        && back == line.as_bytes();
+                    // Its process is then free for the next connection.
+                    let _ = peer.shutdown(std::net::Shutdown::Write);
+                    exact && peer_read(peer) == "end of stream"
+                })
+            })
+            .collect();
+        checks
+            .into_iter()
+            .map(|c| c.join().unwrap())
+            .filter(|&e| e)
+            .count()
+    });
+    drop(child.stdin.take());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(exact, CONNS as usize, "{stdout}{stderr}");
+    assert_eq!(stdout, "listening\nserved=40\ndone\n", "{stderr}");
+    assert!(!stderr.contains("closed or broken"), "{stderr}");
+    drop(sock);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
