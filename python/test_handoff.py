@@ -69,6 +69,7 @@ def main():
             pass
     print("fuzz_accepted_some=%s" % (accepted > 100))
     print("control_records=%s" % control_records())
+    print("queue_bound=%s" % queue_bound())
     print("done")
 
 
@@ -125,6 +126,55 @@ def control_records():
     t.join()
     theirs.close()
     return "%s %s %s" % (reads == [b"one", b"two"], asked == [(th.KEY_UPDATE, 8, ku)], alert)
+
+
+def queue_bound():
+    """Connections that arrive while a request waits are queued up to queue_limit; past it
+    each is ended at once (a kernel-plane one with a CLOSE) and counted."""
+    import socket
+    import struct
+    import threading
+    ours, theirs = socket.socketpair()
+    closes = []
+
+    def connection(conn_id, plane):
+        name = b"q.example"
+        body = struct.pack("!QBBHH", conn_id, plane, 0, 0x0304, 0x1301) + bytes(40)
+        body += bytes([len(name)]) + name + bytes([0])
+        return th.MAGIC + struct.pack("!BBH", 1, th.CONNECTION, 8 + len(body)) + body
+
+    def read_request():
+        head = theirs.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            return None
+        _kind, length = th.decode_prefix(head)
+        return struct.unpack("!IQ", theirs.recv(length - 8, socket.MSG_WAITALL)[:12])
+
+    def fake():
+        request_id, conn_id = read_request()
+        for n, plane in ((1, th.PLANE_USER), (2, th.PLANE_USER), (3, th.PLANE_KERNEL),
+                         (4, th.PLANE_USER)):
+            a, b = socket.socketpair()
+            socket.send_fds(theirs, [connection(n, plane)], [b.fileno()])
+            a.close()
+            b.close()
+        theirs.sendall(th.MAGIC + struct.pack("!BBHIQH", 1, th.REPLY, 22, request_id, conn_id, 0))
+        while True:
+            r = read_request()
+            if r is None:
+                return
+            closes.append(r[1])
+
+    theirs.settimeout(5)  # bounded: a client that never asks fails the test, not hangs it
+    t = threading.Thread(target=fake, daemon=True)
+    t.start()
+    client = th.Client(ours, queue_limit=2)
+    status = client.close_notify(99)
+    queued = [client.accept()[1].conn_id for _ in range(2)] if status == th.STATUS_OK else []
+    client.disconnect()
+    t.join(5)
+    theirs.close()
+    return "%s dropped=%d closes=%s" % (queued, client.dropped, closes)
 
 
 main()

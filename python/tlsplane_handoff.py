@@ -18,10 +18,18 @@ program that wants those handled reads with :meth:`Client.recv`, which forwards 
 tlsplane and reports close_notify as end of stream.
 
 A ``Client`` is for one thread at a time.
+
+Only tlsplane may answer at the path: :func:`connect` checks the listening process's user id
+(``SO_PEERCRED``) and raises ``PermissionError`` for any but root and the ids tlsplane may run
+as: ``server_uids`` when given, else ``TLSPLANE_HANDOFF_UID`` (decimal ids separated by
+commas, e.g. ``999,1000``), else this process's own effective uid. Whoever binds the path
+while tlsplane is away (a restart removes the socket) could otherwise hand the program forged
+connections and read its answers.
 """
 
 import errno
 import ipaddress
+import os
 import socket
 import struct
 import threading
@@ -47,6 +55,10 @@ STATUS_REFUSED = 5
 
 _SOL_TLS = 282
 _TLS_GET_RECORD_TYPE = 2
+
+SERVER_UID_ENV = "TLSPLANE_HANDOFF_UID"
+MAX_SERVER_UIDS = 16
+DEFAULT_QUEUE_LIMIT = 64
 
 
 class ProtocolError(Exception):
@@ -130,14 +142,65 @@ def encode_request(kind: int, request_id: int, conn_id: int, plaintext: bytes = 
     return MAGIC + struct.pack("!BBH", VERSION, kind, PREFIX_LEN + len(body)) + body
 
 
-class Client:
-    """One connection to tlsplane's hand-off socket."""
+def parse_server_uids(text: str) -> frozenset:
+    """``TLSPLANE_HANDOFF_UID``'s syntax, strictly (a mistake must not trust someone else):
+    decimal user ids separated by commas, no spaces, at most 16. Root is always added."""
+    items = text.split(",")
+    if len(items) > MAX_SERVER_UIDS:
+        raise ValueError("%s=%r: more than 16 user ids" % (SERVER_UID_ENV, text))
+    uids = {0}
+    for item in items:
+        if not item or not all("0" <= c <= "9" for c in item):
+            raise ValueError("%s=%r: expected decimal user ids separated by commas"
+                             % (SERVER_UID_ENV, text))
+        if int(item) >= 0xFFFFFFFF:
+            raise ValueError("%s=%r: a user id out of range" % (SERVER_UID_ENV, text))
+        uids.add(int(item))
+    return frozenset(uids)
 
-    def __init__(self, sock: socket.socket):
+
+def server_uids_from_env() -> frozenset:
+    """Root, and ``TLSPLANE_HANDOFF_UID``'s ids, or when it is unset or empty this process's
+    effective uid."""
+    text = os.environ.get(SERVER_UID_ENV, "")
+    return parse_server_uids(text) if text else frozenset({0, os.geteuid()})
+
+
+def _describe(uids) -> str:
+    others = sorted(u for u in uids if u != 0)
+    if not others:
+        return "root"
+    return "root or uid%s %s" % ("s" if len(others) > 1 else "", ", ".join(map(str, others)))
+
+
+def check_server(sock: socket.socket, path: str, uids) -> None:
+    """Raises PermissionError unless the process listening at the other end of ``sock`` runs
+    as one of ``uids`` (root always counts)."""
+    cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", cred)
+    uid &= 0xFFFFFFFF
+    uids = frozenset(uids) | {0}
+    if uid not in uids:
+        raise PermissionError(
+            errno.EPERM,
+            "refusing the hand-off socket %s: it is served by uid %d, not %s (%s names the "
+            "user ids tlsplane may run as)" % (path, uid, _describe(uids), SERVER_UID_ENV))
+
+
+class Client:
+    """One connection to tlsplane's hand-off socket.
+
+    Connections that arrive while a request waits for its reply are queued for
+    :meth:`accept`, ``queue_limit`` at most; past it one is ended at once (its client gets
+    close_notify) and counted in ``dropped``."""
+
+    def __init__(self, sock: socket.socket, queue_limit: int = DEFAULT_QUEUE_LIMIT):
         self.sock = sock
         self._next_request = 1
         self._conns = deque()  # connections that arrived while waiting for a reply
         self._lock = threading.Lock()
+        self.queue_limit = max(1, queue_limit)
+        self.dropped = 0
 
     def _read_exact(self, n: int, fds: list) -> bytes:
         data = b""
@@ -205,10 +268,14 @@ class Client:
                     raise item[1]
                 return item[1]
 
+    def _new_request_id(self) -> int:
+        request_id = self._next_request
+        self._next_request = (self._next_request + 1) & 0xFFFFFFFF
+        return request_id
+
     def _request(self, kind: int, conn_id: int, plaintext: bytes = b"") -> int:
         with self._lock:
-            request_id = self._next_request
-            self._next_request = (self._next_request + 1) & 0xFFFFFFFF
+            request_id = self._new_request_id()
             self.sock.sendall(encode_request(kind, request_id, conn_id, plaintext))
             while True:
                 item = self._next()
@@ -216,8 +283,27 @@ class Client:
                     continue
                 if item[0] == "reply" and item[1][0] == request_id:
                     return item[1][2]
-                if item[0] != "reply":
+                if item[0] == "reply":
+                    continue
+                if len(self._conns) < self.queue_limit:
                     self._conns.append(item)
+                else:
+                    self._drop(item)
+
+    def _drop(self, item) -> None:
+        """Ends a connection that found the queue full; its reply, if any, is not awaited."""
+        self.dropped += 1
+        if item[0] != "conn":
+            return
+        sock, info = item[1]
+        try:
+            if info.plane == PLANE_KERNEL:
+                self.sock.sendall(encode_request(CLOSE, self._new_request_id(), info.conn_id))
+            elif info.plane == PLANE_USER:
+                sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        sock.close()
 
     def key_update(self, conn_id: int, record_plaintext: bytes) -> int:
         """Asks tlsplane to re-key after a handshake record; returns its STATUS_*."""
@@ -271,12 +357,17 @@ class Client:
         self.sock.close()
 
 
-def connect(path: str) -> Client:
-    """Connects to tlsplane's hand-off Unix socket at ``path``."""
+def connect(path: str, server_uids=None, queue_limit: int = DEFAULT_QUEUE_LIMIT) -> Client:
+    """Connects to tlsplane's hand-off Unix socket at ``path``. ``server_uids``: the user
+    ids tlsplane may run as (root is always trusted); None: ``TLSPLANE_HANDOFF_UID``, or
+    this process's effective uid. Raises PermissionError when another user listens there,
+    ValueError when ``TLSPLANE_HANDOFF_UID`` does not parse."""
+    uids = server_uids_from_env() if server_uids is None else frozenset(server_uids)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(path)
+        check_server(s, path, uids)
     except BaseException:
         s.close()
         raise
-    return Client(s)
+    return Client(s, queue_limit)

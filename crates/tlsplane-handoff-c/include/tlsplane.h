@@ -17,12 +17,24 @@
  *
  * Link: -ltlsplane_handoff_c (shared), or libtlsplane_handoff_c.a with -lpthread -ldl -lm.
  *
+ * Who may answer at the path: anyone can bind it while tlsplane is away (a restart removes
+ * the socket), and would then hand the program forged connections and read its answers. So
+ * tlsplane_connect checks the listening process's user id (SO_PEERCRED) before reading a byte
+ * and refuses (EPERM) any but root and the ids tlsplane may run as: those of the environment
+ * variable TLSPLANE_HANDOFF_UID (decimal ids separated by commas, no spaces, at most 16: e.g.
+ * "999" or "999,1000"), or when it is unset or empty this process's effective uid.
+ * tlsplane_connect_uids names them instead. A refusal, or a malformed TLSPLANE_HANDOFF_UID
+ * (EINVAL), is also said on stderr ("tlsplane: refusing the hand-off socket PATH: it is
+ * served by uid N, ...", at most once per 10 s).
+ *
  * Errors: functions returning int or ssize_t return -1 and set errno; tlsplane_connect
  * returns NULL and sets errno. Besides the errno values of the underlying system calls
  * (connect(2), recvmsg(2), sendmsg(2); EINTR and EAGAIN are passed through, as read(2) does):
+ *   EPERM        tlsplane_connect*: the socket at path is served by a user id not trusted
  *   EBADF        tlsplane_read/tlsplane_close on a descriptor this handle did not accept (or
  *                already closed)
- *   EINVAL       a NULL handle or path; a kernel-plane read with len < 16
+ *   EINVAL       a NULL handle or path; a malformed TLSPLANE_HANDOFF_UID; a kernel-plane
+ *                read with len < 16
  *   EPROTO       tlsplane sent a header this library cannot decode (its descriptor was
  *                closed; the handle stays usable unless the stream itself is broken), or the
  *                peer sent a TLS record that has no business after the handshake
@@ -37,6 +49,9 @@
  * Thread safety: a handle may be used from any number of threads at once. One thread at a
  * time reads the hand-off socket for all of them, so a thread blocked in tlsplane_accept()
  * does not hold up another thread's tlsplane_read() that must send tlsplane a KeyUpdate.
+ * Connections that arrive while a thread waits for tlsplane's answer to a KeyUpdate or close
+ * and no thread accepts are queued, 64 at most; past that each is ended on arrival (its client
+ * gets close_notify), so that a flood cannot take the program's memory and descriptors.
  * Two threads reading the same descriptor at once get what read(2) would give them.
  *
  * All calls block unless the descriptor they read is non-blocking (then EAGAIN as usual);
@@ -94,9 +109,15 @@ typedef struct tlsplane_handle tlsplane_handle;
 /* sizeof(struct tlsplane_conn_info) as the library was built: compare with your sizeof. */
 size_t tlsplane_conn_info_size(void);
 
-/* Connects to tlsplane's hand-off Unix socket at `path`. Returns a handle, or NULL with errno
- * set (from connect(2), e.g. ENOENT, ECONNREFUSED, EACCES). */
+/* Connects to tlsplane's hand-off Unix socket at `path`, trusting root and the user ids of
+ * TLSPLANE_HANDOFF_UID (or this process's effective uid; see above). Returns a handle, or NULL
+ * with errno set (from connect(2), e.g. ENOENT, ECONNREFUSED, EACCES; EPERM: another user
+ * listens there; EINVAL: TLSPLANE_HANDOFF_UID does not parse). */
 tlsplane_handle *tlsplane_connect(const char *path);
+
+/* The same, trusting root and the n_uids user ids at uids (TLSPLANE_HANDOFF_UID is not read):
+ * e.g. the uid tlsplane runs as, when it is not this program's. */
+tlsplane_handle *tlsplane_connect_uids(const char *path, const uid_t *uids, size_t n_uids);
 
 /* Waits for the next connection. Returns its descriptor (owned by the caller; end it with
  * tlsplane_close()) and fills *out (if out is not NULL), or returns -1 with errno set.

@@ -3,12 +3,26 @@
  * connections `tlsplane handoff` hands off, on a listening socket it names (issue 21).
  *
  *   cc -shared -fPIC -O2 -o libtlsplane_preload.so tlsplane_preload.c -ldl -pthread
- *   TLSPLANE_HANDOFF=/tmp/app.sock TLSPLANE_LISTEN=127.0.0.1:8000 \
+ *   TLSPLANE_HANDOFF=/run/tlsplane/app.sock TLSPLANE_LISTEN=127.0.0.1:8000 \
  *     LD_PRELOAD=./libtlsplane_preload.so python3 -m http.server 8000 --bind 127.0.0.1
  *
- * TLSPLANE_HANDOFF  the hand-off Unix socket of `tlsplane handoff` (--handoff-socket).
- * TLSPLANE_LISTEN   which listening socket to take over: PORT, IPV4:PORT or [IPV6]:PORT, as
- *                   the program binds it. Either unset: the shim does nothing.
+ * TLSPLANE_HANDOFF      the hand-off Unix socket of `tlsplane handoff` (--handoff-socket).
+ * TLSPLANE_LISTEN       which listening socket to take over: PORT, IPV4:PORT or [IPV6]:PORT,
+ *                       as the program binds it. Either unset: the shim does nothing.
+ * TLSPLANE_HANDOFF_UID  the user ids tlsplane may run as: decimal, separated by commas, no
+ *                       spaces (999 or 999,1000), at most 16. Unset or empty: the program's
+ *                       own effective uid. Root is trusted either way. Malformed: listen on
+ *                       the socket fails with EINVAL.
+ *
+ * Who answers at the path: anyone can bind it while tlsplane is away (a restart removes the
+ * socket), and whatever that process handed over would reach the program with a forged
+ * client address and be answered with what the program serves. So before the shim uses a
+ * hand-off connection (at listen, and at each reconnect) it checks the listening process's
+ * user id (SO_PEERCRED) against root and TLSPLANE_HANDOFF_UID's ids. Another user: listen
+ * fails with EPERM; while reconnecting, the connection is closed before a byte is read and the
+ * shim tries again 200 ms later. Both say so on stderr ("tlsplane-preload: refusing the
+ * hand-off socket PATH: it is served by uid N, not root ..."), while reconnecting once per
+ * 10 s at most, with the number refused meanwhile.
  *
  * listen(2) on a TCP socket bound to that address connects to the hand-off socket instead and
  * dup2s the connection onto the program's descriptor (keeping its O_NONBLOCK and
@@ -21,11 +35,11 @@
  * next frame read. In non-blocking mode accept returns EAGAIN when no frame is queued.
  * getsockname(2) on the taken-over descriptor returns the address the program bound.
  *
- * What the program then sees on an accepted descriptor: on the user relay plane (2, the one
- * `tlsplane handoff` uses today) one end of a socketpair carrying plaintext; end of stream is
- * the client's close_notify or TCP close. getpeername/getsockname on it report an AF_UNIX
- * socket, and TCP socket options fail (EOPNOTSUPP): the client's address is the one accept
- * returned. The shim does nothing more for it (no frame is sent when it is closed).
+ * What the program then sees on an accepted descriptor: on the user relay plane (2) one end
+ * of a socketpair carrying plaintext; end of stream is the client's close_notify or TCP close.
+ * getpeername/getsockname on it report an AF_UNIX socket, and TCP socket options fail
+ * (EOPNOTSUPP): the client's address is the one accept returned. The shim does nothing more
+ * for it (no frame is sent when it is closed).
  *
  * Kernel plane (1): the descriptor is the kTLS TCP socket, and tlsplane keeps a duplicate of
  * it and the traffic secrets. A plain read fails with EIO at a control record; the shim
@@ -39,7 +53,7 @@
  *   - read, recv, recvfrom, readv (and __read_chk, __recv_chk, __recvfrom_chk, which
  *     _FORTIFY_SOURCE calls) on a remembered descriptor call the real function; on EIO the
  *     shim reads the control record alone with recvmsg(MSG_DONTWAIT) and a control buffer
- *     (SOL_TLS 282 / TLS_GET_RECORD_TYPE 2):
+ *     (SOL_TLS 282 / TLS_GET_RECORD_TYPE 2) into 64 bytes of its own stack:
  *       close_notify (alert, bytes [level, 0])  -> 0, end of stream; later reads return 0;
  *       any other alert                         -> -1 ECONNRESET, and later reads too;
  *       a handshake record (a KeyUpdate)        -> a KEY_UPDATE frame (the connection id, the
@@ -51,20 +65,17 @@
  *         key) the shim sleeps 1 ms, doubling to 10 ms, for 5 s at most, then fails it with
  *         ECONNRESET (and later reads too). Any other result goes to the program (EAGAIN on a
  *         non-blocking socket with nothing to read). A non-blocking descriptor waits the same.
- *       anything else (an alert of the wrong size, an empty handshake record, a content type
- *         with no business after the handshake) -> -1 EPROTO, and later reads too.
+ *       anything else (an alert of the wrong size, a handshake record that is empty or fills
+ *         the 64 bytes (a KeyUpdate has 5), a content type with no business after the
+ *         handshake) -> -1 EPROTO, and later reads too.
  *     A read that gets EKEYEXPIRED first (another thread forwarded the KeyUpdate) waits the
- *     same way. The control record is read into the shim's own buffer (under a mutex) with
- *     the read's length as room, at least 64 bytes (a 1-byte read takes a whole alert or
- *     KeyUpdate) and at most 16384; a handshake record longer than that room (never seen: a
- *     KeyUpdate is 5 bytes) would go to tlsplane in pieces it refuses, and the read would
- *     end with ECONNRESET after the 5 s bound. If data comes instead (another thread read the control record
- *     meanwhile) it is the caller's, but a read of under 64 bytes then loses what did not
- *     fit. recvmsg and recvmmsg are not intercepted:
- *     a program calling them on the connection sees the kernel's behaviour (EIO without a
- *     control buffer). When the descriptor's inode is no longer the remembered socket's (it
- *     was closed where the shim cannot see, e.g. by fclose, and its number reused), the EIO
- *     goes to the program untouched.
+ *     same way. If data comes instead of the control record (another thread read it
+ *     meanwhile) it is the caller's, 64 bytes at most; a read of fewer bytes then loses the
+ *     rest. recvmsg and recvmmsg are not intercepted: a program calling them on the
+ *     connection sees the kernel's behaviour (EIO without a control buffer). When the
+ *     descriptor's inode is no longer the remembered socket's (it was closed where the shim
+ *     cannot see, e.g. by fclose, and its number reused), the EIO goes to the program
+ *     untouched.
  *   - close, and dup2/dup3 onto a remembered descriptor, send a CLOSE frame (tlsplane then
  *     sends close_notify on its duplicate after everything the program wrote, and does a
  *     lingering close), forget the descriptor, and really close it; the REPLY is not awaited.
@@ -74,42 +85,69 @@
  *     after that shutdown would follow the close_notify: don't. Copies made with dup(),
  *     fcntl(F_DUPFD) or received otherwise are not remembered: reads on them are not handled
  *     and closing them sends nothing. A process that exits without closing sends no CLOSE.
- *   - Frames go out whole, one at a time (a mutex), with MSG_NOSIGNAL; the hand-off
- *     connection keeps the program's O_NONBLOCK, so on EAGAIN the shim polls for POLLOUT, 2 s
- *     at most, holding the shim's table lock (accept waits meanwhile); a frame cut short then
- *     would misframe the stream, so the shim shuts the connection down and accept sees it end.
- *     When the hand-off connection the descriptor came from is gone (tlsplane stopped or
- *     restarted: accept saw it end, whether or not the shim has reconnected since; or the
- *     program closed its listening socket), or the send fails (EPIPE: tlsplane died and accept
- *     has not noticed yet), nothing is sent: a KeyUpdate then fails the read with ECONNRESET
- *     at once (nobody can re-key the connection), a close just closes. If tlsplane
- *     restarts after a KEY_UPDATE went out, or the shim reconnects between the check and the
- *     send, the new tlsplane answers REPLY status 1 (unknown connection), which accept skips,
- *     and the read keeps getting EKEYEXPIRED until the 5 s bound -> ECONNRESET.
- *   - fork: only the process that accepted a connection sends its CLOSE; a child (fork, or a
- *     vfork child sharing the parent's memory) closing its copy sends nothing, so a threaded
- *     server that spawns subprocesses is unaffected. An accept-then-fork server (the parent
- *     closes its copy at once, the child serves) is not supported on the kernel plane: the
- *     parent's close sends CLOSE while the child still serves the connection. A child still
- *     forwards KeyUpdates on the inherited hand-off connection.
+ *   - Frames (CLOSE: 20 bytes, KEY_UPDATE: 86 at most) go out in one non-blocking send(2)
+ *     each, with MSG_NOSIGNAL: on a Unix stream socket a message that small is queued whole
+ *     or not at all, so frames of several threads or processes never interleave, and no lock
+ *     is held while sending. On EAGAIN (tlsplane is not reading) the sending thread alone
+ *     waits for room, 2 s at most, then gives up: a close then just closes, a KeyUpdate fails
+ *     the read with ECONNRESET. The same when the hand-off connection the descriptor came
+ *     from is gone (tlsplane stopped or restarted: accept saw it end, whether or not the shim
+ *     has reconnected since; or the program closed its listening socket) or the send fails
+ *     (EPIPE): nothing can be sent. If tlsplane restarts after a KEY_UPDATE went out, the
+ *     new one answers REPLY status 1 (unknown connection), which accept skips, and the read
+ *     keeps getting EKEYEXPIRED until the 5 s bound -> ECONNRESET.
+ *   - fork: a connection that several processes hold (accepted, then forked) gets its CLOSE
+ *     when the last of them lets go, once. The shim wraps fork(2) to note each child (the
+ *     last 64), and compares descriptors across processes with kcmp(2). When the accepting
+ *     process closes a connection that a child still holds at the same descriptor, it sends
+ *     nothing yet: a thread of its own (started at the first fork with a kernel-plane
+ *     connection open) checks every 50 ms and sends the CLOSE once no child holds it, which
+ *     covers a child that exits or execs without closing it (a subprocess). A child closing
+ *     its copy sends the CLOSE itself when the accepting process no longer holds it. A set of
+ *     connection ids in shared memory keeps the two from both sending. So an accept-then-fork
+ *     server (socketserver.ForkingMixIn: the parent closes its copy at once, the child serves
+ *     and closes) and a threaded server that forks subprocesses both get close_notify at the
+ *     right time. Where kcmp cannot tell (a kernel without it; a child that may not inspect
+ *     its parent under Yama; more than 64 forks since) a close sends CLOSE, as if no other
+ *     process held it. A child forwards KeyUpdates on the inherited hand-off connection.
  *   - The documented limit of the kernel plane: a client KeyUpdate with update_requested makes
  *     tlsplane send our KeyUpdate on its duplicate under the old TX key and install the next;
  *     the reading thread waits meanwhile, but a program writing from another thread during
  *     that brief window may have a record encrypted under the old key land after ours, and
  *     the client then fails the connection.
  *
- * Limits: one hand-off connection per taken-over socket, read by one thread at a time (a
- * mutex; a non-blocking accept while another thread reads returns EAGAIN); processes that
- * fork after listen() and accept on the shared descriptor would interleave frames and are
- * not supported. When tlsplane closes the hand-off connection (it stops or restarts) or sends
- * a prefix that cannot be framed, accept fails once with ECONNABORTED, the descriptor is
- * replaced by a socket that never becomes readable (accept meanwhile blocks, or returns
- * EAGAIN when non-blocking), and a thread of the shim's (signals blocked) connects again every
- * 200 ms, then puts the new connection on the descriptor. Each replacement makes the
- * descriptor a new file: poll and select see it at their next call, but an epoll set that
- * held the descriptor has lost it (add the socket to epoll after listen(); after a tlsplane
- * restart an epoll program gets no more connections). Programs that make system calls without
- * the C library (Go, static binaries) are not affected by LD_PRELOAD at all.
+ * Threads, signals and fork:
+ *   - close, read, recv, recvfrom, readv (and the _chk forms), shutdown, dup2 and dup3 take no
+ *     lock: the tables are read and changed with atomics, so these stay as safe in a signal
+ *     handler as the calls they wrap, and a child forked while another thread was inside one
+ *     inherits no held lock. close() of the taken-over socket waits only for another thread
+ *     that is, that very moment, putting a connection on the descriptor or sending a frame on
+ *     it (a dup3 or a non-blocking send, with signals blocked: never the thread the close
+ *     interrupted).
+ *   - accept/accept4 read frames under a lock that every process forked after listen shares
+ *     (a robust, process-shared mutex in shared memory), held only while reading a frame
+ *     already queued: so a pre-fork server, whose processes accept on the shared socket
+ *     (blocking, or non-blocking after poll), gets whole frames in each. A non-blocking accept
+ *     while another thread or process holds it returns EAGAIN; a blocking one waits in poll(2)
+ *     for the next frame (a signal ends it with EINTR when a handler without SA_RESTART is
+ *     installed, and it goes on otherwise, as accept(2) would). A process that dies holding it
+ *     in the middle of a frame leaves a stream that cannot be framed: the next holder shuts it
+ *     down, and each process reconnects.
+ *   - A child forked while tlsplane was away starts its own reconnecting thread (threads are
+ *     not inherited). fork(2) is wrapped (see above); vfork, posix_spawn and clone are not,
+ *     and need not be: their children exec.
+ *
+ * Limits: one hand-off connection per taken-over socket and process (processes forked after
+ * listen share it until tlsplane restarts; then each connects on its own). When tlsplane closes
+ * the hand-off connection (it stops or restarts) or sends a prefix that cannot be framed,
+ * accept fails once with ECONNABORTED, the descriptor is replaced by a socket that never
+ * becomes readable (accept meanwhile blocks, or returns EAGAIN when non-blocking), and a
+ * thread of the shim's (signals blocked) connects again every 200 ms, then puts the new
+ * connection on the descriptor. Each replacement makes the descriptor a new file: poll and
+ * select see it at their next call, but an epoll set that held the descriptor has lost it (add
+ * the socket to epoll after listen(); after a tlsplane restart an epoll program gets no more
+ * connections). Programs that make system calls without the C library (Go, static binaries)
+ * are not affected by LD_PRELOAD at all.
  *
  * This is a second reader of the frame format beside the Rust one (crates/tlsplane-handoff):
  * it decodes only the CONNECTION frame's prefix, connection id, plane and peer address, and
@@ -132,8 +170,10 @@
 #include <string.h>
 #include <time.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -146,9 +186,19 @@
 #define MAX_TAKEN 16
 /* Kernel-plane descriptors remembered: those below this number (an array indexed by fd). */
 #define MAX_KFD 65536
-#define RECORD_MAX 16384 /* the largest TLS record plaintext */
+/* Room for a control record: an alert has 2 bytes, a KeyUpdate 5. */
+#define CTL_ROOM 64
 #define SOL_TLS_ 282
 #define TLS_GET_RECORD_TYPE_ 2
+#define MAX_UIDS 16
+/* Children remembered for the kernel plane's CLOSE across fork. */
+#define MAX_CHILDREN 64
+#define KCMP_FILE_ 0
+/* The rest of a frame whose first bytes came: tlsplane sends each in one sendmsg. */
+#define FRAME_TAIL_MS 2000
+#define SEND_WAIT_MS 2000
+#define RECONNECT_NS (200 * 1000 * 1000)
+#define REFUSAL_LOG_SECONDS 10
 
 static int (*real_listen)(int, int);
 static int (*real_accept4)(int, struct sockaddr *, socklen_t *, int);
@@ -169,38 +219,74 @@ static ssize_t (*real_recvfrom_chk)(int, void *, size_t, size_t, int, struct soc
 
 static struct {
     int enabled;
+    int fail; /* an errno that listen on the named socket fails with: the shim cannot serve */
     struct sockaddr_un path;
     socklen_t path_len;
     uint16_t port;
     int family; /* 0: any address; AF_INET/AF_INET6: addr must match */
     unsigned char addr[16];
+    uid_t uids[MAX_UIDS]; /* trusted besides root */
+    int n_uids;
 } cfg;
 
-/* A taken-over listening descriptor and the address the program bound it to. */
+/* A taken-over listening descriptor and the address the program bound it to. Every field
+ * another thread may change is read and written with atomics: nothing here takes a lock. */
 struct taken {
-    int fd; /* -1: free */
-    unsigned gen; /* claims of this slot, so that a reconnecting thread knows its own */
-    int lost;     /* the hand-off connection is gone; a thread reconnects (atomic) */
-    unsigned epoch; /* hand-off connections lost on this slot (atomic): a connection handed
-                     * over before the last loss belongs to a tlsplane that is gone */
+    int fd;         /* -1: free; -2: being claimed by listen */
+    unsigned gen;   /* claims of this slot, so that a reconnecting thread knows its own */
+    int lost;       /* the hand-off connection is gone; a thread reconnects */
+    unsigned epoch; /* hand-off connections lost on this slot: a connection handed over
+                     * before the last loss belongs to a tlsplane that is gone */
+    int busy;       /* threads between checking fd and a dup3 or send on it: close waits */
+    uint64_t conn_ino; /* the hand-off connection's inode */
     struct sockaddr_storage bound;
     socklen_t bound_len;
-    /* One frame reader at a time per socket (frames and descriptors stay aligned). */
-    pthread_mutex_t lock;
-    unsigned char frame[FRAME_MAX];
+    unsigned char frame[FRAME_MAX]; /* the frame being read, under the slot's frame lock */
 };
 
+/* The frame lock of a slot, in memory shared with the processes forked after listen. */
+struct frame_lock {
+    pthread_mutex_t m; /* robust, process-shared, error-checking */
+    uint64_t reading;  /* atomic: the inode of the connection the holder is reading a frame
+                        * of, 0 between frames */
+};
+
+/* CLOSEs sent for connections that more than one process held (forked ones), in memory
+ * shared with the processes forked after init: each connection's CLOSE goes out once, from
+ * whichever process saw the last copy go. A slot holds conn_id + 1 (0: empty). */
+#define SENT_SLOTS 256
+
+/* Children this process forked lately, for the kernel plane's CLOSE: the fork wrapper
+ * notes each before returning, so a close right after the fork already knows it. A child
+ * inherits its parent's entries, which name another parent and are skipped. */
+static struct {
+    unsigned next;               /* atomic */
+    uint64_t pids[MAX_CHILDREN]; /* atomic: parent pid << 32 | child pid */
+} children;
+
 static struct taken taken[MAX_TAKEN];
-static int n_taken; /* read without the lock as a fast path; changed under it */
-static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+static int n_taken; /* atomic: slots in use, a fast path for every close */
+static struct frame_lock *frame_locks; /* MAX_TAKEN, shared */
+static uint64_t *sent_closes;          /* SENT_SLOTS, shared */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void note(const char *what, int e) {
-    char buf[256];
+    char buf[512];
     int n = snprintf(buf, sizeof buf, "tlsplane-preload: %s%s%s\n", what, e ? ": " : "",
                      e ? strerror(e) : "");
     if (n > 0)
         (void)!write(2, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
+}
+
+static long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static uint64_t inode_of(int fd) {
+    struct stat st;
+    return fstat(fd, &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
 /* ---- Kernel-plane connections (plane 1): the descriptor is the kTLS socket ----
@@ -213,7 +299,8 @@ struct kconn {
     int state;     /* atomic: 0 free, 1 remembered */
     int end;       /* atomic: 0 live, -1 end of stream (close_notify), >0 errno to repeat */
     int closed;    /* atomic: a CLOSE was sent (at shutdown) */
-    pid_t pid;     /* the process that accepted it: only it sends CLOSE */
+    int forked;    /* atomic: this process forked while it held the descriptor */
+    pid_t pid;     /* the process that accepted it */
     int slot;
     unsigned gen, epoch;
     uint64_t conn_id;
@@ -226,15 +313,6 @@ static int n_kernel; /* remembered descriptors (atomic) */
 static int kfd_high; /* 1 + the highest fd ever remembered (atomic) */
 static int warned_kfd; /* the bound was logged (atomic) */
 static unsigned next_request; /* request ids of KEY_UPDATE/CLOSE frames (atomic) */
-
-/* One frame out at a time, in whole; also guards ctl_frame, where a control record is read
- * and the KEY_UPDATE frame built around it. */
-static pthread_mutex_t send_lock = PTHREAD_MUTEX_INITIALIZER;
-static unsigned char ctl_frame[22 + RECORD_MAX];
-
-/* A child is not forked while another thread holds send_lock (it would never be unlocked). */
-static void fork_prepare(void) { pthread_mutex_lock(&send_lock); }
-static void fork_done(void) { pthread_mutex_unlock(&send_lock); }
 
 static struct kconn *kfind(int fd) {
     if ((unsigned)fd >= MAX_KFD || __atomic_load_n(&n_kernel, __ATOMIC_ACQUIRE) == 0 ||
@@ -277,51 +355,61 @@ static void frame_head(unsigned char *f, int kind, size_t len, uint64_t conn_id)
     put_u64(f + 12, conn_id);
 }
 
-static int send_all(int fd, const unsigned char *f, size_t n) {
-    size_t off = 0;
-    struct timespec start, now;
-    clock_gettime(CLOCK_MONOTONIC, &start);
-    while (off < n) {
-        ssize_t r = send(fd, f + off, n - off, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (r > 0) {
-            off += (size_t)r;
-            continue;
-        }
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            clock_gettime(CLOCK_MONOTONIC, &now);
-            long ms = (now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000;
-            if (ms < 2000) {
-                struct pollfd p = {fd, POLLOUT, 0};
-                poll(&p, 1, (int)(2000 - ms));
-                continue;
-            }
-        }
-        if (off > 0)
-            real_shutdown(fd, SHUT_RDWR);
-        return -1;
-    }
+/* ---- Using a slot's descriptor without a lock ----
+ *
+ * A thread that puts a connection on the program's descriptor (dup3) or sends a frame on it
+ * must not do so after the program closed it: the number may already name another file. So
+ * it counts itself in `busy`, then checks that the slot still holds the descriptor; close()
+ * first clears the slot, then waits for `busy` to drop to 0 before really closing. Both
+ * orders are sequentially consistent, so one of the two sees the other. Signals are blocked
+ * in between: a handler that closes the socket on this thread cannot then wait for it. */
+static int enter(struct taken *t, int fd, unsigned gen, sigset_t *old) {
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, old);
+    __atomic_add_fetch(&t->busy, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&t->fd, __ATOMIC_SEQ_CST) == fd &&
+        __atomic_load_n(&t->gen, __ATOMIC_ACQUIRE) == gen)
+        return 1;
+    __atomic_sub_fetch(&t->busy, 1, __ATOMIC_SEQ_CST);
+    pthread_sigmask(SIG_SETMASK, old, NULL);
     return 0;
 }
 
-/* Sends frame f (n bytes) on the hand-off connection connection k came from; send_lock held.
- * Returns -1 when that connection is gone (tlsplane stopped, restarted, or the program closed
- * the socket): nothing is sent. The socket may be non-blocking: on EAGAIN it waits for room,
- * 2 s at most; a frame cut short then would misframe the stream, so the connection is shut
- * down instead and accept sees it end (and reconnects). */
+static void leave(struct taken *t, const sigset_t *old) {
+    __atomic_sub_fetch(&t->busy, 1, __ATOMIC_SEQ_CST);
+    pthread_sigmask(SIG_SETMASK, old, NULL);
+}
+
+/* Sends frame f (n bytes, one send: see the header) on the hand-off connection connection k
+ * came from. Returns -1 when that connection is gone (tlsplane stopped, restarted, or the
+ * program closed the socket), or no room came within SEND_WAIT_MS. */
 static int send_frame(const struct kconn *k, const unsigned char *f, size_t n) {
     struct taken *t = &taken[k->slot];
-    /* Held throughout: the program cannot close the socket (and its number be reused) nor
-     * the shim replace the connection meanwhile. */
-    pthread_mutex_lock(&table_lock);
-    int fd = t->fd;
-    int ok = fd >= 0 && t->gen == k->gen &&
-             __atomic_load_n(&t->epoch, __ATOMIC_ACQUIRE) == k->epoch &&
-             !__atomic_load_n(&t->lost, __ATOMIC_ACQUIRE);
-    int ret = ok ? send_all(fd, f, n) : -1;
-    pthread_mutex_unlock(&table_lock);
-    return ret;
+    long deadline = now_ms() + SEND_WAIT_MS;
+    for (;;) {
+        int fd = __atomic_load_n(&t->fd, __ATOMIC_ACQUIRE);
+        sigset_t old;
+        if (fd < 0 || __atomic_load_n(&t->epoch, __ATOMIC_ACQUIRE) != k->epoch ||
+            __atomic_load_n(&t->lost, __ATOMIC_ACQUIRE) || !enter(t, fd, k->gen, &old))
+            return -1;
+        ssize_t r = send(fd, f, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        int e = errno;
+        if (r >= 0 && (size_t)r < n)
+            real_shutdown(fd, SHUT_RDWR); /* never seen: the stream would be misframed */
+        leave(t, &old);
+        if (r >= 0)
+            return (size_t)r == n ? 0 : -1;
+        long left = deadline - now_ms();
+        if (e != EAGAIN && e != EWOULDBLOCK && e != EINTR)
+            return -1;
+        if (left <= 0)
+            return -1;
+        /* Waiting for room holds nothing: the descriptor may be closed meanwhile, which
+         * poll reports (POLLNVAL) and the next check sees. */
+        struct pollfd p = {fd, POLLOUT, 0};
+        poll(&p, 1, (int)left);
+    }
 }
 
 static void send_close(struct kconn *k) {
@@ -329,26 +417,147 @@ static void send_close(struct kconn *k) {
         return;
     unsigned char f[20];
     frame_head(f, KIND_CLOSE, sizeof f, k->conn_id);
-    pthread_mutex_lock(&send_lock);
     send_frame(k, f, sizeof f);
-    pthread_mutex_unlock(&send_lock);
 }
 
-/* Forgets descriptor fd (about to be closed or replaced), sending CLOSE unless sent. */
-static void kforget(int fd) {
-    struct kconn *k = kfind(fd);
-    /* A child (fork, or vfork, sharing this table) closing its copy leaves the connection
-     * to the process that accepted it. */
-    if (!k || k->pid != getpid() || !__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
-        return;
-    __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
-    /* The fields stay valid: fd is not reused before the caller really closes it. */
+/* Whether process `pid` holds, at descriptor `fd`, the file `ours` (a descriptor of this
+ * process) is. Errors (no kcmp, no such process, not allowed to look) count as no. */
+static int holds(pid_t pid, int fd, int ours) {
+    return syscall(SYS_kcmp, (pid_t)getpid(), pid, KCMP_FILE_, (unsigned long)ours,
+                   (unsigned long)fd) == 0;
+}
+
+/* Whether one of this process's recent children holds, at fd, the file `ours` is. */
+static int held_by_child(int fd, int ours) {
+    pid_t self = getpid();
+    for (int i = 0; i < MAX_CHILDREN; i++) {
+        uint64_t e = __atomic_load_n(&children.pids[i], __ATOMIC_ACQUIRE);
+        if (e && (pid_t)(e >> 32) == self && holds((pid_t)(uint32_t)e, fd, ours))
+            return 1;
+    }
+    return 0;
+}
+
+/* CLOSE for a connection several processes held, unless one of them sent it already. */
+static void send_close_once(struct kconn *k) {
+    if (sent_closes) {
+        uint64_t *slot = &sent_closes[(k->conn_id * 0x9e3779b97f4a7c15ull) >> 56];
+        uint64_t cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+        do {
+            if (cur == k->conn_id + 1)
+                return;
+        } while (!__atomic_compare_exchange_n(slot, &cur, k->conn_id + 1, 0, __ATOMIC_ACQ_REL,
+                                              __ATOMIC_ACQUIRE));
+    }
     send_close(k);
 }
 
-static uint64_t inode_of(int fd) {
-    struct stat st;
-    return fstat(fd, &st) == 0 ? (uint64_t)st.st_ino : 0;
+/* Connections this process accepted and closed while a child still held them: the watcher
+ * thread (started by the fork wrapper, so that close itself never creates one) sends each
+ * CLOSE once no child holds the connection any more, which also covers a child that exits
+ * or execs without closing it. */
+#define MAX_DEFERRED 64
+static struct deferred {
+    int state; /* atomic: 0 free, 1 being filled, 2 watched */
+    int fd, ours;
+    struct kconn k; /* a copy: kconns[fd] is free again */
+} deferred[MAX_DEFERRED];
+static int watching; /* atomic: the watcher thread runs */
+
+static int defer_close(const struct kconn *k, int fd, int ours) {
+    if (!__atomic_load_n(&watching, __ATOMIC_ACQUIRE))
+        return 0;
+    for (int i = 0; i < MAX_DEFERRED; i++) {
+        int free_slot = 0;
+        struct deferred *d = &deferred[i];
+        if (!__atomic_compare_exchange_n(&d->state, &free_slot, 1, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_RELAXED))
+            continue;
+        d->fd = fd;
+        d->ours = ours;
+        d->k = *k;
+        __atomic_store_n(&d->state, 2, __ATOMIC_RELEASE);
+        return 1;
+    }
+    return 0; /* full: CLOSE now, as if no child held it */
+}
+
+static void *watch_deferred(void *arg) {
+    (void)arg;
+    for (;;) {
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        for (int i = 0; i < MAX_DEFERRED; i++) {
+            struct deferred *d = &deferred[i];
+            if (__atomic_load_n(&d->state, __ATOMIC_ACQUIRE) != 2 || held_by_child(d->fd, d->ours))
+                continue;
+            send_close_once(&d->k);
+            REAL(close)(d->ours);
+            __atomic_store_n(&d->state, 0, __ATOMIC_RELEASE);
+        }
+    }
+    return NULL;
+}
+
+/* Closes (or, for dup2/dup3, replaces) descriptor fd through `op`, forgetting its kernel-plane
+ * connection and sending its CLOSE unless sent. A connection more than one process held (this
+ * one forked since accepting it, or inherited it) gets its CLOSE once the last of them lets
+ * go (see the header: fork). Only atomics and system calls: safe in a signal handler. */
+static int kclose(int fd, int (*op)(int, int, int), int a, int b, int c) {
+    struct kconn *k = kfind(fd);
+    if (!k || !__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
+        return op(a, b, c);
+    __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
+    /* The fields stay valid: fd is not reused before the close below. */
+    int mine = k->pid == getpid();
+    if (mine && !__atomic_load_n(&k->forked, __ATOMIC_ACQUIRE)) {
+        send_close(k);
+        return op(a, b, c);
+    }
+    if (inode_of(fd) != k->ino)
+        return op(a, b, c); /* stale (see kforget_stale): not this process's to tell */
+    /* This process's copy goes first, then the others are asked: of two processes closing
+     * at once, at least the later one sees the other's copy gone. */
+    int ours = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    int r = op(a, b, c);
+    int e = errno;
+    if (ours < 0) {
+        send_close_once(k);
+    } else if (mine) {
+        if (!held_by_child(fd, ours) || !defer_close(k, fd, ours))
+            send_close_once(k);
+        else
+            ours = -1; /* the watcher's now */
+    } else if (!holds(k->pid, fd, ours)) {
+        send_close_once(k); /* the accepting process let go first */
+    }
+    if (ours >= 0)
+        REAL(close)(ours);
+    errno = e;
+    return r;
+}
+
+static int op_close(int fd, int unused1, int unused2) {
+    (void)unused1;
+    (void)unused2;
+    return REAL(close)(fd);
+}
+
+static int op_dup3(int old, int fd, int flags) {
+    return REAL(dup3)(old, fd, flags);
+}
+
+/* fd was just received, so a connection still remembered there was closed where the shim
+ * could not see (fclose, close_range) and the number reused. Its CLOSE is still owed, by the
+ * process that accepted it, unless it forked since (a child may serve it: the kernel can no
+ * longer say, and tlsplane lets go 30 s after the client's end anyway). */
+static void kforget_stale(int fd) {
+    struct kconn *k = kfind(fd);
+    if (!k || !__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
+        return;
+    __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
+    if (k->pid == getpid() && !__atomic_load_n(&k->forked, __ATOMIC_ACQUIRE))
+        send_close(k);
 }
 
 /* Remembers kernel-plane descriptor fd, just received from hand-off slot t. */
@@ -360,17 +569,16 @@ static void kremember(int fd, struct taken *t, uint64_t conn_id) {
                  0);
         return;
     }
-    kforget(fd); /* a stale entry: the number was closed behind the shim's back */
+    kforget_stale(fd);
     struct kconn *k = &kconns[fd];
-    if (__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
-        __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE); /* another process's */
     k->slot = (int)(t - taken);
-    k->gen = t->gen;
+    k->gen = __atomic_load_n(&t->gen, __ATOMIC_ACQUIRE);
     k->epoch = __atomic_load_n(&t->epoch, __ATOMIC_ACQUIRE);
     k->conn_id = conn_id;
     k->ino = inode_of(fd);
     __atomic_store_n(&k->end, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&k->closed, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&k->forked, 0, __ATOMIC_RELAXED);
     k->pid = getpid();
     int hi = __atomic_load_n(&kfd_high, __ATOMIC_RELAXED);
     while (hi < fd + 1 &&
@@ -439,7 +647,25 @@ static ssize_t end_with(struct kconn *k, int e) {
     return e ? fail(e) : 0;
 }
 
-/* A read on a remembered kernel-plane descriptor. */
+/* Waits out EKEYEXPIRED after a KeyUpdate: 0 to read again, -1 past the 5 s bound. */
+static int key_wait(struct timespec *start, long *nap) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (*nap == 0) {
+        *start = now;
+        *nap = 1000 * 1000;
+    } else if (now.tv_sec - start->tv_sec > 5 ||
+               (now.tv_sec - start->tv_sec == 5 && now.tv_nsec >= start->tv_nsec)) {
+        return -1;
+    }
+    struct timespec ts = {0, *nap};
+    nanosleep(&ts, NULL);
+    *nap = *nap * 2 > 10 * 1000 * 1000 ? 10 * 1000 * 1000 : *nap * 2;
+    return 0;
+}
+
+/* A read on a remembered kernel-plane descriptor. Its buffers are on this stack: a read in a
+ * signal handler, or in two threads at once, shares nothing. */
 static ssize_t kread(struct kconn *k, const struct rd *a) {
     struct timespec start = {0, 0};
     long nap = 0; /* ns; > 0 while waiting for tlsplane to install the next RX key */
@@ -455,40 +681,27 @@ static ssize_t kread(struct kconn *k, const struct rd *a) {
             return fail(e); /* not the remembered socket any more */
         if (e == EKEYEXPIRED) {
             /* Paused after a KeyUpdate (this thread's or another's): tlsplane re-keys. */
-            struct timespec now;
-            clock_gettime(CLOCK_MONOTONIC, &now);
-            if (nap == 0) {
-                start = now;
-                nap = 1000 * 1000;
-            } else if (now.tv_sec - start.tv_sec > 5 ||
-                       (now.tv_sec - start.tv_sec == 5 && now.tv_nsec >= start.tv_nsec)) {
+            if (key_wait(&start, &nap) < 0)
                 return end_with(k, ECONNRESET);
-            }
-            struct timespec ts = {0, nap};
-            nanosleep(&ts, NULL);
-            nap = nap * 2 > 10 * 1000 * 1000 ? 10 * 1000 * 1000 : nap * 2;
             continue;
         }
-        /* EIO: a control record is next. Read it alone, with its content type. At least 64
-         * bytes of room, so that a small read takes a whole alert or KeyUpdate (5 bytes). */
+        /* EIO: a control record is next. Read it alone, with its content type, into the
+         * KEY_UPDATE frame it may become. */
         nap = 0;
-        size_t want = rd_len(a);
-        want = want < 64 ? 64 : want > RECORD_MAX ? RECORD_MAX : want;
+        unsigned char f[22 + CTL_ROOM];
         union {
             struct cmsghdr h;
             char b[CMSG_SPACE(sizeof(int))];
         } ctl;
-        struct iovec iov = {ctl_frame + 22, want};
+        struct iovec iov = {f + 22, CTL_ROOM};
         struct msghdr m = {0};
         m.msg_iov = &iov;
         m.msg_iovlen = 1;
         m.msg_control = ctl.b;
         m.msg_controllen = sizeof ctl.b;
-        pthread_mutex_lock(&send_lock);
         ssize_t n = recvmsg(a->fd, &m, MSG_DONTWAIT);
         if (n < 0) {
             e = errno;
-            pthread_mutex_unlock(&send_lock);
             if (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)
                 continue; /* another thread took the record: read again */
             return fail(e);
@@ -498,36 +711,172 @@ static ssize_t kread(struct kconn *k, const struct rd *a) {
             if (c->cmsg_level == SOL_TLS_ && c->cmsg_type == TLS_GET_RECORD_TYPE_ &&
                 c->cmsg_len >= CMSG_LEN(1))
                 type = *(unsigned char *)CMSG_DATA(c);
-        const unsigned char *p = ctl_frame + 22;
+        const unsigned char *p = f + 22;
         if (type == 23) {
             /* Data after all (another thread read the control record): the caller's. Only
-             * a read of under 64 bytes can get more than it asked for; the rest is lost. */
+             * a read of under CTL_ROOM bytes can get more than it asked for; the rest is
+             * lost. */
             size_t c = (size_t)n < rd_len(a) ? (size_t)n : rd_len(a);
             rd_copy(a, p, c);
-            pthread_mutex_unlock(&send_lock);
             return (ssize_t)c;
         }
-        if (type == 21 && n == 2) {
-            int desc = p[1];
-            pthread_mutex_unlock(&send_lock);
-            return end_with(k, desc == 0 ? 0 : ECONNRESET); /* close_notify: end of stream */
-        }
-        if (type == 22 && n > 0) {
+        if (type == 21 && n == 2)
+            return end_with(k, p[1] == 0 ? 0 : ECONNRESET); /* close_notify: end of stream */
+        if (type == 22 && n > 0 && n < CTL_ROOM) {
             /* A KeyUpdate: tlsplane installs the next RX key (and, if asked, sends ours).
              * The REPLY is not awaited (accept skips it); the read waits for the key. */
-            frame_head(ctl_frame, KIND_KEY_UPDATE, 22 + (size_t)n, k->conn_id);
-            ctl_frame[20] = (unsigned char)(n >> 8);
-            ctl_frame[21] = (unsigned char)n;
-            int sent = send_frame(k, ctl_frame, 22 + (size_t)n);
-            pthread_mutex_unlock(&send_lock);
-            if (sent < 0)
+            frame_head(f, KIND_KEY_UPDATE, 22 + (size_t)n, k->conn_id);
+            f[20] = (unsigned char)(n >> 8);
+            f[21] = (unsigned char)n;
+            if (send_frame(k, f, 22 + (size_t)n) < 0)
                 return end_with(k, ECONNRESET); /* nobody can re-key it */
             continue;
         }
-        pthread_mutex_unlock(&send_lock);
-        return end_with(k, EPROTO); /* an alert of the wrong size, an empty handshake record
-                                     * or a content type with no business here */
+        return end_with(k, EPROTO); /* an alert of the wrong size, a handshake record that
+                                     * is empty or too long for a KeyUpdate, or a content
+                                     * type with no business here */
     }
+}
+
+/* ---- fork ---- */
+
+/* The parent: every connection it holds now may be in the child too. */
+static void fork_parent(void) {
+    int hi = __atomic_load_n(&kfd_high, __ATOMIC_ACQUIRE);
+    for (int fd = 0; fd < hi; fd++)
+        if (__atomic_load_n(&kconns[fd].state, __ATOMIC_ACQUIRE))
+            __atomic_store_n(&kconns[fd].forked, 1, __ATOMIC_RELEASE);
+}
+
+static void start_reconnect(struct taken *t, int fd);
+static pid_t (*real_fork)(void);
+
+/* Notes each child before returning, so that a close right after the fork already knows
+ * it; and once a kernel-plane connection was open at a fork, starts the watcher thread. */
+pid_t fork(void) {
+    pid_t pid = REAL(fork)();
+    if (pid <= 0)
+        return pid;
+    unsigned i = __atomic_fetch_add(&children.next, 1, __ATOMIC_ACQ_REL) % MAX_CHILDREN;
+    uint64_t e = (uint64_t)(uint32_t)getpid() << 32 | (uint32_t)pid;
+    __atomic_store_n(&children.pids[i], e, __ATOMIC_RELEASE);
+    int idle = 0;
+    if (__atomic_load_n(&n_kernel, __ATOMIC_ACQUIRE) > 0 &&
+        __atomic_compare_exchange_n(&watching, &idle, 1, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_RELAXED)) {
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&th, &attr, watch_deferred, NULL) != 0)
+            __atomic_store_n(&watching, 0, __ATOMIC_RELEASE);
+        pthread_attr_destroy(&attr);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
+    return pid;
+}
+
+/* The child: only the forking thread exists here. Counts of other threads' work on a slot are
+ * stale, a half-claimed slot will never be finished, and a reconnecting thread is missing. */
+static void fork_child(void) {
+    __atomic_store_n(&watching, 0, __ATOMIC_RELEASE);
+    for (int i = 0; i < MAX_DEFERRED; i++) {
+        /* The parent's to send; this process's copy of its watched socket goes. */
+        if (__atomic_load_n(&deferred[i].state, __ATOMIC_ACQUIRE) == 2)
+            REAL(close)(deferred[i].ours);
+        __atomic_store_n(&deferred[i].state, 0, __ATOMIC_RELEASE);
+    }
+    for (int i = 0; i < MAX_TAKEN; i++) {
+        struct taken *t = &taken[i];
+        __atomic_store_n(&t->busy, 0, __ATOMIC_RELEASE);
+        int fd = __atomic_load_n(&t->fd, __ATOMIC_ACQUIRE);
+        if (fd == -2) {
+            __atomic_store_n(&t->fd, -1, __ATOMIC_RELEASE);
+            __atomic_sub_fetch(&n_taken, 1, __ATOMIC_RELEASE);
+        } else if (fd >= 0 && __atomic_load_n(&t->lost, __ATOMIC_ACQUIRE)) {
+            start_reconnect(t, fd);
+        }
+    }
+}
+
+/* ---- Configuration ---- */
+
+static int parse_uids(const char *s) {
+    if (!s || !*s) {
+        cfg.uids[0] = geteuid();
+        cfg.n_uids = 1;
+        return 0;
+    }
+    cfg.n_uids = 0;
+    for (;;) {
+        const char *p = s;
+        unsigned long long v = 0;
+        while (*p >= '0' && *p <= '9' && v < 0xFFFFFFFFull)
+            v = v * 10 + (unsigned)(*p++ - '0');
+        if (p == s || v >= 0xFFFFFFFFull || (*p && *p != ',') || cfg.n_uids == MAX_UIDS)
+            return -1;
+        cfg.uids[cfg.n_uids++] = (uid_t)v;
+        if (!*p)
+            return 0;
+        s = p + 1;
+    }
+}
+
+static int trusted(uid_t uid) {
+    if (uid == 0)
+        return 1;
+    for (int i = 0; i < cfg.n_uids; i++)
+        if (cfg.uids[i] == uid)
+            return 1;
+    return 0;
+}
+
+/* "refusing the hand-off socket PATH: it is served by uid N, not root or uid(s) ..." */
+static void describe_refusal(char *buf, size_t size, uid_t uid) {
+    char ids[MAX_UIDS * 12] = "";
+    size_t used = 0;
+    int others = 0;
+    for (int i = 0; i < cfg.n_uids; i++) {
+        if (cfg.uids[i] == 0)
+            continue;
+        int n = snprintf(ids + used, sizeof ids - used, "%s%u", others ? ", " : "",
+                         (unsigned)cfg.uids[i]);
+        if (n > 0 && (size_t)n < sizeof ids - used)
+            used += (size_t)n;
+        others++;
+    }
+    snprintf(buf, size,
+             "refusing the hand-off socket %s: it is served by uid %u, not root%s%s%s "
+             "(TLSPLANE_HANDOFF_UID names the user ids tlsplane may run as)",
+             cfg.path.sun_path, (unsigned)uid, others ? " or uid" : "",
+             others > 1 ? "s " : others ? " " : "", ids);
+}
+
+/* Connects to the hand-off socket and checks who listens there. Returns the socket, or -1
+ * with errno set (EPERM: another user, whose id is then in *refused). */
+static int dial(uid_t *refused) {
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        return -1;
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    int e = 0;
+    if (connect(s, (struct sockaddr *)&cfg.path, cfg.path_len) < 0 ||
+        getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0)
+        e = errno;
+    else if (!trusted(cred.uid)) {
+        *refused = cred.uid;
+        e = EPERM;
+    }
+    if (e) {
+        real_close(s);
+        errno = e;
+        return -1;
+    }
+    return s;
 }
 
 static void init(void) {
@@ -546,11 +895,8 @@ static void init(void) {
     real_read_chk = dlsym(RTLD_NEXT, "__read_chk");
     real_recv_chk = dlsym(RTLD_NEXT, "__recv_chk");
     real_recvfrom_chk = dlsym(RTLD_NEXT, "__recvfrom_chk");
-    pthread_atfork(fork_prepare, fork_done, fork_done);
-    for (int i = 0; i < MAX_TAKEN; i++) {
+    for (int i = 0; i < MAX_TAKEN; i++)
         taken[i].fd = -1;
-        pthread_mutex_init(&taken[i].lock, NULL);
-    }
 
     const char *path = getenv("TLSPLANE_HANDOFF");
     const char *listen_on = getenv("TLSPLANE_LISTEN");
@@ -600,6 +946,32 @@ static void init(void) {
         }
     }
     cfg.enabled = 1;
+    /* From here on a mistake fails the listen: the program must not serve the port in the
+     * clear, nor trust someone by accident. */
+    if (parse_uids(getenv("TLSPLANE_HANDOFF_UID")) < 0) {
+        note("TLSPLANE_HANDOFF_UID: expected decimal user ids separated by commas (at most "
+             "16); listen will fail",
+             0);
+        cfg.fail = EINVAL;
+        return;
+    }
+    void *shared = mmap(NULL, sizeof(struct frame_lock) * MAX_TAKEN + 8 * SENT_SLOTS,
+                        PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    pthread_mutexattr_t attr;
+    if (shared == MAP_FAILED || pthread_mutexattr_init(&attr) != 0) {
+        note("cannot allocate the shared frame locks; listen will fail", errno);
+        cfg.fail = ENOMEM;
+        return;
+    }
+    frame_locks = shared;
+    sent_closes = (uint64_t *)(frame_locks + MAX_TAKEN);
+    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
+    for (int i = 0; i < MAX_TAKEN; i++)
+        pthread_mutex_init(&frame_locks[i].m, &attr);
+    pthread_mutexattr_destroy(&attr);
+    pthread_atfork(NULL, fork_parent, fork_child);
 }
 
 static int matches(const struct sockaddr_storage *ss) {
@@ -622,13 +994,10 @@ static int matches(const struct sockaddr_storage *ss) {
 static struct taken *find(int fd) {
     if (fd < 0 || __atomic_load_n(&n_taken, __ATOMIC_ACQUIRE) == 0)
         return NULL;
-    struct taken *t = NULL;
-    pthread_mutex_lock(&table_lock);
     for (int i = 0; i < MAX_TAKEN; i++)
-        if (taken[i].fd == fd)
-            t = &taken[i];
-    pthread_mutex_unlock(&table_lock);
-    return t;
+        if (__atomic_load_n(&taken[i].fd, __ATOMIC_ACQUIRE) == fd)
+            return &taken[i];
+    return NULL;
 }
 
 /* Puts `with` on descriptor `fd` in place of what is there, keeping fd's O_NONBLOCK and
@@ -660,96 +1029,136 @@ int listen(int fd, int backlog) {
     if (real_getsockname(fd, (struct sockaddr *)&ss, &len) < 0 || !matches(&ss) ||
         getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &tlen) < 0 || type != SOCK_STREAM)
         return real_listen(fd, backlog);
-
-    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (s < 0)
+    if (cfg.fail) {
+        errno = cfg.fail;
         return -1;
-    if (connect(s, (struct sockaddr *)&cfg.path, cfg.path_len) < 0) {
+    }
+    uid_t refused = 0;
+    int s = dial(&refused);
+    if (s < 0) {
         int e = errno;
-        real_close(s);
-        note("cannot connect to TLSPLANE_HANDOFF", e);
+        char what[512];
+        if (e == EPERM)
+            describe_refusal(what, sizeof what, refused);
+        else
+            snprintf(what, sizeof what, "cannot connect to TLSPLANE_HANDOFF");
+        note(what, e == EPERM ? 0 : e);
         errno = e;
         return -1;
     }
-    pthread_mutex_lock(&table_lock);
-    int slot = -1;
-    for (int i = 0; i < MAX_TAKEN && slot < 0; i++)
-        if (taken[i].fd < 0)
-            slot = i;
-    if (slot < 0) {
-        pthread_mutex_unlock(&table_lock);
+    struct taken *t = NULL;
+    for (int i = 0; i < MAX_TAKEN && !t; i++) {
+        int free_slot = -1;
+        if (__atomic_compare_exchange_n(&taken[i].fd, &free_slot, -2, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_RELAXED))
+            t = &taken[i];
+    }
+    if (!t) {
         real_close(s);
         errno = EMFILE;
         return -1;
     }
+    __atomic_add_fetch(&n_taken, 1, __ATOMIC_RELEASE);
+    t->bound = ss;
+    t->bound_len = len;
+    __atomic_store_n(&t->conn_ino, inode_of(s), __ATOMIC_RELEASE);
+    __atomic_add_fetch(&t->gen, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&t->lost, 0, __ATOMIC_RELEASE);
     if (replace(fd, s) < 0) {
-        pthread_mutex_unlock(&table_lock);
+        int e = errno;
+        __atomic_store_n(&t->fd, -1, __ATOMIC_RELEASE);
+        __atomic_sub_fetch(&n_taken, 1, __ATOMIC_RELEASE);
+        errno = e;
         return -1;
     }
-    taken[slot].fd = fd;
-    taken[slot].gen++;
-    __atomic_store_n(&taken[slot].lost, 0, __ATOMIC_RELEASE);
-    taken[slot].bound = ss;
-    taken[slot].bound_len = len;
-    __atomic_add_fetch(&n_taken, 1, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&table_lock);
+    __atomic_store_n(&t->fd, fd, __ATOMIC_RELEASE);
     return 0;
 }
 
-/* Reads exactly n bytes of the current frame, collecting at most one descriptor into *cfd.
- * `first`: the read starts a frame, the only place a descriptor may come. Returns 1 when done,
- * and when `first` 0 at end of stream before any byte or -1 with errno EAGAIN/EINTR before
- * any byte; -2 when the stream can no longer be framed. */
-static int read_exact(int fd, unsigned char *buf, size_t n, int *cfd, int cloexec, int first) {
-    size_t got = 0;
-    while (got < n) {
-        union {
-            struct cmsghdr h;
-            char b[CMSG_SPACE(sizeof(int) * 4)];
-        } ctl;
-        struct iovec iov = {buf + got, n - got};
-        struct msghdr m = {0};
-        m.msg_iov = &iov;
-        m.msg_iovlen = 1;
-        m.msg_control = ctl.b;
-        m.msg_controllen = sizeof ctl.b;
-        ssize_t r = recvmsg(fd, &m, cloexec ? MSG_CMSG_CLOEXEC : 0);
-        if (r < 0) {
-            if (first && got == 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
-                return -1;
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                /* The rest of a frame tlsplane sent in one sendmsg: wait for it. */
-                struct pollfd p = {fd, POLLIN, 0};
-                poll(&p, 1, 1000);
-                continue;
-            }
-            return -2;
-        }
-        int broken = (m.msg_flags & MSG_CTRUNC) != 0;
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
-            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-                continue;
-            size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-            for (size_t i = 0; i < k; i++) {
-                int d;
-                memcpy(&d, CMSG_DATA(c) + i * sizeof(int), sizeof d);
-                if (*cfd < 0 && got == 0 && first) {
-                    *cfd = d;
-                } else {
-                    real_close(d);
-                    broken = 1;
-                }
+/* ---- Reading frames ---- */
+
+/* One recvmsg of up to n bytes into buf, collecting at most one descriptor, and only with the
+ * frame's first byte (`first`). Returns the byte count (0: end of stream), -1 with errno, or
+ * -2 when descriptors came where none may (each is closed). */
+static ssize_t recv_part(int fd, unsigned char *buf, size_t n, int *cfd, int cloexec,
+                         int first, int flags) {
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(sizeof(int) * 4)];
+    } ctl;
+    struct iovec iov = {buf, n};
+    struct msghdr m = {0};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = ctl.b;
+    m.msg_controllen = sizeof ctl.b;
+    ssize_t r = recvmsg(fd, &m, flags | (cloexec ? MSG_CMSG_CLOEXEC : 0));
+    if (r < 0)
+        return -1;
+    int broken = (m.msg_flags & MSG_CTRUNC) != 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < k; i++) {
+            int d;
+            memcpy(&d, CMSG_DATA(c) + i * sizeof(int), sizeof d);
+            if (*cfd < 0 && first && r > 0) {
+                *cfd = d;
+            } else {
+                real_close(d);
+                broken = 1;
             }
         }
-        if (broken)
+    }
+    return broken ? -2 : r;
+}
+
+/* Reads into buf until *got reaches want (a descriptor only with the frame's first byte).
+ * 1: done; 0: nothing was queued (only before the frame's first byte); -2: the stream ended,
+ * broke, or the rest of a frame did not come by `deadline`. */
+static int read_more(int fd, unsigned char *buf, size_t *got, size_t want, int *cfd,
+                     int cloexec, long deadline) {
+    while (*got < want) {
+        ssize_t r = recv_part(fd, buf + *got, want - *got, cfd, cloexec, *got == 0,
+                              MSG_DONTWAIT);
+        if (r == -1 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            long left = deadline - now_ms();
+            if (*got == 0)
+                return 0;
+            if (left <= 0)
+                return -2;
+            struct pollfd p = {fd, POLLIN, 0};
+            poll(&p, 1, (int)left);
+            continue;
+        }
+        if (r <= 0)
             return -2;
-        if (r == 0)
-            return got == 0 && first ? 0 : -2;
-        got += (size_t)r;
+        *got += (size_t)r;
     }
     return 1;
+}
+
+/* Reads one whole frame into t->frame, the frame lock held. 1: a frame (its descriptor, if
+ * any, in *cfd); 0: nothing queued; -2: the stream ended or can no longer be framed. */
+static int read_frame(struct taken *t, struct frame_lock *fl, int fd, int *cfd, int cloexec) {
+    unsigned char *f = t->frame;
+    /* Set before the first byte: a holder that dies from here on may have left half a
+     * frame, and the next holder then resets the stream rather than misread it. */
+    __atomic_store_n(&fl->reading, __atomic_load_n(&t->conn_ino, __ATOMIC_ACQUIRE),
+                     __ATOMIC_RELEASE);
+    size_t got = 0;
+    long deadline = now_ms() + FRAME_TAIL_MS;
+    int r = read_more(fd, f, &got, 8, cfd, cloexec, deadline);
+    if (r == 1) {
+        size_t len = (size_t)(f[6] << 8 | f[7]);
+        if (memcmp(f, "TLPH", 4) != 0 || f[4] != 1 || len < 8 || len > FRAME_MAX)
+            return -2;
+        r = read_more(fd, f, &got, len, cfd, cloexec, deadline);
+    }
+    if (r >= 0)
+        __atomic_store_n(&fl->reading, 0, __ATOMIC_RELEASE);
+    return r;
 }
 
 /* Fills the caller's sockaddr with the 20-byte wire address `w` (family 4/6/0), in the family
@@ -791,156 +1200,245 @@ static int fill_addr(const unsigned char *w, int listen_family, struct sockaddr 
     return 0;
 }
 
+/* ---- Losing and regaining the hand-off connection ---- */
+
 struct again {
     int slot, fd;
     unsigned gen;
 };
 
+/* Says, at most once per REFUSAL_LOG_SECONDS, that a reconnect found another user there. */
+static void log_refused(uid_t uid) {
+    static long next_ms;  /* atomic */
+    static unsigned quiet; /* atomic: refusals not logged since the last line */
+    long now = now_ms(), next = __atomic_load_n(&next_ms, __ATOMIC_RELAXED);
+    if (now < next ||
+        !__atomic_compare_exchange_n(&next_ms, &next, now + REFUSAL_LOG_SECONDS * 1000, 0,
+                                     __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+        __atomic_add_fetch(&quiet, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    char what[640];
+    describe_refusal(what, sizeof what - 96, uid);
+    unsigned more = __atomic_exchange_n(&quiet, 0, __ATOMIC_RELAXED);
+    if (more)
+        snprintf(what + strlen(what), 96, "; %u more refused since the last such line", more);
+    note(what, 0);
+}
+
 /* Connects to the hand-off socket again every 200 ms (tlsplane restarting removes and
  * re-creates it) and puts the connection on the program's descriptor, unless the program
- * closed it meanwhile. */
+ * closed it meanwhile. Runs with every signal blocked. */
 static void *reconnect(void *arg) {
     struct again a = *(struct again *)arg;
     free(arg);
+    struct taken *t = &taken[a.slot];
     for (;;) {
-        struct timespec ts = {0, 200 * 1000 * 1000};
+        struct timespec ts = {0, RECONNECT_NS};
         nanosleep(&ts, NULL);
-        int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (s < 0)
+        if (__atomic_load_n(&t->fd, __ATOMIC_ACQUIRE) != a.fd ||
+            __atomic_load_n(&t->gen, __ATOMIC_ACQUIRE) != a.gen)
+            return NULL;
+        uid_t refused = 0;
+        int s = dial(&refused);
+        if (s < 0) {
+            if (errno == EPERM)
+                log_refused(refused);
             continue;
-        int ok = connect(s, (struct sockaddr *)&cfg.path, cfg.path_len) == 0;
-        pthread_mutex_lock(&table_lock);
-        struct taken *t = &taken[a.slot];
-        int mine = t->fd == a.fd && t->gen == a.gen;
-        if (mine && ok && replace(a.fd, s) == 0) {
+        }
+        uint64_t ino = inode_of(s);
+        sigset_t old;
+        if (!enter(t, a.fd, a.gen, &old)) {
+            real_close(s);
+            return NULL;
+        }
+        __atomic_store_n(&t->conn_ino, ino, __ATOMIC_RELEASE);
+        int ok = replace(a.fd, s) == 0; /* (closes s either way) */
+        leave(t, &old);
+        if (ok) {
             __atomic_store_n(&t->lost, 0, __ATOMIC_RELEASE);
-            pthread_mutex_unlock(&table_lock);
             note("reconnected to TLSPLANE_HANDOFF", 0);
             return NULL;
         }
-        pthread_mutex_unlock(&table_lock);
-        if (!(mine && ok))
-            real_close(s); /* (replace closed it if it failed) */
-        if (!mine)
-            return NULL;
     }
 }
 
+static void start_reconnect(struct taken *t, int fd) {
+    struct again *a = malloc(sizeof *a);
+    if (!a)
+        return;
+    a->slot = (int)(t - taken);
+    a->fd = fd;
+    a->gen = __atomic_load_n(&t->gen, __ATOMIC_ACQUIRE);
+    /* The thread takes no signals: they stay the program's threads' business. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_t attr;
+    pthread_t th;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&th, &attr, reconnect, a) != 0)
+        free(a);
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
 /* The hand-off connection is gone: accept fails once, and until a thread has reconnected
- * nothing arrives. */
-static int lose(struct taken *t, int fd) {
+ * nothing arrives. The frame lock is held. */
+static int lose(struct taken *t, int fd, unsigned gen) {
     note("the hand-off connection is closed or broken; reconnecting", 0);
     /* A listening Unix socket on an unnamed abstract address: never readable (an unconnected
      * stream socket would report POLLHUP and spin the program's poll loop). */
     int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sa_family_t unnamed = AF_UNIX;
+    sigset_t old;
     if (s >= 0 && bind(s, (struct sockaddr *)&unnamed, sizeof unnamed) == 0 &&
-        real_listen(s, 0) == 0)
+        real_listen(s, 0) == 0 && enter(t, fd, gen, &old)) {
         replace(fd, s);
-    else if (s >= 0)
+        leave(t, &old);
+    } else if (s >= 0) {
         real_close(s);
+    }
     __atomic_add_fetch(&t->epoch, 1, __ATOMIC_RELEASE);
     __atomic_store_n(&t->lost, 1, __ATOMIC_RELEASE);
-    struct again *a = malloc(sizeof *a);
-    if (a) {
-        pthread_mutex_lock(&table_lock);
-        a->slot = (int)(t - taken);
-        a->fd = fd;
-        a->gen = t->gen;
-        pthread_mutex_unlock(&table_lock);
-        /* The thread takes no signals: they stay the program's threads' business. */
-        sigset_t all, old;
-        sigfillset(&all);
-        pthread_sigmask(SIG_SETMASK, &all, &old);
-        pthread_attr_t attr;
-        pthread_t th;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        if (pthread_create(&th, &attr, reconnect, a) != 0)
-            free(a);
-        pthread_attr_destroy(&attr);
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
-    }
+    if (__atomic_load_n(&t->fd, __ATOMIC_ACQUIRE) == fd)
+        start_reconnect(t, fd);
     errno = ECONNABORTED;
     return -1;
 }
 
+/* ---- accept ---- */
+
+/* poll(2) is never restarted after a signal handler; accept(2) is, when the handler has
+ * SA_RESTART. So a blocking accept goes on unless some installed handler lacks it. */
+static int handlers_restart(void) {
+    for (int sig = 1; sig < NSIG; sig++) {
+        struct sigaction sa;
+        if (sig == SIGKILL || sig == SIGSTOP || sigaction(sig, NULL, &sa) < 0)
+            continue;
+        if (sa.sa_handler != SIG_DFL && sa.sa_handler != SIG_IGN &&
+            !(sa.sa_flags & SA_RESTART))
+            return 0;
+    }
+    return 1;
+}
+
+/* Takes slot t's frame lock: 1 held; 0 another holds it (`wait` 0); -1 with errno. */
+static int lock_frames(struct taken *t, int fd, int wait) {
+    struct frame_lock *fl = &frame_locks[t - taken];
+    int r = wait ? pthread_mutex_lock(&fl->m) : pthread_mutex_trylock(&fl->m);
+    if (r == EBUSY)
+        return 0;
+    if (r == EOWNERDEAD) {
+        /* Its holder died. In the middle of a frame of this connection, the stream cannot be
+         * framed any more: end it for every process that shares it (each then reconnects). */
+        uint64_t ino = __atomic_load_n(&fl->reading, __ATOMIC_ACQUIRE);
+        if (ino && ino == __atomic_load_n(&t->conn_ino, __ATOMIC_ACQUIRE))
+            real_shutdown(fd, SHUT_RDWR);
+        __atomic_store_n(&fl->reading, 0, __ATOMIC_RELEASE);
+        pthread_mutex_consistent(&fl->m);
+        return 1;
+    }
+    if (r != 0) {
+        errno = r; /* EDEADLK: a signal handler's accept while this thread reads */
+        return -1;
+    }
+    return 1;
+}
+
+/* The CONNECTION in t->frame, with its descriptor cfd: returned to the program, or -1 when
+ * the frame is something else or its body is bad (the descriptor closed). */
+static int take_connection(struct taken *t, int cfd, struct sockaddr *addr,
+                           socklen_t *addrlen, int flags) {
+    const unsigned char *f = t->frame;
+    size_t len = (size_t)(f[6] << 8 | f[7]);
+    if (f[5] != KIND_CONNECTION || cfd < 0) {
+        if (cfd >= 0)
+            real_close(cfd); /* a REPLY or a later kind: skipped whole */
+        return -1;
+    }
+    /* CONNECTION: v1 minimum 64 + n + m; plane 1..3. */
+    if (len < 64 || len < 64u + f[62] || len < 64u + f[62] + f[63 + f[62]] || f[16] < 1 ||
+        f[16] > 3 || fill_addr(f + 22, t->bound.ss_family, addr, addrlen) < 0) {
+        real_close(cfd);
+        return -1;
+    }
+    int fl = fcntl(cfd, F_GETFL);
+    int want = flags & SOCK_NONBLOCK ? fl | O_NONBLOCK : fl & ~O_NONBLOCK;
+    if (fl < 0 || (want != fl && fcntl(cfd, F_SETFL, want) < 0)) {
+        real_close(cfd);
+        return -1;
+    }
+    if (f[16] == PLANE_KERNEL) {
+        uint64_t id = 0;
+        for (int i = 8; i < 16; i++)
+            id = id << 8 | f[i];
+        kremember(cfd, t, id);
+    } else {
+        kforget_stale(cfd);
+    }
+    return cfd;
+}
+
 static int handoff_accept(struct taken *t, int fd, struct sockaddr *addr, socklen_t *addrlen,
                           int flags) {
-    while (__atomic_load_n(&t->lost, __ATOMIC_ACQUIRE)) {
-        int fl = fcntl(fd, F_GETFL);
-        if (fl >= 0 && fl & O_NONBLOCK) {
-            errno = EAGAIN;
-            return -1;
-        }
-        struct timespec ts = {0, 100 * 1000 * 1000};
-        if (nanosleep(&ts, NULL) < 0 && errno == EINTR)
-            return -1;
-    }
+    unsigned gen = __atomic_load_n(&t->gen, __ATOMIC_ACQUIRE);
     int cloexec = (flags & SOCK_CLOEXEC) != 0;
-    if (fcntl(fd, F_GETFL) & O_NONBLOCK) {
-        /* Another thread is reading a frame: nothing for this non-blocking call. */
-        if (pthread_mutex_trylock(&t->lock) != 0) {
+    for (;;) {
+        if (__atomic_load_n(&t->fd, __ATOMIC_ACQUIRE) != fd) {
+            errno = EBADF; /* another thread closed the socket */
+            return -1;
+        }
+        int fl = fcntl(fd, F_GETFL);
+        int nonblock = fl >= 0 && (fl & O_NONBLOCK);
+        if (__atomic_load_n(&t->lost, __ATOMIC_ACQUIRE)) {
+            if (nonblock) {
+                errno = EAGAIN;
+                return -1;
+            }
+            struct timespec ts = {0, 100 * 1000 * 1000};
+            if (nanosleep(&ts, NULL) < 0 && errno == EINTR && !handlers_restart())
+                return -1;
+            continue;
+        }
+        if (!nonblock) {
+            /* Wait without the lock: it is held only while a queued frame is read. The
+             * timeout notices a descriptor replaced meanwhile (lost, then reconnected). */
+            struct pollfd p = {fd, POLLIN, 0};
+            int r = poll(&p, 1, 1000);
+            if (r < 0 && errno == EINTR && !handlers_restart())
+                return -1;
+            if (r <= 0)
+                continue;
+        }
+        int locked = lock_frames(t, fd, !nonblock);
+        if (locked <= 0) {
+            if (locked == 0)
+                errno = EAGAIN;
+            return -1;
+        }
+        if (__atomic_load_n(&t->lost, __ATOMIC_ACQUIRE)) {
+            pthread_mutex_unlock(&frame_locks[t - taken].m);
+            continue;
+        }
+        int cfd = -1;
+        int r = read_frame(t, &frame_locks[t - taken], fd, &cfd, cloexec);
+        int ret = -1;
+        if (r == -2) {
+            if (cfd >= 0)
+                real_close(cfd);
+            ret = lose(t, fd, gen);
+        } else if (r == 1) {
+            ret = take_connection(t, cfd, addr, addrlen, flags);
+        }
+        pthread_mutex_unlock(&frame_locks[t - taken].m);
+        if (r == -2 || ret >= 0)
+            return ret;
+        if (r == 0 && nonblock) {
             errno = EAGAIN;
             return -1;
         }
-    } else {
-        pthread_mutex_lock(&t->lock);
-    }
-    unsigned char *frame = t->frame;
-    for (;;) {
-        int cfd = -1;
-        int r = read_exact(fd, frame, 8, &cfd, cloexec, 1);
-        if (r == -1) {
-            int e = errno;
-            pthread_mutex_unlock(&t->lock);
-            errno = e;
-            return -1;
-        }
-        if (r == 0 || r == -2) {
-            if (cfd >= 0)
-                real_close(cfd);
-            int ret = lose(t, fd);
-            pthread_mutex_unlock(&t->lock);
-            return ret;
-        }
-        size_t len = (size_t)(frame[6] << 8 | frame[7]);
-        if (memcmp(frame, "TLPH", 4) != 0 || frame[4] != 1 || len < 8 || len > FRAME_MAX ||
-            read_exact(fd, frame + 8, len - 8, &cfd, cloexec, 0) != 1) {
-            if (cfd >= 0)
-                real_close(cfd);
-            int ret = lose(t, fd);
-            pthread_mutex_unlock(&t->lock);
-            return ret;
-        }
-        if (frame[5] != KIND_CONNECTION || cfd < 0) {
-            if (cfd >= 0)
-                real_close(cfd); /* a REPLY or a later kind: skipped whole */
-            continue;
-        }
-        /* CONNECTION: v1 minimum 64 + n + m; plane 1..3. */
-        if (len < 64 || len < 64u + frame[62] || len < 64u + frame[62] + frame[63 + frame[62]] ||
-            frame[16] < 1 || frame[16] > 3 || fill_addr(frame + 22, t->bound.ss_family, addr,
-                                                        addrlen) < 0) {
-            real_close(cfd);
-            continue;
-        }
-        int fl = fcntl(cfd, F_GETFL);
-        int want = flags & SOCK_NONBLOCK ? fl | O_NONBLOCK : fl & ~O_NONBLOCK;
-        if (fl < 0 || (want != fl && fcntl(cfd, F_SETFL, want) < 0)) {
-            real_close(cfd);
-            continue;
-        }
-        if (frame[16] == PLANE_KERNEL) {
-            uint64_t id = 0;
-            for (int i = 8; i < 16; i++)
-                id = id << 8 | frame[i];
-            kremember(cfd, t, id);
-        } else {
-            kforget(cfd); /* a stale entry: the number was closed behind the shim's back */
-        }
-        pthread_mutex_unlock(&t->lock);
-        return cfd;
     }
 }
 
@@ -974,19 +1472,28 @@ int getsockname(int fd, struct sockaddr *addr, socklen_t *addrlen) {
     return 0;
 }
 
-int close(int fd) {
-    pthread_once(&once, init);
-    kforget(fd);
-    if (__atomic_load_n(&n_taken, __ATOMIC_ACQUIRE) > 0) {
-        pthread_mutex_lock(&table_lock);
-        for (int i = 0; i < MAX_TAKEN; i++)
-            if (taken[i].fd == fd) {
-                taken[i].fd = -1;
-                __atomic_sub_fetch(&n_taken, 1, __ATOMIC_RELEASE);
-            }
-        pthread_mutex_unlock(&table_lock);
+/* The program is closing fd (or putting another file on it): if it is a taken-over socket,
+ * the slot is freed first, then any thread still putting a connection on it or sending on it
+ * is waited for (a dup3 or a non-blocking send: a moment). */
+static void release_taken(int fd) {
+    if (fd < 0 || __atomic_load_n(&n_taken, __ATOMIC_ACQUIRE) == 0)
+        return;
+    for (int i = 0; i < MAX_TAKEN; i++) {
+        int want = fd;
+        if (!__atomic_compare_exchange_n(&taken[i].fd, &want, -1, 0, __ATOMIC_SEQ_CST,
+                                         __ATOMIC_SEQ_CST))
+            continue;
+        __atomic_sub_fetch(&n_taken, 1, __ATOMIC_RELEASE);
+        while (__atomic_load_n(&taken[i].busy, __ATOMIC_SEQ_CST) > 0) {
+            struct timespec ts = {0, 50 * 1000};
+            nanosleep(&ts, NULL);
+        }
     }
-    return real_close(fd);
+}
+
+int close(int fd) {
+    release_taken(fd);
+    return kclose(fd, op_close, fd, 0, 0);
 }
 
 ssize_t read(int fd, void *buf, size_t len) {
@@ -1063,28 +1570,35 @@ ssize_t __recvfrom_chk(int fd, void *buf, size_t len, size_t buflen, int flags,
 /* shutdown(SHUT_WR) would send the TCP FIN before tlsplane's close_notify: on a remembered
  * descriptor it sends CLOSE instead (tlsplane sends close_notify after what was written). */
 int shutdown(int fd, int how) {
-    pthread_once(&once, init);
     struct kconn *k = kfind(fd);
     if (!k || how == SHUT_RD)
-        return real_shutdown(fd, how);
+        return REAL(shutdown)(fd, how);
     if (how != SHUT_WR && how != SHUT_RDWR)
         return (int)fail(EINVAL);
-    if (how == SHUT_RDWR && real_shutdown(fd, SHUT_RD) < 0)
+    if (how == SHUT_RDWR && REAL(shutdown)(fd, SHUT_RD) < 0)
         return -1;
-    send_close(k);
+    if (k->pid == getpid() && !__atomic_load_n(&k->forked, __ATOMIC_ACQUIRE))
+        send_close(k);
+    else
+        send_close_once(k);
     return 0;
 }
 
+/* Whether a dup2/dup3 of `old` onto fd closes one of the shim's descriptors. */
+static int replaces_ours(int old, int fd) {
+    return old != fd && (kfind(fd) || find(fd)) && fcntl(old, F_GETFD) >= 0;
+}
+
 int dup2(int old, int fd) {
-    pthread_once(&once, init);
-    if (old != fd && kfind(fd) && fcntl(old, F_GETFD) >= 0)
-        kforget(fd); /* fd's connection is being closed */
-    return real_dup2(old, fd);
+    if (!replaces_ours(old, fd))
+        return REAL(dup2)(old, fd);
+    release_taken(fd);
+    return kclose(fd, op_dup3, old, fd, 0);
 }
 
 int dup3(int old, int fd, int flags) {
-    pthread_once(&once, init);
-    if (old != fd && kfind(fd) && fcntl(old, F_GETFD) >= 0)
-        kforget(fd);
-    return real_dup3(old, fd, flags);
+    if (!replaces_ours(old, fd))
+        return REAL(dup3)(old, fd, flags);
+    release_taken(fd);
+    return kclose(fd, op_dup3, old, fd, flags);
 }

@@ -14,9 +14,11 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::io;
 use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
-use tlsplane_handoff::{ConnInfo, HandoffClient, Status};
+use tlsplane_handoff::{ConnInfo, HandoffClient, ServerUids, Status};
 
 /// `struct tlsplane_addr` in tlsplane.h.
 #[repr(C)]
@@ -83,7 +85,26 @@ fn errno_of(e: &io::Error) -> c_int {
         io::ErrorKind::UnexpectedEof => libc::ECONNRESET,
         io::ErrorKind::ConnectionAborted => libc::ECONNABORTED,
         io::ErrorKind::InvalidInput => libc::EINVAL,
+        io::ErrorKind::PermissionDenied => libc::EPERM,
         _ => libc::EIO,
+    }
+}
+
+/// Says on stderr why a connect was refused (another user at the path, a malformed
+/// TLSPLANE_HANDOFF_UID): errno alone cannot name the user id found. At most once per 10 s,
+/// for a program that retries in a loop.
+fn report_refusal(e: &io::Error) {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    static NEXT_MS: AtomicU64 = AtomicU64::new(0);
+    let now = BASE.get_or_init(Instant::now).elapsed().as_millis() as u64;
+    let next = NEXT_MS.load(Ordering::Relaxed);
+    let window = Duration::from_secs(10).as_millis() as u64;
+    if now >= next
+        && NEXT_MS
+            .compare_exchange(next, now + window, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        eprintln!("tlsplane: {e}");
     }
 }
 
@@ -157,12 +178,11 @@ pub extern "C" fn tlsplane_conn_info_size() -> usize {
     std::mem::size_of::<TlsplaneConnInfo>()
 }
 
-/// See tlsplane.h.
+/// Connects to `path`, trusting `server` (or failing with its error).
 ///
 /// # Safety
 /// `path` is NULL or a NUL-terminated string.
-#[no_mangle]
-pub unsafe extern "C" fn tlsplane_connect(path: *const c_char) -> *mut TlsplaneHandle {
+unsafe fn connect(path: *const c_char, server: io::Result<ServerUids>) -> *mut TlsplaneHandle {
     if path.is_null() {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
@@ -170,16 +190,57 @@ pub unsafe extern "C" fn tlsplane_connect(path: *const c_char) -> *mut TlsplaneH
     // SAFETY: the caller promises a NUL-terminated string, read only during this call.
     let path = unsafe { CStr::from_ptr(path) };
     let path = std::path::Path::new(std::ffi::OsStr::from_bytes(path.to_bytes()));
-    match HandoffClient::connect(path) {
+    match server.and_then(|server| HandoffClient::connect_trusting(path, &server)) {
         Ok(client) => Box::into_raw(Box::new(TlsplaneHandle {
             client,
             conns: Mutex::default(),
         })),
         Err(e) => {
+            if matches!(
+                e.kind(),
+                io::ErrorKind::PermissionDenied | io::ErrorKind::InvalidInput
+            ) {
+                report_refusal(&e);
+            }
             set_errno(errno_of(&e));
             std::ptr::null_mut()
         }
     }
+}
+
+/// See tlsplane.h.
+///
+/// # Safety
+/// `path` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tlsplane_connect(path: *const c_char) -> *mut TlsplaneHandle {
+    // SAFETY: forwarded caller promise.
+    unsafe { connect(path, ServerUids::from_env()) }
+}
+
+/// See tlsplane.h.
+///
+/// # Safety
+/// `path` is NULL or a NUL-terminated string; `uids` is valid for reading `n_uids` user ids
+/// (or `n_uids` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn tlsplane_connect_uids(
+    path: *const c_char,
+    uids: *const libc::uid_t,
+    n_uids: usize,
+) -> *mut TlsplaneHandle {
+    let uids: &[libc::uid_t] = if n_uids == 0 {
+        &[]
+    } else if uids.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    } else {
+        // SAFETY: the caller promises `n_uids` readable, initialised uid_t values, not
+        // written during the call.
+        unsafe { std::slice::from_raw_parts(uids, n_uids) }
+    };
+    // SAFETY: forwarded caller promise.
+    unsafe { connect(path, Ok(ServerUids::new(uids.iter().copied()))) }
 }
 
 /// Borrows the handle behind a C pointer.

@@ -1,16 +1,21 @@
 //! Builds tests/c/accept_read.c with `cc` against the staticlib and runs it against a fake
 //! tlsplane: the C library receives a passed TCP socket, reads it through `tlsplane_read`,
-//! asks for close_notify through `tlsplane_close`, and refuses a bad header.
+//! asks for close_notify through `tlsplane_close`, and refuses a bad header. And
+//! tests/c/trust.c against another user listening at the path: refused unless trusted.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use tlsplane_handoff::wire::Message;
 use tlsplane_handoff::{read_frame, send_connection, send_reply, ConnInfo, Plane, Reply, Status};
+
+#[path = "../../tlsplane-handoff/tests/common/impostor.rs"]
+mod impostor;
+use impostor::Impostor;
 
 /// The staticlib cargo built for this test: beside the test binary in target/<profile>/deps
 /// (built there on every `cargo test`, while the copy in target/<profile>/ is only refreshed
@@ -20,11 +25,12 @@ fn staticlib() -> PathBuf {
     exe.parent().unwrap().join("libtlsplane_handoff_c.a")
 }
 
-fn compile(dir: &std::path::Path) -> PathBuf {
+/// tests/c/PROG.c built against the staticlib, in `dir`.
+fn compile(dir: &Path, prog: &str) -> PathBuf {
     let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let lib = staticlib();
     assert!(lib.exists(), "{} not built", lib.display());
-    let exe = dir.join("accept_read");
+    let exe = dir.join(prog);
     let out = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
         .args([
             "-std=c99",
@@ -35,7 +41,7 @@ fn compile(dir: &std::path::Path) -> PathBuf {
             "-o",
         ])
         .arg(&exe)
-        .arg(crate_dir.join("tests/c/accept_read.c"))
+        .arg(crate_dir.join(format!("tests/c/{prog}.c")))
         .arg("-I")
         .arg(crate_dir.join("include"))
         .arg(&lib)
@@ -55,7 +61,7 @@ fn a_c_program_receives_reads_and_closes_through_the_library() {
     let dir = std::env::temp_dir().join(format!("tlsplane-handoff-c-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let exe = compile(&dir);
+    let exe = compile(&dir, "accept_read");
     let path = dir.join("handoff.sock");
     let listener = UnixListener::bind(&path).unwrap();
 
@@ -156,4 +162,45 @@ fn a_c_program_receives_reads_and_closes_through_the_library() {
     tls_client.read_to_end(&mut reply).unwrap();
     assert_eq!(reply, b"pong");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// tlsplane_connect refuses another user listening at the path (EPERM, and says why on
+/// stderr) unless TLSPLANE_HANDOFF_UID names it; tlsplane_connect_uids decides by its own
+/// list; a malformed variable is EINVAL.
+#[test]
+fn the_c_library_refuses_another_user_at_the_path_unless_trusted() {
+    let Some(imp) = Impostor::start("c", "") else {
+        return;
+    };
+    let exe = compile(imp.dir(), "trust");
+    let run = |uid_env: Option<&str>, arg: Option<&str>| {
+        let mut cmd = Command::new(&exe);
+        cmd.arg(&imp.path)
+            .args(arg)
+            .env_remove("TLSPLANE_HANDOFF_UID");
+        if let Some(v) = uid_env {
+            cmd.env("TLSPLANE_HANDOFF_UID", v);
+        }
+        let out = cmd.output().unwrap();
+        (
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let accepted = "accepted forged.example 203.0.113.7:4242";
+    let (out, err) = run(None, None);
+    assert_eq!(out, "refused EPERM", "{err}");
+    let said = format!(
+        "tlsplane: refusing the hand-off socket {}: it is served by uid 65534, not root",
+        imp.path.display()
+    );
+    assert!(err.contains(&said), "{err}");
+    assert_eq!(run(Some("1000,65533"), None).0, "refused EPERM");
+    assert_eq!(run(Some("65534"), None).0, accepted);
+    let (out, err) = run(Some("65534 "), None);
+    assert_eq!(out, "refused EINVAL");
+    assert!(err.contains("TLSPLANE_HANDOFF_UID=\"65534 \""), "{err}");
+    assert_eq!(run(None, Some("65534")).0, accepted);
+    // The argument, not the variable, decides.
+    assert_eq!(run(Some("65534"), Some("1000")).0, "refused EPERM");
 }

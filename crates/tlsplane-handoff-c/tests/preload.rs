@@ -23,6 +23,10 @@ use std::time::{Duration, Instant};
 use tlsplane_handoff::wire::Message;
 use tlsplane_handoff::{send_connection, send_reply, ConnInfo, Plane, Reply, Status};
 
+#[path = "../../tlsplane-handoff/tests/common/impostor.rs"]
+mod impostor;
+use impostor::Impostor;
+
 fn compile(args: &[&str], src: &Path, out: &Path) {
     let res = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
         .args(["-O2", "-Wall", "-Wextra", "-Werror"])
@@ -599,5 +603,444 @@ fn the_preload_shim_handles_control_records_of_a_kernel_plane_connection() {
         ],
         "{stderr}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The shim's hand-off connection, once the program under it connects (10 s at most).
+fn accept_within(listener: &UnixListener) -> Option<UnixStream> {
+    listener.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match listener.accept() {
+            Ok((sock, _)) => {
+                sock.set_nonblocking(false).unwrap();
+                return Some(sock);
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(_) => return None,
+        }
+    }
+}
+
+/// Bytes to echo, different per connection.
+fn payload(seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let len = 1000 + (x % 30_000) as usize;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A threaded server under the shim (tests/c/shim_servers.c, 8 threads in accept) serves 200
+/// kernel-plane connections from 8 clients at once, byte-exact, each closed with exactly one
+/// CLOSE, while: a thread forks 200 children that close the listening socket (none may hang
+/// on a lock another thread held at the fork); another hammers getsockname and close; and the
+/// fake stops reading the hand-off connection for 0.8 s, so that the program's CLOSEs find no
+/// room (they wait, 2 s at most): an unrelated close() meanwhile must not wait behind them.
+#[test]
+fn a_threaded_server_that_forks_is_served_without_deadlock_or_waiting_behind_a_send() {
+    let (dir, shim, exe) = build("preload-threads", "shim_servers");
+    let path = dir.join("handoff.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let port = free_port();
+    let mut child = Command::new(&exe)
+        .args([&port.to_string(), "threads", "8"])
+        .env("LD_PRELOAD", &shim)
+        .env("TLSPLANE_HANDOFF", &path)
+        .env("TLSPLANE_LISTEN", port.to_string())
+        .env("SHIM_STRESS", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let sock = accept_within(&listener).expect("the program did not connect");
+    let sender = std::sync::Mutex::new(sock.try_clone().unwrap());
+    let pause = std::sync::atomic::AtomicBool::new(false);
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    const CONNS: u64 = 200;
+    let (closes, echoed) = std::thread::scope(|s| {
+        let reader = s.spawn(|| {
+            let mut sock = sock;
+            sock.set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            let mut closes = Vec::new();
+            while (closes.len() as u64) < CONNS {
+                if pause.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(800));
+                }
+                match describe(next_frame(&mut sock)).strip_prefix("CLOSE ") {
+                    Some(id) => closes.push(id.to_string()),
+                    None => break,
+                }
+            }
+            closes
+        });
+        let clients: Vec<_> = (0..8u64)
+            .map(|c| {
+                let (sender, pause, done) = (&sender, &pause, &done);
+                s.spawn(move || {
+                    let mut exact = 0;
+                    for i in 0..CONNS / 8 {
+                        let id = c * 1000 + i;
+                        let (mut peer, server) = tcp_pair();
+                        peer.set_read_timeout(Some(Duration::from_secs(10)))
+                            .unwrap();
+                        let mut k = info(id, "10.1.2.3:4444");
+                        k.plane = Plane::Kernel;
+                        send_connection(&sender.lock().unwrap(), server.as_fd(), &k).unwrap();
+                        drop(server);
+                        let body = payload(id);
+                        peer.write_all(&body).unwrap();
+                        peer.shutdown(std::net::Shutdown::Write).unwrap();
+                        let mut back = Vec::new();
+                        let _ = peer.read_to_end(&mut back);
+                        exact += usize::from(back == body);
+                        if done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 60 {
+                            pause.store(true, std::sync::atomic::Ordering::SeqCst);
+                        }
+                    }
+                    exact
+                })
+            })
+            .collect();
+        let echoed: usize = clients.into_iter().map(|c| c.join().unwrap()).sum();
+        (reader.join().unwrap(), echoed)
+    });
+    drop(child.stdin.take()); // the program reports and exits
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(echoed, CONNS as usize, "echoes not exact; {stdout}{stderr}");
+    let mut sorted = closes.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(
+        (closes.len(), sorted.len()),
+        (CONNS as usize, CONNS as usize),
+        "one CLOSE per connection: {closes:?}\n{stderr}"
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.first(), Some(&"listening"), "{stdout}{stderr}");
+    assert_eq!(lines.get(1), Some(&"served=200"), "{stdout}{stderr}");
+    let stress = lines.get(2).copied().unwrap_or_default();
+    assert!(
+        stress.starts_with("forks=200 hung=0 close_max_ms="),
+        "{stdout}{stderr}"
+    );
+    let close_max_ms: u64 = stress.rsplit('=').next().unwrap().parse().unwrap();
+    assert!(
+        close_max_ms < 400,
+        "an unrelated close() waited {close_max_ms} ms\n{stderr}"
+    );
+    assert_eq!(lines.get(3), Some(&"done"), "{stdout}{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn unhex(hex: &str) -> Vec<u8> {
+    (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect()
+}
+
+/// What the impostor's connections got back, as they come, for `limit`.
+fn impostor_replies(imp: &Impostor, limit: Duration) -> Vec<Vec<u8>> {
+    imp.conns(usize::MAX, limit)
+        .iter()
+        .map(|l| unhex(l.rsplit(' ').next().unwrap_or_default()))
+        .collect()
+}
+
+/// An unmodified `python3 -m http.server` under the shim, as root, serving a file only root
+/// may read. tlsplane goes away and another user binds the path: the shim keeps trying (every
+/// 200 ms) but takes nothing from it, and says so once; the impostor never gets the file.
+/// With that user already there, listen fails (EPERM). Trusting its uid
+/// (TLSPLANE_HANDOFF_UID) lets its forged connection in and it gets the file: the check is
+/// what decides.
+#[test]
+fn the_shim_never_takes_a_connection_from_another_user_at_the_path() {
+    let Some(imp_dir) = Impostor::make_dir("shim") else {
+        return;
+    };
+    let (dir, shim, frames) = build("preload-impostor", "preload_frames");
+    let www = dir.join("www");
+    std::fs::create_dir_all(&www).unwrap();
+    std::fs::write(www.join("public.txt"), "served to anyone\n").unwrap();
+    let secret = www.join("secret.txt");
+    std::fs::write(&secret, "only root may read this\n").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let path = imp_dir.join("handoff.sock");
+    let http_server = |uid_env: Option<&str>, err: &Path| {
+        let port = free_port();
+        let mut cmd = Command::new("python3");
+        cmd.args([
+            "-m",
+            "http.server",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+        ])
+        .current_dir(&www)
+        .env("LD_PRELOAD", &shim)
+        .env("TLSPLANE_HANDOFF", &path)
+        .env("TLSPLANE_LISTEN", format!("127.0.0.1:{port}"))
+        .env_remove("TLSPLANE_HANDOFF_UID")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(err).unwrap());
+        if let Some(v) = uid_env {
+            cmd.env("TLSPLANE_HANDOFF_UID", v);
+        }
+        cmd.spawn().expect("python3")
+    };
+
+    // tlsplane (this test, as root) hands over one request, then goes away.
+    let listener = UnixListener::bind(&path).unwrap();
+    let err_a = dir.join("http-a.err");
+    let mut py = http_server(None, &err_a);
+    let sock = accept_within(&listener).expect("http.server did not connect");
+    let (mut ours, theirs) = UnixStream::pair().unwrap();
+    send_connection(&sock, theirs.as_fd(), &info(1, "10.1.2.3:4444")).unwrap();
+    drop(theirs);
+    ours.write_all(b"GET /public.txt HTTP/1.0\r\n\r\n").unwrap();
+    let mut reply = Vec::new();
+    ours.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let _ = ours.read_to_end(&mut reply);
+    let reply = String::from_utf8_lossy(&reply).into_owned();
+    assert!(reply.ends_with("served to anyone\n"), "{reply}");
+    drop((sock, listener));
+    std::fs::remove_file(&path).unwrap();
+
+    let imp = Impostor::start_in(imp_dir, "GET /secret.txt HTTP/1.0\r\n\r\n").unwrap();
+    let replies = impostor_replies(&imp, Duration::from_millis(1500));
+    let _ = py.kill();
+    let _ = py.wait();
+    let err = std::fs::read_to_string(&err_a).unwrap();
+    assert!(
+        replies.len() >= 3,
+        "the shim stopped trying: {replies:?}\n{err}"
+    );
+    assert!(
+        replies.iter().all(Vec::is_empty),
+        "the impostor was answered: {:?}\n{err}",
+        replies
+            .iter()
+            .map(|r| String::from_utf8_lossy(r).into_owned())
+            .collect::<Vec<_>>()
+    );
+    let refusal = format!(
+        "tlsplane-preload: refusing the hand-off socket {}: it is served by uid 65534, not root",
+        path.display()
+    );
+    assert_eq!(
+        err.matches(&refusal).count(),
+        1,
+        "logged once per 10 s:\n{err}"
+    );
+    assert!(!err.contains("reconnected"), "{err}");
+
+    // Another user there at listen: refused; a malformed list of ids fails the listen too.
+    let listen_with = |uid_env: Option<&str>| {
+        let port = free_port();
+        let mut cmd = Command::new(&frames);
+        cmd.arg(port.to_string())
+            .env("LD_PRELOAD", &shim)
+            .env("TLSPLANE_HANDOFF", &path)
+            .env("TLSPLANE_LISTEN", port.to_string())
+            .env_remove("TLSPLANE_HANDOFF_UID");
+        if let Some(v) = uid_env {
+            cmd.env("TLSPLANE_HANDOFF_UID", v);
+        }
+        let out = cmd.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        (stdout, String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (stdout, stderr) = listen_with(None);
+    assert_eq!(stdout, "listen: Operation not permitted\n", "{stderr}");
+    assert!(stderr.contains(&refusal), "{stderr}");
+    let (stdout, stderr) = listen_with(Some("1000,"));
+    assert_eq!(stdout, "listen: Invalid argument\n", "{stderr}");
+    assert!(
+        stderr.contains("TLSPLANE_HANDOFF_UID: expected"),
+        "{stderr}"
+    );
+
+    // Trusted, the same impostor is served the file.
+    let err_b = dir.join("http-b.err");
+    let mut py = http_server(Some("1000,65534"), &err_b);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut served = None;
+    while served.is_none() && Instant::now() < deadline {
+        served = impostor_replies(&imp, Duration::from_millis(200))
+            .into_iter()
+            .find(|r| !r.is_empty());
+    }
+    let _ = py.kill();
+    let _ = py.wait();
+    let err = std::fs::read_to_string(&err_b).unwrap();
+    let served = String::from_utf8_lossy(&served.unwrap_or_default()).into_owned();
+    assert!(
+        served.starts_with("HTTP/1.0 200") && served.ends_with("only root may read this\n"),
+        "{served}\n{err}"
+    );
+    assert!(
+        err.contains("203.0.113.7"),
+        "the forged peer is logged:\n{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An accept-then-fork server under the shim (tests/c/shim_servers.c forkper, the shape of
+/// socketserver.ForkingMixIn): the parent closes its copy of each kernel-plane connection at
+/// once while its child serves it. Its CLOSE (tlsplane's close_notify) must wait for the
+/// child's close, not come with the parent's, which would cut the child's answer short.
+#[test]
+fn a_fork_per_connection_server_sends_close_when_the_child_is_done() {
+    let (dir, shim, exe) = build("preload-forkper", "shim_servers");
+    let path = dir.join("handoff.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let port = free_port();
+    let mut child = Command::new(&exe)
+        .args([&port.to_string(), "forkper"])
+        .env("LD_PRELOAD", &shim)
+        .env("TLSPLANE_HANDOFF", &path)
+        .env("TLSPLANE_LISTEN", port.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut sock = accept_within(&listener).expect("the program did not connect");
+    let mut seen = Vec::new();
+    for id in 1..=4u64 {
+        let (mut peer, server) = tcp_pair();
+        peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut k = info(id, "10.1.2.3:4444");
+        k.plane = Plane::Kernel;
+        send_connection(&sock, server.as_fd(), &k).unwrap();
+        drop(server);
+        let body = payload(id);
+        seen.push(format!("{id} echo exact: {}", echoes(&mut peer, &body)));
+        // The parent has long closed its copy; the child still serves.
+        sock.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        seen.push(format!(
+            "{id} while served: {}",
+            describe(next_frame(&mut sock))
+        ));
+        peer.shutdown(std::net::Shutdown::Write).unwrap();
+        seen.push(format!("{id} peer: {}", peer_read(&mut peer)));
+        sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        seen.push(format!("{id} after: {}", describe(next_frame(&mut sock))));
+    }
+    drop(child.stdin.take());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let want: Vec<String> = (1..=4)
+        .flat_map(|id| {
+            [
+                format!("{id} echo exact: true"),
+                format!("{id} while served: no frame"),
+                format!("{id} peer: end of stream"),
+                format!("{id} after: CLOSE {id:#x}"),
+            ]
+        })
+        .collect();
+    assert_eq!(seen, want, "{stdout}{stderr}");
+    assert_eq!(stdout, "listening\nserved=4\ndone\n", "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A pre-fork server under the shim (tests/c/shim_servers.c prefork: 4 processes forked after
+/// listen, each in a blocking accept on the shared socket). The fake sends each CONNECTION
+/// frame in two pieces, 5 ms apart, as a stream may carry it: a process must take the whole
+/// frame, or another one, waiting in its own accept, reads the tail as a frame of its own.
+#[test]
+fn a_pre_fork_server_takes_whole_frames_in_each_process() {
+    let (dir, shim, exe) = build("preload-prefork", "shim_servers");
+    let path = dir.join("handoff.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let port = free_port();
+    let mut child = Command::new(&exe)
+        .args([&port.to_string(), "prefork", "4"])
+        .env("LD_PRELOAD", &shim)
+        .env("TLSPLANE_HANDOFF", &path)
+        .env("TLSPLANE_LISTEN", port.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let sock = accept_within(&listener).expect("the program did not connect");
+    std::thread::sleep(Duration::from_millis(200)); // the processes are forked and accepting
+    const CONNS: u64 = 40;
+    let mut peers = Vec::new();
+    for id in 1..=CONNS {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let mut frame = vec![0u8; 1024];
+        let n = Message::Connection(info(id, "10.1.2.3:4444"))
+            .encode(&mut frame)
+            .unwrap();
+        tlsplane_sys::send_with_fd(sock.as_fd(), &frame[..8], theirs.as_fd()).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        (&sock).write_all(&frame[8..n]).unwrap();
+        peers.push((id, ours));
+    }
+    let exact = std::thread::scope(|s| {
+        let checks: Vec<_> = peers
+            .iter_mut()
+            .map(|(id, peer)| {
+                s.spawn(move || {
+                    peer.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                    // A connection the program lost fails here: it counts as not echoed.
+                    let line = format!("connection {id}\n");
+                    let mut back = vec![0u8; line.len()];
+                    let exact = peer.write_all(line.as_bytes()).is_ok()
+                        && peer.read_exact(&mut back).is_ok()
+                        && back == line.as_bytes();
+                    // Its process is then free for the next connection.
+                    let _ = peer.shutdown(std::net::Shutdown::Write);
+                    exact && peer_read(peer) == "end of stream"
+                })
+            })
+            .collect();
+        checks
+            .into_iter()
+            .map(|c| c.join().unwrap())
+            .filter(|&e| e)
+            .count()
+    });
+    drop(child.stdin.take());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(exact, CONNS as usize, "{stdout}{stderr}");
+    assert_eq!(stdout, "listening\nserved=40\ndone\n", "{stderr}");
+    assert!(!stderr.contains("closed or broken"), "{stderr}");
+    drop(sock);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -6,12 +6,16 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
+use crate::trust::ServerUids;
 use crate::wire::{
     self, classify_record, ConnInfo, Message, Plane, Prefix, RecordAction, Reply, Status,
 };
+
+/// How many received connections a [`HandoffClient`] queues for `accept` by default.
+pub const DEFAULT_QUEUE_LIMIT: usize = 64;
 
 fn invalid(e: impl std::fmt::Display) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e.to_string())
@@ -158,21 +162,41 @@ struct Shared {
 /// Blocking, and safe to share between threads: one thread at a time reads the socket for all
 /// the others, queueing connections for [`accept`](Self::accept) and replies for the request
 /// that waits on them, so a thread blocked in `accept` does not hold up another's KeyUpdate.
+///
+/// Connections queue only while a request waits for its reply and no thread accepts; past
+/// the queue's limit ([`DEFAULT_QUEUE_LIMIT`], [`with_queue_limit`](Self::with_queue_limit))
+/// a connection is ended at once (close_notify to its client, by tlsplane on the kernel
+/// plane) and counted in [`connections_dropped`](Self::connections_dropped), so that a
+/// flood of connections cannot take the program's memory and descriptors.
 pub struct HandoffClient {
     sock: UnixStream,
     shared: Mutex<Shared>,
     turn: Condvar,
     send_lock: Mutex<()>,
     next_request: AtomicU32,
+    queue_limit: usize,
+    dropped: AtomicU64,
 }
 
 impl HandoffClient {
-    /// Connects to tlsplane's hand-off socket at `path`.
+    /// Connects to tlsplane's hand-off socket at `path`, trusting the user ids
+    /// [`ServerUids::from_env`] names (`TLSPLANE_HANDOFF_UID`, by default this process's
+    /// own, and root). Another process listening there is refused (`PermissionDenied`).
     pub fn connect(path: impl AsRef<Path>) -> io::Result<Self> {
-        Ok(Self::from_stream(UnixStream::connect(path)?))
+        Self::connect_trusting(path, &ServerUids::from_env()?)
     }
 
-    /// Uses an already connected (blocking) stream.
+    /// Connects to tlsplane's hand-off socket at `path`, refusing (`PermissionDenied`) a
+    /// listening process whose user id `server` does not trust.
+    pub fn connect_trusting(path: impl AsRef<Path>, server: &ServerUids) -> io::Result<Self> {
+        let path = path.as_ref();
+        let sock = UnixStream::connect(path)?;
+        server.check(&sock, path)?;
+        Ok(Self::from_stream(sock))
+    }
+
+    /// Uses an already connected (blocking) stream. Its peer is not checked: the caller
+    /// vouches for it (see [`ServerUids::check`]).
     pub fn from_stream(sock: UnixStream) -> Self {
         Self {
             sock,
@@ -180,7 +204,20 @@ impl HandoffClient {
             turn: Condvar::new(),
             send_lock: Mutex::new(()),
             next_request: AtomicU32::new(1),
+            queue_limit: DEFAULT_QUEUE_LIMIT,
+            dropped: AtomicU64::new(0),
         }
+    }
+
+    /// Queues at most `limit` (at least 1) received connections for `accept`.
+    pub fn with_queue_limit(mut self, limit: usize) -> Self {
+        self.queue_limit = limit.max(1);
+        self
+    }
+
+    /// Connections ended on arrival because the queue was full.
+    pub fn connections_dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
     }
 
     pub fn socket(&self) -> &UnixStream {
@@ -211,18 +248,55 @@ impl HandoffClient {
             let r = self.read_one();
             g = self.lock();
             g.reading = false;
+            let full = g.conns.len() >= self.queue_limit;
+            let mut refused = None;
             match r {
+                Ok(Some(Ok(Incoming::Conn(c)))) if full => refused = Some(c),
                 Ok(Some(Ok(Incoming::Conn(c)))) => g.conns.push_back(Ok(c)),
                 Ok(Some(Ok(Incoming::Reply(r)))) => {
                     if g.pending.remove(&r.request_id) {
                         g.replies.push(r);
                     }
                 }
+                Ok(Some(Err(_))) if full => {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                }
                 Ok(Some(Err(e))) => g.conns.push_back(Err(e)),
                 Ok(None) => {}
                 Err(e) => g.broken = Some((e.kind(), e.to_string())),
             }
             self.turn.notify_all();
+            if let Some(conn) = refused {
+                // Not under the lock: ending it may send tlsplane a CLOSE.
+                drop(g);
+                self.drop_connection(conn);
+                g = self.lock();
+            }
+        }
+    }
+
+    /// Ends a connection that found the queue full, without waiting for tlsplane's answer
+    /// (the thread that read it may be the one waiting for a reply).
+    fn drop_connection(&self, conn: Connection) {
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+        match conn.info.plane {
+            Plane::Kernel => {
+                // The reply is not pending, so it is dropped when it comes.
+                let request_id = self.request_id();
+                let msg = Message::Close {
+                    request_id,
+                    conn_id: conn.info.conn_id,
+                };
+                let mut buf = [0u8; 32];
+                if let Ok(n) = msg.encode(&mut buf) {
+                    let _g = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
+                    let _ = send_all(&self.sock, &buf[..n]);
+                }
+            }
+            Plane::UserRelay => {
+                let _ = socket2::SockRef::from(&conn.fd).shutdown(std::net::Shutdown::Write);
+            }
+            Plane::RawTcp => {}
         }
     }
 

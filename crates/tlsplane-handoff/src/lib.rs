@@ -9,6 +9,8 @@
 //! - [`wire`]: the byte layout (also in docs/HANDOFF.md), pure and I/O-free.
 //! - [`HandoffClient`]: the blocking Rust receiver; [`send_connection`] and [`send_reply`]:
 //!   what the sending side calls.
+//! - [`ServerUids`]: who a receiver accepts at the hand-off path (`SO_PEERCRED`,
+//!   `TLSPLANE_HANDOFF_UID`), since anyone may bind that path while tlsplane is away.
 //!
 //! The C ABI lives in `tlsplane-handoff-c` (it needs `unsafe` for raw pointers; this crate
 //! forbids it), the Python module in `python/tlsplane_handoff.py`.
@@ -16,7 +18,11 @@
 #![forbid(unsafe_code)]
 
 mod client;
+mod trust;
 pub mod wire;
 
-pub use client::{read_frame, send_connection, send_reply, Connection, HandoffClient};
+pub use client::{
+    read_frame, send_connection, send_reply, Connection, HandoffClient, DEFAULT_QUEUE_LIMIT,
+};
+pub use trust::{ServerUids, MAX_SERVER_UIDS, SERVER_UID_ENV};
 pub use wire::{ConnInfo, Error, Message, Plane, Reply, Status};

@@ -12,6 +12,10 @@ use std::process::Command;
 use tlsplane_handoff::wire::Message;
 use tlsplane_handoff::{read_frame, send_connection, send_reply, ConnInfo, Plane, Reply, Status};
 
+#[path = "common/impostor.rs"]
+mod impostor;
+use impostor::Impostor;
+
 #[test]
 fn the_python_module_receives_reads_and_closes() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -108,6 +112,7 @@ fn the_python_module_receives_reads_and_closes() {
             "fds_leaked=0",
             "fuzz_accepted_some=True",
             "control_records=True True aborted",
+            "queue_bound=[1, 2] dropped=2 closes=[3]",
             "done",
         ],
         "{stdout}"
@@ -129,4 +134,71 @@ fn info_copy() -> ConnInfo {
         server_name: None,
         alpn: None,
     }
+}
+
+/// The module refuses another user listening at the path unless `TLSPLANE_HANDOFF_UID` or
+/// `connect(server_uids=...)` trusts that user, and refuses a malformed variable.
+#[test]
+fn the_python_module_refuses_another_user_at_the_path_unless_trusted() {
+    let Some(imp) = Impostor::start("python", "") else {
+        return;
+    };
+    let program = r#"
+import os, sys
+import tlsplane_handoff as th
+path = sys.argv[1]
+def attempt(what, **kw):
+    try:
+        client = th.connect(path, **kw)
+    except PermissionError as e:
+        print("%s: PermissionError %d %s" % (what, e.errno, e.strerror))
+        return
+    except ValueError as e:
+        print("%s: ValueError %s" % (what, e))
+        return
+    sock, info = client.accept()
+    print("%s: accepted %s %s" % (what, info.server_name, info.peer[0]))
+    sock.close()
+    client.disconnect()
+os.environ.pop("TLSPLANE_HANDOFF_UID", None)
+attempt("default")
+os.environ["TLSPLANE_HANDOFF_UID"] = "1000,2000"
+attempt("env 1000,2000")
+os.environ["TLSPLANE_HANDOFF_UID"] = "65534"
+attempt("env 65534")
+os.environ["TLSPLANE_HANDOFF_UID"] = "nobody"
+attempt("env nobody")
+attempt("argument", server_uids=[65534])
+"#;
+    let python_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../python");
+    let out = Command::new("python3")
+        .arg("-B")
+        .arg("-c")
+        .arg(program)
+        .arg(&imp.path)
+        .env("PYTHONPATH", python_dir)
+        .output()
+        .expect("python3");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let path = imp.path.display();
+    let refused = |trusted: &str| {
+        format!(
+            "PermissionError 1 refusing the hand-off socket {path}: it is served by uid \
+             65534, not {trusted} (TLSPLANE_HANDOFF_UID names the user ids tlsplane may run as)"
+        )
+    };
+    assert_eq!(
+        stdout.lines().collect::<Vec<_>>(),
+        [
+            format!("default: {}", refused("root")),
+            format!("env 1000,2000: {}", refused("root or uids 1000, 2000")),
+            "env 65534: accepted forged.example 203.0.113.7".into(),
+            "env nobody: ValueError TLSPLANE_HANDOFF_UID='nobody': expected decimal user ids \
+             separated by commas"
+                .into(),
+            "argument: accepted forged.example 203.0.113.7".into(),
+        ],
+        "{stdout}{stderr}"
+    );
 }

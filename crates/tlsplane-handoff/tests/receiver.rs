@@ -9,8 +9,13 @@ use std::path::PathBuf;
 
 use tlsplane_handoff::wire::{self, kind, Message};
 use tlsplane_handoff::{
-    read_frame, send_connection, send_reply, ConnInfo, HandoffClient, Plane, Reply, Status,
+    read_frame, send_connection, send_reply, ConnInfo, HandoffClient, Plane, Reply, ServerUids,
+    Status,
 };
+
+#[path = "common/impostor.rs"]
+mod impostor;
+use impostor::{Impostor, IMPOSTOR_UID};
 
 fn socket_path(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tlsplane-handoff-{}-{name}", std::process::id()));
@@ -340,4 +345,99 @@ fn a_descriptor_on_a_reply_is_closed_and_the_reply_used() {
     assert_eq!(client.close_notify(3).unwrap(), Status::Refused);
     let (_theirs, _stray) = fake.join().unwrap();
     assert_eq!(copies(&name), 1, "only the sender's copy");
+}
+
+/// Another user listening at the path (as anyone can while tlsplane restarts) is refused
+/// before a byte is read; trusting that user's id lets its forged connection through, so the
+/// check is what decides.
+#[test]
+fn another_user_listening_at_the_path_is_refused_unless_its_uid_is_trusted() {
+    let Some(imp) = Impostor::start("rust", "") else {
+        return;
+    };
+    let refused = |r: std::io::Result<HandoffClient>| match r {
+        Ok(_) => panic!("connected to uid {IMPOSTOR_UID}"),
+        Err(e) => e,
+    };
+    // The default: root and this process's own uid (root here).
+    let own = ServerUids::new([tlsplane_sys::effective_uid()]);
+    let e = refused(HandoffClient::connect_trusting(&imp.path, &own));
+    assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+    let want = format!("served by uid {IMPOSTOR_UID}, not root (TLSPLANE_HANDOFF_UID");
+    assert!(e.to_string().contains(&want), "{e}");
+    if std::env::var_os(tlsplane_handoff::SERVER_UID_ENV).is_none() {
+        let e = refused(HandoffClient::connect(&imp.path));
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+    }
+    let other = ServerUids::new([1000]);
+    let e = refused(HandoffClient::connect_trusting(&imp.path, &other));
+    assert!(e.to_string().contains("not root or uid 1000"), "{e}");
+
+    let trusting = ServerUids::new([IMPOSTOR_UID]);
+    let client = HandoffClient::connect_trusting(&imp.path, &trusting).unwrap();
+    let conn = client.accept().unwrap();
+    assert_eq!(conn.info.server_name.as_deref(), Some("forged.example"));
+    assert_eq!(conn.info.peer, Some("203.0.113.7:4242".parse().unwrap()));
+}
+
+/// Connections queue only while a request waits for its reply and nobody accepts: past the
+/// limit each is ended on arrival (a kernel-plane one by a CLOSE to tlsplane, a relayed one by
+/// closing it), counted, and the queue keeps the first ones in order.
+#[test]
+fn connections_past_the_queue_limit_are_ended_on_arrival_and_counted() {
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let fake = std::thread::spawn(move || {
+        let mut frame = Vec::new();
+        read_frame(&theirs, &mut frame).unwrap().unwrap();
+        let Some(Message::Close { request_id, .. }) = Message::decode(&frame).unwrap() else {
+            panic!("expected CLOSE");
+        };
+        // Five connections while the client waits for the reply: 100..=103 on the kernel
+        // plane, 104 relayed.
+        let mut peers = Vec::new();
+        for id in 100..105u64 {
+            let (peer, handed) = tcp_pair();
+            let plane = if id == 104 {
+                Plane::UserRelay
+            } else {
+                Plane::Kernel
+            };
+            send_connection(&theirs, handed.as_fd(), &info_for(id, plane, &handed)).unwrap();
+            peers.push(peer);
+        }
+        let reply = Reply {
+            request_id,
+            conn_id: 99,
+            status: Status::Ok,
+        };
+        send_reply(&theirs, &reply).unwrap();
+        // What the client asked afterwards, to its end.
+        let mut closes = Vec::new();
+        while read_frame(&theirs, &mut frame).unwrap().is_some() {
+            if let Some(Message::Close { conn_id, .. }) = Message::decode(&frame).unwrap() {
+                closes.push(conn_id);
+            }
+        }
+        (peers, closes)
+    });
+    let client = HandoffClient::from_stream(ours).with_queue_limit(3);
+    assert_eq!(client.close_notify(99).unwrap(), Status::Ok);
+    assert_eq!(client.connections_dropped(), 2);
+    let queued: Vec<u64> = (0..3)
+        .map(|_| client.accept().unwrap().info.conn_id)
+        .collect();
+    assert_eq!(queued, [100, 101, 102]);
+    drop(client);
+    let (mut peers, closes) = fake.join().unwrap();
+    assert_eq!(
+        closes,
+        [103],
+        "a CLOSE for the dropped kernel-plane connection only"
+    );
+    // The dropped connections' descriptors are closed: their clients see the end.
+    for peer in &mut peers[3..] {
+        peer.set_read_timeout(Some(std::time::Duration::from_secs(3)))
+            .unwrap();
+        assert_eq!(peer.read(&mut [0u8; 8]).unwrap(), 0);
+    }
 }

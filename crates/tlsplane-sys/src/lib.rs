@@ -369,6 +369,12 @@ pub fn current_uid() -> u32 {
     unsafe { libc::getuid() }
 }
 
+/// The effective user id of this process: the one its sockets' `SO_PEERCRED` reports.
+pub fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 /// A user's id and primary group id, from the password database (`getpwnam_r`).
 pub fn lookup_user(name: &str) -> io::Result<Option<(u32, u32)>> {
     let cname = std::ffi::CString::new(name)

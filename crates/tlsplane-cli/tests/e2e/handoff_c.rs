@@ -1,7 +1,8 @@
 //! `tlsplane handoff` to C programs on both planes (issue 21): a file server on the C library
 //! (`handoff_files.c`: sendfile on the handed descriptor) and an unmodified echo server under
 //! the LD_PRELOAD shim, each through a client KeyUpdate (both directions) mid-stream and a
-//! client close_notify.
+//! client close_notify; and echo servers of the shapes people preload the shim into
+//! (`shim_servers.c`: threaded, pre-fork, fork per connection) under many clients at once.
 //!
 //! Natively the connections go over the user relay; in the kernel-mode guest (vm/ktls-suite)
 //! the program receives the kTLS socket itself: tlsplane copies nothing after the hand-off
@@ -84,6 +85,15 @@ fn build_programs(out: &Path) {
         root.join("crates/tlsplane-cli/tests/e2e/preload_echo.c")
             .to_str()
             .unwrap(),
+    ]);
+    cc(&[
+        "-std=c99",
+        "-o",
+        out.join("shim_servers").to_str().unwrap(),
+        root.join("crates/tlsplane-handoff-c/tests/c/shim_servers.c")
+            .to_str()
+            .unwrap(),
+        "-pthread",
     ]);
 }
 
@@ -425,5 +435,96 @@ fn a_kernel_plane_connection_outlives_tlsplane() {
     let lines = lines_of(&mut prog, 1, Duration::from_secs(20));
     let _ = prog.wait();
     assert!(lines[0].contains("requests 2 end EOF"), "{lines:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// One client of an echo server: a body, the same bytes back, then close_notify both ways.
+fn echo_once(port: u16, seed: u32) -> Result<(), String> {
+    let mut c = TlsClient::connect_version(port, Tls::V13);
+    let len = 1000 + (seed as usize * 7919) % 40_000;
+    let sent = body(&vec![0; len], seed);
+    c.write_all(&sent).map_err(|e| format!("write: {e}"))?;
+    let mut got = vec![0; sent.len()];
+    let mut n = 0;
+    while n < got.len() {
+        match c.read_plain(&mut got[n..]) {
+            Ok(0) => return Err(format!("end after {n} of {len} bytes")),
+            Ok(k) => n += k,
+            Err(e) => return Err(format!("read after {n} of {len} bytes: {e}")),
+        }
+    }
+    if got != sent {
+        return Err(format!("{len} bytes echoed, not the same"));
+    }
+    c.send_close_notify()
+        .map_err(|e| format!("close_notify: {e}"))?;
+    match c.read_to_end() {
+        (rest, End::CloseNotify) if rest.is_empty() => Ok(()),
+        (rest, end) => Err(format!("{} bytes more, then {end:?}", rest.len())),
+    }
+}
+
+/// Echo servers of the shapes people preload the shim into (`shim_servers.c`, knowing nothing
+/// of tlsplane): 8 threads each in accept; 4 processes forked after listen, each in accept on
+/// the shared socket (their frames must not interleave); and one that forks a child per
+/// connection and closes its own copy at once (on the kernel plane the CLOSE must wait for the
+/// child's). Each serves 48 connections from 12 clients at once, byte-exact, each ended with
+/// close_notify.
+#[test]
+fn threaded_pre_fork_and_fork_per_connection_servers_under_the_shim_serve_many_clients() {
+    let dir = scratch("handoff-c-shapes");
+    let socket = dir.join("app.sock");
+    let tls0 = kernel_tls_stat();
+    let server = Server::builder().handoff(&socket).start();
+    let tls_port = server.port();
+    const CLIENTS: u32 = 12;
+    const EACH: u32 = 4;
+    let shapes = [("threads", "8"), ("prefork", "4"), ("forkper", "1")];
+    for (i, (shape, n)) in shapes.into_iter().enumerate() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut prog = Command::new(program("shim_servers"))
+            .args([&port.to_string(), shape, n])
+            .env("LD_PRELOAD", program("libtlsplane_preload.so"))
+            .env("TLSPLANE_HANDOFF", &socket)
+            .env("TLSPLANE_LISTEN", format!("127.0.0.1:{port}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("shim_servers");
+        wait_receivers(&server, i + 1);
+        let failures: Vec<String> = std::thread::scope(|s| {
+            let clients: Vec<_> = (0..CLIENTS)
+                .map(|c| {
+                    s.spawn(move || {
+                        (0..EACH)
+                            .filter_map(|k| echo_once(tls_port, c * EACH + k + 1).err())
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            clients
+                .into_iter()
+                .flat_map(|c| c.join().unwrap())
+                .collect()
+        });
+        assert!(failures.is_empty(), "{shape}: {failures:?}");
+        drop(prog.stdin.take()); // it reports and stops
+        let lines = lines_of(&mut prog, 3, Duration::from_secs(20));
+        let _ = prog.kill();
+        let _ = prog.wait();
+        let served = format!("served={}", CLIENTS * EACH);
+        assert_eq!(lines, ["listening", served.as_str(), "done"], "{shape}");
+    }
+    let stats = server.stop();
+    let conns = u64::from(3 * CLIENTS * EACH);
+    assert_plane(&stats, conns, &tls0);
+    if mode() == Mode::Kernel {
+        assert_eq!(stats.get("handoff_kernel_closes"), conns, "{stats:?}");
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
