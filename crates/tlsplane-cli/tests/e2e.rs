@@ -42,6 +42,8 @@ mod handoff;
 mod handoff_c;
 #[path = "e2e/handoff_preload.rs"]
 mod handoff_preload;
+#[path = "e2e/handoff_trust.rs"]
+mod handoff_trust;
 #[path = "e2e/hello_records.rs"]
 mod hello_records;
 #[path = "e2e/http.rs"]

@@ -3,9 +3,11 @@
 //!
 //! The program reads and writes the socket; tlsplane copies nothing. It keeps a duplicate of
 //! the descriptor and the connection's traffic secrets, to serve the program's KEY_UPDATE
-//! (install the next keys on the shared socket) and CLOSE (send close_notify), and to send
-//! close_notify itself when the program's receiver connection ends. A duplicate is let go
-//! when the program asks (CLOSE, after a lingering close), when its receiver goes, or 30 s
+//! (install the next keys on the shared socket) and CLOSE (send close_notify), and to reset
+//! the connection when the program's receiver connection ends without a CLOSE for it (the
+//! program died or let go: its client must not take what it got for a whole response). A
+//! duplicate is let go when the program asks (CLOSE, after a lingering close), when its
+//! receiver goes, or 30 s
 //! after the client's end of the connection was seen (its FIN or a reset: nothing more can
 //! come that would need a key, and a program that closed its descriptor without a CLOSE
 //! must not leave the connection open through ours). So tlsplane holds at most one
@@ -14,8 +16,8 @@
 //!
 //! One thread watches every kept socket with an epoll set that asks for the peer's end only
 //! (`EPOLLRDHUP`), so that the program's traffic never wakes it; sockets in a lingering close
-//! are watched for input too, which is read and dropped until the client closes or the
-//! linger time ends.
+//! are watched for input too, which is read and dropped (a bounded amount per wake-up, never
+//! under the table's lock) until the client closes or the linger time ends.
 
 use std::collections::HashMap;
 use std::net::{Shutdown, TcpStream};
@@ -55,7 +57,7 @@ pub struct KeptStats {
     pub closes: AtomicU64,
     /// Duplicates let go at the client's end of the connection.
     pub released_peer_end: AtomicU64,
-    /// Connections ended with close_notify because their receiver went.
+    /// Connections reset (no close_notify) because their receiver went without a CLOSE.
     pub released_receiver_gone: AtomicU64,
 }
 
@@ -70,8 +72,26 @@ enum Entry {
     /// `peer_ended`: when the client's end (FIN or reset) was seen.
     Kept(Arc<Kept>, Option<Instant>),
     /// close_notify sent and our side shut down: input is drained until the client closes.
-    Lingering { socket: TcpStream, until: Instant },
+    Lingering {
+        socket: Arc<TcpStream>,
+        until: Instant,
+    },
 }
+
+/// How a kept connection ends for tlsplane.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// The program asked (CLOSE): close_notify after all it wrote, then a lingering close.
+    CloseNotify,
+    /// Nothing more can need a key: our duplicate goes, the connection is the program's.
+    Release,
+    /// Its owner went without asking: a reset, so that the client sees a cut, not an end.
+    Reset,
+}
+
+/// Reads a lingering socket may take per wake-up: a client that keeps sending cannot hold
+/// the keeper's thread (the rest is read at the next turn, within the linger time).
+const DRAIN_READS: usize = 16;
 
 /// Every kernel-plane hand-off of the process (kept across reloads, like the sockets).
 pub struct Keeper {
@@ -172,7 +192,7 @@ impl Keeper {
         if let Err(s) = self.kept(receiver, id) {
             return s;
         }
-        if self.end(id, true) {
+        if self.end(id, Ending::CloseNotify) {
             self.count(|s| {
                 s.closes.fetch_add(1, Relaxed);
             });
@@ -181,7 +201,9 @@ impl Keeper {
     }
 
     /// Receiver `receiver` went (its connection closed: the program died or let go): each of
-    /// its connections gets close_notify, so that the client can tell an end from a cut.
+    /// its connections that it did not CLOSE is reset, so that the client can tell the cut
+    /// from an end (a program that closed its descriptor and then exited without a CLOSE
+    /// looks the same as one killed mid-response).
     pub fn receiver_gone(&self, receiver: u64) {
         let ids: Vec<u64> = self
             .entries()
@@ -192,7 +214,7 @@ impl Keeper {
             })
             .collect();
         for id in ids {
-            if self.end(id, true) {
+            if self.end(id, Ending::Reset) {
                 self.count(|s| {
                     s.released_receiver_gone.fetch_add(1, Relaxed);
                 });
@@ -200,9 +222,10 @@ impl Keeper {
         }
     }
 
-    /// Connection `id` not handed after all (its frame was never queued): close_notify.
+    /// Connection `id` not handed after all (its frame was never queued): close_notify, as
+    /// any refused connection gets. Waits for room (up to a second): not on an event loop.
     pub fn not_handed(&self, id: u64) {
-        self.end(id, true);
+        self.end(id, Ending::CloseNotify);
     }
 
     fn kept(&self, receiver: u64, id: u64) -> Result<Arc<Kept>, Status> {
@@ -213,9 +236,8 @@ impl Keeper {
         }
     }
 
-    /// Stops keeping connection `id`: with `close_notify`, sends it, shuts our side and
-    /// lingers; without, just lets our duplicate go. False if it was not kept.
-    fn end(&self, id: u64, close_notify: bool) -> bool {
+    /// Stops keeping connection `id` as `ending` says. False if it was not kept.
+    fn end(&self, id: u64, ending: Ending) -> bool {
         let Some(Entry::Kept(kept, _)) = self.entries().remove(&id) else {
             return false;
         };
@@ -223,6 +245,13 @@ impl Keeper {
         self.count(|s| {
             s.kept.fetch_sub(1, Relaxed);
         });
+        if ending == Ending::Reset {
+            // On the socket, not our descriptor: whichever copy closes last sends the reset
+            // (ours now if the program died; the program's when it closes, if it lives on).
+            let _ = socket2::SockRef::from(&kept.socket).set_linger(Some(Duration::ZERO));
+            return true;
+        }
+        let close_notify = ending == Ending::CloseNotify;
         // The program's last CONNECTION frame write may still hold a reference.
         let socket = match Arc::try_unwrap(kept) {
             Ok(k) => {
@@ -257,7 +286,7 @@ impl Keeper {
             entries.insert(
                 id,
                 Entry::Lingering {
-                    socket,
+                    socket: Arc::new(socket),
                     until: Instant::now() + LINGER,
                 },
             );
@@ -266,26 +295,24 @@ impl Keeper {
     }
 
     /// An event on `id`: a kept socket's client ended (noted: let go after
-    /// [`PEER_END_GRACE`]), or a lingering one has input or its end (drained; closed at the
-    /// end).
-    fn on_event(&self, id: u64) {
-        let lingering = match self.entries().get_mut(&id) {
+    /// [`PEER_END_GRACE`]), or a lingering one has input or its end (drained, outside the
+    /// table's lock; closed at the end). True: input is left to drain at the next turn.
+    fn on_event(&self, id: u64) -> bool {
+        let socket = match self.entries().get_mut(&id) {
             Some(Entry::Kept(_, ended)) => {
                 ended.get_or_insert_with(Instant::now);
+                return false;
+            }
+            Some(Entry::Lingering { socket, .. }) => socket.clone(),
+            None => return false,
+        };
+        match drain(&socket, DRAIN_READS) {
+            Drained::Ended => {
+                self.forget_lingering(id);
                 false
             }
-            Some(Entry::Lingering { .. }) => true,
-            None => return,
-        };
-        if !lingering {
-            return;
-        }
-        let done = match self.entries().get(&id) {
-            Some(Entry::Lingering { socket, .. }) => drain(socket),
-            _ => false,
-        };
-        if done {
-            self.forget_lingering(id);
+            Drained::Empty => false,
+            Drained::More => true,
         }
     }
 
@@ -327,45 +354,62 @@ impl AsFd for KeptSocket {
     }
 }
 
-/// Reads and drops what a lingering socket holds (non-blocking). True at its end: the
-/// client's FIN, an error, or a record the kernel will not decrypt past (a KeyUpdate).
-fn drain(socket: &TcpStream) -> bool {
+/// What a drain of a lingering socket found.
+enum Drained {
+    /// The client's FIN, an error, or a record the kernel will not decrypt past (a
+    /// KeyUpdate): nothing more to wait for.
+    Ended,
+    /// All read; more will wake the watch.
+    Empty,
+    /// `reads` records read and more may be there (the watch is edge-triggered: no new wake).
+    More,
+}
+
+/// Reads and drops up to `reads` records of what a lingering socket holds (non-blocking).
+fn drain(socket: &TcpStream, reads: usize) -> Drained {
     let mut buf = [0u8; 16384];
-    loop {
+    for _ in 0..reads {
         match tlsplane_sys::recv_record(socket.as_fd(), &mut buf) {
-            Ok((0, _)) => return true,
+            Ok((0, _)) => return Drained::Ended,
             Ok((_, 23)) => {}
-            // An alert (the client's close_notify) or a handshake record: nothing more to wait
-            // for.
-            Ok(_) => return true,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            // An alert (the client's close_notify) or a handshake record.
+            Ok(_) => return Drained::Ended,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Drained::Empty,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return true,
+            Err(_) => return Drained::Ended,
         }
     }
+    Drained::More
 }
 
 fn watch_loop(keeper: &Weak<Keeper>) {
     let mut ready = Vec::new();
+    let mut again = Vec::new();
     loop {
         let Some(k) = keeper.upgrade() else {
             return;
         };
         ready.clear();
-        // Wakes at least twice a second for linger deadlines.
-        if let Err(e) = k.watch.wait(&mut ready, 500) {
+        // Wakes at least twice a second for linger deadlines; at once if input is left.
+        let wait = if again.is_empty() { 500 } else { 0 };
+        if let Err(e) = k.watch.wait(&mut ready, wait) {
             tracing::warn!(error = %e, "hand-off: epoll_wait failed");
             std::thread::sleep(Duration::from_millis(100));
         }
+        ready.append(&mut again);
+        ready.sort_unstable();
+        ready.dedup();
         for &id in &ready {
-            k.on_event(id);
+            if k.on_event(id) {
+                again.push(id);
+            }
         }
         let now = Instant::now();
         for id in k.expired(now) {
             k.forget_lingering(id);
         }
         for id in k.abandoned(now) {
-            if k.end(id, false) {
+            if k.end(id, Ending::Release) {
                 k.count(|s| {
                     s.released_peer_end.fetch_add(1, Relaxed);
                 });
