@@ -1,22 +1,24 @@
 //! `tlsplane handoff`: established TLS connections handed to other programs (issue 21).
 //!
 //! Listeners, handshakes, sites, keys and reload are the shared server's (`crate::server`).
-//! Each site names a Unix socket that tlsplane listens on; programs ("receivers") connect to
-//! it, are checked by `SO_PEERCRED` against the site's allowed user and group ids, and
-//! receive each established connection as a CONNECTION frame with a descriptor
-//! (`SCM_RIGHTS`, docs/HANDOFF.md).
+//! Each site names a Unix socket that tlsplane listens on (in a directory no other user can
+//! write: `tlsplane_server::unix_socket`); programs ("receivers") connect to it, are checked
+//! by `SO_PEERCRED`/`SO_PEERGROUPS` against the site's allowed user and group ids (again at
+//! each reload), and receive each established connection as a CONNECTION frame with a
+//! descriptor (`SCM_RIGHTS`, docs/HANDOFF.md).
 //!
-//! This build hands every connection off on the **user relay** plane: the program gets one
-//! end of a `socketpair(AF_UNIX, SOCK_STREAM)` and tlsplane relays between the other end and
-//! the TLS stream with the proxy's TCP-mode relay (half-closes kept: the program's
+//! Where the kernel took the connection the program gets the kTLS socket itself, and
+//! tlsplane keeps a duplicate and the keys (`keeper`). Elsewhere it gets one end of a
+//! `socketpair(AF_UNIX, SOCK_STREAM)` and tlsplane relays between the other end and the TLS
+//! stream with the proxy's TCP-mode relay (half-closes kept: the program's
 //! `shutdown(SHUT_WR)` or close becomes close_notify, the client's close_notify becomes EOF
-//! on the program's end). A kernel-plane connection is relayed the same way (the kernel
-//! plane's own hand-off, the kTLS socket itself, is not built yet).
+//! on the program's end).
 //!
-//! Per socket, one thread accepts receivers; per receiver, one thread writes its CONNECTION
-//! frames (blocking writes, off the event loops: a connection loop only queues a hand-off,
-//! with a bounded queue) and one reads its requests and notices its end. When a receiver
-//! goes away, the relays of the connections it was given end: their clients get close_notify.
+//! Per socket, one thread accepts receivers; per receiver, one thread writes its frames
+//! (CONNECTION frames and replies, from bounded queues: the event loops and the reading
+//! thread only queue) and one reads its requests and notices its end. When a receiver goes
+//! away, the connections it was given and did not end are reset (`hangups` tells, on the
+//! user relay, an end from an abandonment): a client must not take a cut for an end.
 
 mod hangups;
 mod keeper;
@@ -27,7 +29,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -369,9 +371,18 @@ struct ReceiverHandle {
     /// Hand-offs queued or being written to it.
     pending: AtomicUsize,
     outbox: Outbox,
+    /// tlsplane disconnected it (revoked, or it read no replies): the connections it holds
+    /// are reset.
+    dropped: AtomicBool,
 }
 
 impl ReceiverHandle {
+    /// Ends its connection to us for good: the connections it holds are reset.
+    fn drop_it(&self) {
+        self.dropped.store(true, Relaxed);
+        self.disconnect();
+    }
+
     /// Ends its connection to us; its threads then forget it.
     fn disconnect(&self) {
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
@@ -486,7 +497,7 @@ impl HandoffSocket {
             stats.receivers_revoked.fetch_add(1, Relaxed);
             tracing::warn!(socket = %self.path.display(), uid = r.peer.uid, gid = r.peer.gid,
                 "hand-off receiver disconnected: the reloaded configuration no longer allows its ids");
-            r.disconnect();
+            r.drop_it();
         }
     }
 
@@ -502,9 +513,10 @@ impl HandoffSocket {
             sock,
             pending: AtomicUsize::new(0),
             outbox: Outbox::default(),
+            dropped: AtomicBool::new(false),
         });
         if let Some(h) = stats.hangups.get() {
-            h.watch_receiver(handle.id, handle.sock.as_fd())?;
+            h.receiver_reading(handle.id);
         }
         self.receivers
             .lock()
@@ -525,10 +537,12 @@ impl HandoffSocket {
                 .spawn(move || {
                     socket.read_loop(&h, &w);
                     socket.lose(&h, &w);
+                    finished(&h, &w);
                 })
         });
         if let Err(e) = receiving {
             self.lose(&handle, &weak);
+            finished(&handle, &weak);
             return Err(e);
         }
         Ok(())
@@ -549,9 +563,6 @@ impl HandoffSocket {
         drop(receiver.outbox.close());
         if let (true, Some(stats)) = (removed, stats.upgrade()) {
             stats.receivers_lost.fetch_add(1, Relaxed);
-            if let Some(Some(keeper)) = stats.keeper.get() {
-                keeper.receiver_gone(receiver.id);
-            }
             tracing::info!(socket = %self.path.display(), "hand-off receiver gone");
         }
     }
@@ -595,6 +606,7 @@ impl HandoffSocket {
                 .outbox
                 .push_reply(reply, self.reply_queue.load(Relaxed))
             {
+                receiver.dropped.store(true, Relaxed);
                 stats.receivers_reply_overflow.fetch_add(1, Relaxed);
                 tracing::warn!(socket = %self.path.display(), uid = receiver.peer.uid,
                     "hand-off receiver disconnected: it reads none of its replies");
@@ -604,10 +616,31 @@ impl HandoffSocket {
     }
 }
 
+/// A receiver's requests are all read (its connection ended): the connections it was given
+/// and did not end are decided. Kernel plane: reset if tlsplane dropped it or its program
+/// died (`hangups::process`); close_notify if the program exited with status 0; else left
+/// to the program, which lives on and owns the socket. User relay: `hangups`.
+fn finished(receiver: &ReceiverHandle, stats: &Weak<HandoffStats>) {
+    let Some(stats) = stats.upgrade() else {
+        return;
+    };
+    let dropped = receiver.dropped.load(Relaxed);
+    if let Some(Some(keeper)) = stats.keeper.get() {
+        let program = match dropped {
+            true => hangups::Process::Died,
+            false => hangups::process(receiver.peer.pid),
+        };
+        keeper.receiver_gone(receiver.id, program);
+    }
+    if let Some(h) = stats.hangups.get() {
+        h.receiver_done(receiver.id, dropped);
+    }
+}
+
 /// Serves one request of receiver `receiver`; `None` for a frame that is not one.
 fn answer(receiver: u64, frame: &[u8], stats: &HandoffStats) -> Option<Reply> {
-    // Connections on the user relay are not kept: re-keyed by tlsplane's record layer,
-    // ended by shutting down the program's end, they are unknown to requests.
+    // Connections on the user relay are re-keyed by tlsplane's record layer (a KEY_UPDATE
+    // does not know them); a CLOSE marks the end the program gives them as orderly.
     let keeper = stats.keeper.get().cloned().flatten();
     let (request_id, conn_id, status) = match Message::decode(frame) {
         Ok(Some(Message::KeyUpdate {
@@ -627,7 +660,17 @@ fn answer(receiver: u64, frame: &[u8], stats: &HandoffStats) -> Option<Reply> {
         })) => (
             request_id,
             conn_id,
-            keeper.map_or(Status::UnknownConnection, |k| k.close(receiver, conn_id)),
+            match keeper.map_or(Status::UnknownConnection, |k| k.close(receiver, conn_id)) {
+                Status::UnknownConnection
+                    if stats
+                        .hangups
+                        .get()
+                        .is_some_and(|h| h.close_requested(receiver, conn_id)) =>
+                {
+                    Status::Ok
+                }
+                status => status,
+            },
         ),
         // Kinds a receiver does not send, or a later revision's: skipped.
         Ok(_) => return None,
@@ -843,12 +886,24 @@ impl Product for Handoff {
             ),
             ("handoff_kernel_closes", h.kernel.closes.load(Relaxed)),
             (
+                "handoff_kernel_close_notify_timeouts",
+                h.kernel.close_notify_timeouts.load(Relaxed),
+            ),
+            (
                 "handoff_kernel_released_peer_end",
                 h.kernel.released_peer_end.load(Relaxed),
             ),
             (
                 "handoff_kernel_released_receiver_gone",
                 h.kernel.released_receiver_gone.load(Relaxed),
+            ),
+            (
+                "handoff_kernel_released_receiver_left",
+                h.kernel.released_receiver_left.load(Relaxed),
+            ),
+            (
+                "handoff_kernel_released_receiver_exited",
+                h.kernel.released_receiver_exited.load(Relaxed),
             ),
             ("handoff_relayed_bytes", to_program + to_client),
             ("handoff_relayed_bytes_to_program", to_program),
@@ -934,16 +989,17 @@ impl Handoff {
             let _ = Box::pin(tls.close()).await;
             return;
         };
-        let end = match hangups.watch_relay(receiver.id, receiver.peer.pid, ours.as_fd()) {
-            Ok(end) => end,
-            Err(e) => {
-                tracing::warn!(error = %e, "hand-off: the relay could not be watched");
-                self.stats.failed.fetch_add(1, Relaxed);
-                let _ = Box::pin(tls.close()).await;
-                return;
-            }
-        };
         let info = self.conn_info(&tls, peer, Plane::UserRelay);
+        let end =
+            match hangups.watch_relay(receiver.id, receiver.peer.pid, info.conn_id, ours.as_fd()) {
+                Ok(end) => end,
+                Err(e) => {
+                    tracing::warn!(error = %e, "hand-off: the relay could not be watched");
+                    self.stats.failed.fetch_add(1, Relaxed);
+                    let _ = Box::pin(tls.close()).await;
+                    return;
+                }
+            };
         receiver.pending.fetch_add(1, Relaxed);
         let job = Job {
             fd: JobFd::Relay(OwnedFd::from(theirs)),
@@ -971,8 +1027,8 @@ impl Handoff {
             }
         };
         let ended = {
-            // The program's end of stream is passed on as close_notify only if it came while
-            // its receiver was connected (hangups.rs).
+            // The program's end of stream is passed on as close_notify only if the program
+            // ended the connection, rather than died holding it (hangups.rs).
             let relay = crate::proxy::tcp::relay_ending(
                 &mut tls,
                 &program,
@@ -984,7 +1040,7 @@ impl Handoff {
             );
             tokio::select! {
                 ended = Box::pin(relay) => ended,
-                // Its receiver went while the program held it: a reset, at once.
+                // Its program died holding it, or tlsplane dropped its receiver: a reset.
                 () = end.abandoned() => Ended::BackendError,
             }
         };
@@ -1072,8 +1128,7 @@ impl Handoff {
             receiver.pending.fetch_sub(1, Relaxed);
             self.count_refusal(&why);
             drop(job);
-            // Its close_notify may wait for room: not on this event loop.
-            tokio::task::spawn_blocking(move || keeper.not_handed(id));
+            keeper.not_handed(id);
             return None;
         }
         self.stats.handed_off_kernel.fetch_add(1, Relaxed);
@@ -1138,6 +1193,7 @@ mod tests {
                     sock: UnixStream::pair().unwrap().0,
                     pending: AtomicUsize::new(p),
                     outbox: Outbox::default(),
+                    dropped: AtomicBool::new(false),
                 })
             })
             .collect();

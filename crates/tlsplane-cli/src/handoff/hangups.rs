@@ -1,21 +1,22 @@
-//! Which ended first: a relayed connection (its program closed or shut down its end of the
-//! socketpair) or the program's receiver connection.
+//! Whether a program ended a relayed connection or went away holding it.
 //!
 //! A program that closes a connection and one killed while it holds the connection look
-//! alike on the socketpair: its end closes. Two things tell them apart, checked when the end
-//! is seen, not when the relay has drained what came before it:
-//! - the order of ends: one epoll set watches the hang-up of every receiver and of every
-//!   relayed socketpair end; the kernel queues ready entries in the order their hang-ups
-//!   happened, and one thread reads them in that order, so a connection whose receiver went
-//!   first was abandoned;
-//! - the receiver's process: a dying process is marked exiting (`PF_EXITING`, in
-//!   `/proc/PID/stat`) before the kernel releases any of its descriptors (and it releases
-//!   them newest first, so the connections before the receiver's), so an end seen while
-//!   the process that connected as the receiver is exiting, or gone, was a death.
+//! alike on the socketpair: its end closes. What differs is the program's process: a dying
+//! process is marked exiting (`PF_EXITING`, in `/proc/PID/stat`) before the kernel releases
+//! any of its descriptors. So one thread watches the hang-up of every relayed socketpair end
+//! (one epoll set) and looks at the process that connected as the connection's receiver the
+//! moment it sees one:
+//! - alive, or exiting with status 0: the program closed or shut down its end, or ended
+//!   with everything it held: it ended the connection (its client gets close_notify);
+//! - exiting on a signal (killed, crashed) or with a failure status, or gone: the end came
+//!   with its death, unless it asked first, with a CLOSE request for the connection.
+//!   Requests it sent before dying are still in its receiver connection, so the answer
+//!   waits for that connection's requests to be read to its end. Asked: close_notify; else
+//!   the client gets a reset.
 //!
-//! Otherwise the connection ended in order (its client gets close_notify); abandoned, its
-//! client gets a reset. A program that closes a connection in the very moment it exits may
-//! see it reset: it fails as a cut, never as a false whole.
+//! A connection whose receiver tlsplane disconnected (a reload revoked its ids, it read no
+//! replies) is reset at once. One whose receiver connection the program itself closed while
+//! it lives on is the program's to end, as before.
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::BorrowedFd;
@@ -25,16 +26,15 @@ use std::time::Duration;
 use tlsplane_sys::PeerEndWatch;
 use tokio::sync::watch;
 
-/// Tokens of receivers carry this bit; relays' are a counter below it.
-const RECEIVER: u64 = 1 << 63;
-
 /// How a relayed connection's program end stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum End {
+    /// Open, or ended while its process was exiting and its receiver's requests are not all
+    /// read yet.
     Open,
-    /// Closed or shut down while its receiver was connected.
+    /// Closed or shut down by its program, or asked to (CLOSE).
     Orderly,
-    /// Its receiver went first.
+    /// Its program died holding it, or tlsplane disconnected its receiver.
     Abandoned,
 }
 
@@ -45,11 +45,35 @@ pub struct Hangups {
 
 #[derive(Default)]
 struct Table {
-    /// Receivers watched and not yet seen to go.
-    receivers: HashSet<u64>,
-    /// Open relays by token: their receiver and its process id, and where their end is told.
-    relays: HashMap<u64, (u64, u32, Arc<watch::Sender<End>>)>,
+    /// Receivers whose requests are still being read.
+    reading: HashSet<u64>,
+    /// Open relays by token.
+    relays: HashMap<u64, Relay>,
+    /// Relay tokens by receiver and connection id, for CLOSE requests.
+    by_conn: HashMap<(u64, u64), u64>,
     next: u64,
+}
+
+struct Relay {
+    receiver: u64,
+    conn_id: u64,
+    /// The process that connected as its receiver.
+    pid: u32,
+    close_requested: bool,
+    /// Its end came while its process was exiting: decided once its receiver's requests are
+    /// all read.
+    ended_exiting: bool,
+    end: Arc<watch::Sender<End>>,
+}
+
+impl Table {
+    /// Decides `token`'s end and forgets it.
+    fn decide(&mut self, token: u64, end: End) {
+        if let Some(r) = self.relays.remove(&token) {
+            self.by_conn.remove(&(r.receiver, r.conn_id));
+            r.end.send_replace(end);
+        }
+    }
 }
 
 /// A relay's end, as the watching thread decides it.
@@ -76,38 +100,62 @@ impl Hangups {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Watches receiver `id`'s connection (before it is given any connection).
-    pub fn watch_receiver(&self, id: u64, sock: BorrowedFd<'_>) -> std::io::Result<()> {
-        self.table().receivers.insert(id);
-        let watched = self.watch.watch(sock, RECEIVER | id, false);
-        if watched.is_err() {
-            self.table().receivers.remove(&id);
-        }
-        watched
+    /// Receiver `id`'s requests are being read (before it is given any connection).
+    pub fn receiver_reading(&self, id: u64) {
+        self.table().reading.insert(id);
     }
 
-    /// Watches `ours`, tlsplane's end of a relay about to be handed to receiver `receiver`
-    /// of process `pid` (before the program has its end). A receiver already seen to go
-    /// makes it abandoned.
+    /// Receiver `id`'s requests are all read (its connection ended). Its connections that
+    /// ended while their process was exiting are decided; with `abandon` (tlsplane
+    /// disconnected it) so are those still open: they are reset.
+    pub fn receiver_done(&self, id: u64, abandon: bool) {
+        let mut t = self.table();
+        t.reading.remove(&id);
+        let mine: Vec<(u64, End)> = t
+            .relays
+            .iter()
+            .filter(|(_, r)| r.receiver == id)
+            .filter_map(
+                |(&token, r)| match (r.close_requested, r.ended_exiting, abandon) {
+                    (true, true, _) => Some((token, End::Orderly)),
+                    (_, _, true) | (false, true, _) => Some((token, End::Abandoned)),
+                    _ => None,
+                },
+            )
+            .collect();
+        for (token, end) in mine {
+            t.decide(token, end);
+        }
+    }
+
+    /// Watches `ours`, tlsplane's end of the relay of connection `conn_id`, about to be
+    /// handed to receiver `receiver` of process `pid` (before the program has its end).
     pub fn watch_relay(
         self: &Arc<Self>,
         receiver: u64,
         pid: u32,
+        conn_id: u64,
         ours: BorrowedFd<'_>,
     ) -> std::io::Result<RelayEnd> {
         let mut t = self.table();
         t.next += 1;
         let token = t.next;
-        let start = if t.receivers.contains(&receiver) {
-            End::Open
-        } else {
-            End::Abandoned
-        };
-        let end = Arc::new(watch::channel(start).0);
-        t.relays.insert(token, (receiver, pid, end.clone()));
+        let end = Arc::new(watch::channel(End::Open).0);
+        t.relays.insert(
+            token,
+            Relay {
+                receiver,
+                conn_id,
+                pid,
+                close_requested: false,
+                ended_exiting: false,
+                end: end.clone(),
+            },
+        );
+        t.by_conn.insert((receiver, conn_id), token);
         drop(t);
         if let Err(e) = self.watch.watch(ours, token, false) {
-            self.table().relays.remove(&token);
+            self.table().decide(token, End::Abandoned);
             return Err(e);
         }
         Ok(RelayEnd {
@@ -117,29 +165,45 @@ impl Hangups {
         })
     }
 
-    /// Events in the kernel's order.
-    fn on_events(&self, tokens: &[u64]) {
+    /// A CLOSE request from `receiver` for relayed connection `conn_id`: its end, when it
+    /// comes, is an orderly one. False: not a relayed connection of this receiver's.
+    pub fn close_requested(&self, receiver: u64, conn_id: u64) -> bool {
         let mut t = self.table();
+        let Some(&token) = t.by_conn.get(&(receiver, conn_id)) else {
+            return false;
+        };
+        let ended = match t.relays.get_mut(&token) {
+            Some(r) => {
+                r.close_requested = true;
+                r.ended_exiting
+            }
+            None => return false,
+        };
+        if ended {
+            t.decide(token, End::Orderly);
+        }
+        true
+    }
+
+    /// Hang-ups of relays' program ends.
+    fn on_events(&self, tokens: &[u64]) {
         for &token in tokens {
-            if token & RECEIVER != 0 {
-                let id = token & !RECEIVER;
-                if !t.receivers.remove(&id) {
-                    continue;
-                }
-                // Every connection of its still open is abandoned, whatever comes later.
-                t.relays.retain(|_, (r, _, end)| {
-                    if *r == id {
-                        end.send_replace(End::Abandoned);
-                        return false;
-                    }
-                    true
-                });
-            } else if let Some((_, pid, end)) = t.relays.remove(&token) {
-                end.send_replace(if exiting(pid) {
-                    End::Abandoned
-                } else {
-                    End::Orderly
-                });
+            let Some((pid, receiver)) =
+                self.table().relays.get(&token).map(|r| (r.pid, r.receiver))
+            else {
+                continue;
+            };
+            // Outside the table's lock: a read of /proc.
+            let dying = process(pid) == Process::Died;
+            let mut t = self.table();
+            let reading = t.reading.contains(&receiver);
+            let Some(r) = t.relays.get_mut(&token) else {
+                continue;
+            };
+            match (r.close_requested, dying, reading) {
+                (true, _, _) | (false, false, _) => t.decide(token, End::Orderly),
+                (false, true, true) => r.ended_exiting = true,
+                (false, true, false) => t.decide(token, End::Abandoned),
             }
         }
     }
@@ -147,7 +211,7 @@ impl Hangups {
 
 impl RelayEnd {
     /// Whether the program ended the connection in order: waits for the watching thread to
-    /// have seen the end (the caller read it already), at most `limit` (then: not in order).
+    /// have decided (the caller read the end already), at most `limit` (then: not in order).
     pub async fn orderly(&self, limit: Duration) -> bool {
         let mut rx = self.end.subscribe();
         let seen = tokio::time::timeout(limit, async {
@@ -161,7 +225,7 @@ impl RelayEnd {
         *self.end.borrow() == End::Abandoned
     }
 
-    /// Resolves once the connection is known to be abandoned (its receiver went first).
+    /// Resolves once the connection is known to be abandoned.
     pub async fn abandoned(&self) {
         let mut rx = self.end.subscribe();
         let _ = rx.wait_for(|e| *e == End::Abandoned).await;
@@ -171,25 +235,50 @@ impl RelayEnd {
 impl Drop for RelayEnd {
     /// (Its descriptor leaves the epoll set when it closes, after this.)
     fn drop(&mut self) {
-        self.hangups.table().relays.remove(&self.token);
+        let mut t = self.hangups.table();
+        if let Some(r) = t.relays.remove(&self.token) {
+            t.by_conn.remove(&(r.receiver, r.conn_id));
+        }
     }
 }
 
-/// Whether process `pid` is exiting or gone: `PF_EXITING` in the flags of
-/// `/proc/PID/stat`, or a zombie, or no such process.
-fn exiting(pid: u32) -> bool {
+/// Where a receiver's process stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Process {
+    Alive,
+    /// Exiting (or exited, not yet reaped) with status 0: it ended on its own terms.
+    ExitedOk,
+    /// Exiting on a signal or with a failure status, or gone (its status unknown).
+    Died,
+}
+
+/// How process `pid` stands, from `/proc/PID/stat`: `PF_EXITING` in its flags (set before
+/// the kernel releases any of its descriptors), and the exit status the kernel records as
+/// it starts to exit (a signal number, or the status shifted by 8). Pid 0 (a receiver in a
+/// pid namespace tlsplane cannot see into) is taken as alive.
+pub fn process(pid: u32) -> Process {
     const PF_EXITING: u64 = 0x4;
+    if pid == 0 {
+        return Process::Alive;
+    }
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return true;
+        return Process::Died;
     };
-    // After the command's closing parenthesis: state, ppid, pgrp, session, tty, tpgid, flags.
-    let mut fields = stat
+    // After the command's closing parenthesis: state (field 3) ... flags (9) ... exit_code
+    // (52).
+    let fields: Vec<&str> = stat
         .rsplit_once(')')
         .map_or("", |(_, rest)| rest)
-        .split_ascii_whitespace();
-    let state = fields.next().unwrap_or("X");
-    let flags: u64 = fields.nth(5).and_then(|f| f.parse().ok()).unwrap_or(0);
-    matches!(state, "Z" | "X" | "x") || flags & PF_EXITING != 0
+        .split_ascii_whitespace()
+        .collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
+    let exiting = matches!(fields.first(), Some(&("Z" | "X" | "x")))
+        || field(9).is_some_and(|f| f & PF_EXITING != 0);
+    match (exiting, field(52)) {
+        (false, _) => Process::Alive,
+        (true, Some(0)) => Process::ExitedOk,
+        (true, _) => Process::Died,
+    }
 }
 
 fn watch_loop(hangups: &Weak<Hangups>) {
@@ -213,11 +302,80 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_live_process_is_not_exiting_and_a_reaped_one_is_gone() {
-        assert!(!exiting(std::process::id()));
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let pid = child.id();
+    fn a_process_is_alive_exited_well_or_died() {
+        assert_eq!(process(std::process::id()), Process::Alive);
+        // Not reaped yet: its status is there to read.
+        let mut ok = std::process::Command::new("true").spawn().unwrap();
+        let mut failed = std::process::Command::new("false").spawn().unwrap();
+        let mut killed = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        killed.kill().unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(process(ok.id()), Process::ExitedOk);
+        assert_eq!(process(failed.id()), Process::Died);
+        assert_eq!(process(killed.id()), Process::Died);
+        let pid = ok.id();
+        ok.wait().unwrap();
+        assert_eq!(process(pid), Process::Died, "reaped: its status is unknown");
+        let _ = (failed.wait(), killed.wait());
+    }
+
+    fn relay(h: &Arc<Hangups>, receiver: u64, pid: u32, conn: u64) -> (RelayEnd, OwnedPair) {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let end = h
+            .watch_relay(receiver, pid, conn, std::os::fd::AsFd::as_fd(&ours))
+            .unwrap();
+        (end, (ours, theirs))
+    }
+
+    type OwnedPair = (
+        std::os::unix::net::UnixStream,
+        std::os::unix::net::UnixStream,
+    );
+
+    fn decided(end: &RelayEnd) -> End {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let e = *end.end.borrow();
+            if e != End::Open || std::time::Instant::now() > deadline {
+                return e;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn ends_are_orderly_from_the_living_abandoned_from_the_dead_unless_asked() {
+        let h = Hangups::start().unwrap();
+        h.receiver_reading(1);
+        // A live program closes its end.
+        let (alive, (_o, theirs)) = relay(&h, 1, std::process::id(), 10);
+        drop(theirs);
+        assert_eq!(decided(&alive), End::Orderly);
+        // A dead one's end waits for its requests to be read: none asked, abandoned.
+        let mut child = std::process::Command::new("false").spawn().unwrap();
+        let dead = child.id();
         child.wait().unwrap();
-        assert!(exiting(pid));
+        let (cut, (_o2, theirs)) = relay(&h, 1, dead, 11);
+        let (asked, (_o3, theirs3)) = relay(&h, 1, dead, 12);
+        drop((theirs, theirs3));
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(
+            *cut.end.borrow(),
+            End::Open,
+            "decided before the requests were read"
+        );
+        assert!(h.close_requested(1, 12));
+        assert!(!h.close_requested(2, 11), "another receiver's connection");
+        h.receiver_done(1, false);
+        assert_eq!(decided(&cut), End::Abandoned);
+        assert_eq!(decided(&asked), End::Orderly);
+        // A receiver tlsplane disconnected: its open connections are abandoned at once.
+        h.receiver_reading(2);
+        let (held, _pair) = relay(&h, 2, std::process::id(), 20);
+        h.receiver_done(2, true);
+        assert_eq!(decided(&held), End::Abandoned);
     }
 }

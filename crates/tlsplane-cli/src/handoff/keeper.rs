@@ -31,6 +31,8 @@ use tlsplane::{HandedKeyError, HandedKeys};
 use tlsplane_handoff::Status;
 use tlsplane_sys::PeerEndWatch;
 
+use super::hangups::Process;
+
 /// How long a connection closed at a program's request (or for a receiver that went) is
 /// read and drained before its last descriptor closes, at most: as nginx's
 /// `lingering_timeout`, so that input the client still sends does not turn the close into a
@@ -44,6 +46,12 @@ const LINGER: Duration = Duration::from_secs(5);
 /// tlsplane's duplicate no longer than this after the client went.
 const PEER_END_GRACE: Duration = Duration::from_secs(30);
 
+/// How long a close_notify the program asked for may wait for room in the socket (a client
+/// that reads slowly, a response still in flight), at most: then the connection is reset.
+/// The kernel drops a client that takes nothing for --send-timeout before this, unless it
+/// is off.
+const CLOSE_NOTIFY_WAIT: Duration = Duration::from_secs(120);
+
 /// Kernel-plane counters (kept with the product's across reloads).
 #[derive(Default)]
 pub struct KeptStats {
@@ -55,10 +63,18 @@ pub struct KeptStats {
     pub key_update_failures: AtomicU64,
     /// CLOSE requests served.
     pub closes: AtomicU64,
+    /// Connections reset because their close_notify found no room for CLOSE_NOTIFY_WAIT.
+    pub close_notify_timeouts: AtomicU64,
     /// Duplicates let go at the client's end of the connection.
     pub released_peer_end: AtomicU64,
-    /// Connections reset (no close_notify) because their receiver went without a CLOSE.
+    /// Connections reset (no close_notify) because their receiver went without a CLOSE for
+    /// them: its program died, or tlsplane dropped it.
     pub released_receiver_gone: AtomicU64,
+    /// Duplicates let go because their receiver's connection ended while its program lives
+    /// on (the connection is the program's).
+    pub released_receiver_left: AtomicU64,
+    /// Connections ended with close_notify because their program exited with status 0.
+    pub released_receiver_exited: AtomicU64,
 }
 
 /// A handed connection tlsplane still keeps.
@@ -71,6 +87,8 @@ struct Kept {
 enum Entry {
     /// `peer_ended`: when the client's end (FIN or reset) was seen.
     Kept(Arc<Kept>, Option<Instant>),
+    /// Asked to close: close_notify waits for room in the socket (watched for it).
+    Closing { kept: Arc<Kept>, until: Instant },
     /// close_notify sent and our side shut down: input is drained until the client closes.
     Lingering {
         socket: Arc<TcpStream>,
@@ -200,11 +218,12 @@ impl Keeper {
         Status::Ok
     }
 
-    /// Receiver `receiver` went (its connection closed: the program died or let go): each of
-    /// its connections that it did not CLOSE is reset, so that the client can tell the cut
-    /// from an end (a program that closed its descriptor and then exited without a CLOSE
-    /// looks the same as one killed mid-response).
-    pub fn receiver_gone(&self, receiver: u64) {
+    /// Receiver `receiver` went, its requests all read; its program stands as `program`.
+    /// Died (or tlsplane dropped it): each of its connections that it did not CLOSE is
+    /// reset, so that the client can tell the cut from an end. Exited with status 0: it
+    /// ended with everything it held: close_notify. Alive: the program owns them, our
+    /// duplicates just go.
+    pub fn receiver_gone(&self, receiver: u64, program: Process) {
         let ids: Vec<u64> = self
             .entries()
             .iter()
@@ -213,17 +232,27 @@ impl Keeper {
                 _ => None,
             })
             .collect();
+        let ending = match program {
+            Process::Died => Ending::Reset,
+            Process::ExitedOk => Ending::CloseNotify,
+            Process::Alive => Ending::Release,
+        };
         for id in ids {
-            if self.end(id, Ending::Reset) {
+            if self.end(id, ending) {
                 self.count(|s| {
-                    s.released_receiver_gone.fetch_add(1, Relaxed);
+                    match ending {
+                        Ending::Reset => &s.released_receiver_gone,
+                        Ending::CloseNotify => &s.released_receiver_exited,
+                        Ending::Release => &s.released_receiver_left,
+                    }
+                    .fetch_add(1, Relaxed);
                 });
             }
         }
     }
 
     /// Connection `id` not handed after all (its frame was never queued): close_notify, as
-    /// any refused connection gets. Waits for room (up to a second): not on an event loop.
+    /// any refused connection gets.
     pub fn not_handed(&self, id: u64) {
         self.end(id, Ending::CloseNotify);
     }
@@ -236,7 +265,8 @@ impl Keeper {
         }
     }
 
-    /// Stops keeping connection `id` as `ending` says. False if it was not kept.
+    /// Stops keeping connection `id` as `ending` says. False if it was not kept. Never waits:
+    /// a close_notify without room now is sent by the watching thread once there is.
     fn end(&self, id: u64, ending: Ending) -> bool {
         let Some(Entry::Kept(kept, _)) = self.entries().remove(&id) else {
             return false;
@@ -245,41 +275,46 @@ impl Keeper {
         self.count(|s| {
             s.kept.fetch_sub(1, Relaxed);
         });
-        if ending == Ending::Reset {
-            // On the socket, not our descriptor: whichever copy closes last sends the reset
-            // (ours now if the program died; the program's when it closes, if it lives on).
-            let _ = socket2::SockRef::from(&kept.socket).set_linger(Some(Duration::ZERO));
-            return true;
+        match ending {
+            Ending::Reset => reset(&kept),
+            Ending::Release => {}
+            Ending::CloseNotify => {
+                self.send_close_notify(id, kept, Instant::now() + CLOSE_NOTIFY_WAIT)
+            }
         }
-        let close_notify = ending == Ending::CloseNotify;
-        // The program's last CONNECTION frame write may still hold a reference.
-        let socket = match Arc::try_unwrap(kept) {
-            Ok(k) => {
-                if close_notify {
-                    let mut keys = k.keys.into_inner().unwrap_or_else(|e| e.into_inner());
-                    let _ = keys.close_notify(k.socket.as_fd());
-                }
-                k.socket
-            }
-            Err(shared) => {
-                if close_notify {
-                    let _ = shared
-                        .keys
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .close_notify(shared.socket.as_fd());
-                }
-                match shared.socket.try_clone() {
-                    Ok(s) => s,
-                    Err(_) => return true,
+        true
+    }
+
+    /// close_notify on `kept` if there is room now, then our side's shutdown and a lingering
+    /// close; otherwise it waits for room, until `until`. A failure resets the connection.
+    fn send_close_notify(&self, id: u64, kept: Arc<Kept>, until: Instant) {
+        let sent = kept
+            .keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .try_close_notify(kept.socket.as_fd());
+        match sent {
+            Ok(true) => self.linger(id, &kept),
+            Ok(false) => {
+                let mut entries = self.entries();
+                if self.watch.watch_output(kept.socket.as_fd(), id).is_ok() {
+                    entries.insert(id, Entry::Closing { kept, until });
+                } else {
+                    reset(&kept);
                 }
             }
+            Err(_) => reset(&kept),
+        }
+    }
+
+    /// After close_notify: shuts our side and drains input until the client closes (the
+    /// program's last CONNECTION frame write may still hold `kept`: a duplicate then).
+    fn linger(&self, id: u64, kept: &Kept) {
+        let Ok(socket) = kept.socket.try_clone() else {
+            return;
         };
-        if !close_notify {
-            return true;
-        }
         if socket.shutdown(Shutdown::Write).is_err() {
-            return true;
+            return;
         }
         let mut entries = self.entries();
         if self.watch.watch(socket.as_fd(), id, true).is_ok() {
@@ -291,20 +326,32 @@ impl Keeper {
                 },
             );
         }
-        true
     }
 
     /// An event on `id`: a kept socket's client ended (noted: let go after
     /// [`PEER_END_GRACE`]), or a lingering one has input or its end (drained, outside the
     /// table's lock; closed at the end). True: input is left to drain at the next turn.
     fn on_event(&self, id: u64) -> bool {
-        let socket = match self.entries().get_mut(&id) {
-            Some(Entry::Kept(_, ended)) => {
-                ended.get_or_insert_with(Instant::now);
-                return false;
+        let socket = {
+            let mut entries = self.entries();
+            match entries.get_mut(&id) {
+                Some(Entry::Kept(_, ended)) => {
+                    ended.get_or_insert_with(Instant::now);
+                    return false;
+                }
+                Some(Entry::Lingering { socket, .. }) => socket.clone(),
+                Some(Entry::Closing { .. }) => {
+                    // Room for the close_notify (or an error, which the send will report).
+                    let Some(Entry::Closing { kept, until }) = entries.remove(&id) else {
+                        return false;
+                    };
+                    drop(entries);
+                    let _ = self.watch.forget(kept.socket.as_fd());
+                    self.send_close_notify(id, kept, until);
+                    return false;
+                }
+                None => return false,
             }
-            Some(Entry::Lingering { socket, .. }) => socket.clone(),
-            None => return false,
         };
         match drain(&socket, DRAIN_READS) {
             Drained::Ended => {
@@ -328,21 +375,45 @@ impl Keeper {
     }
 
     fn forget_lingering(&self, id: u64) {
-        if let Some(Entry::Lingering { socket, .. }) = self.entries().remove(&id) {
-            let _ = self.watch.forget(socket.as_fd());
+        let mut entries = self.entries();
+        match entries.remove(&id) {
+            Some(Entry::Lingering { socket, .. }) => {
+                let _ = self.watch.forget(socket.as_fd());
+            }
+            Some(Entry::Closing { kept, .. }) => {
+                let _ = self.watch.forget(kept.socket.as_fd());
+                drop(entries);
+                self.count(|s| {
+                    s.close_notify_timeouts.fetch_add(1, Relaxed);
+                });
+                reset(&kept);
+            }
+            Some(other) => {
+                entries.insert(id, other);
+            }
+            None => {}
         }
     }
 
-    /// Lingering sockets whose time is up.
+    /// Lingering sockets, and close_notify waits, whose time is up.
     fn expired(&self, now: Instant) -> Vec<u64> {
         self.entries()
             .iter()
             .filter_map(|(id, e)| match e {
-                Entry::Lingering { until, .. } if *until <= now => Some(*id),
+                Entry::Lingering { until, .. } | Entry::Closing { until, .. } if *until <= now => {
+                    Some(*id)
+                }
                 _ => None,
             })
             .collect()
     }
+}
+
+/// Ends `kept` with a reset: set on the socket, not our descriptor, so that whichever copy
+/// closes last sends it (ours now if the program died; the program's when it closes, if it
+/// lives on).
+fn reset(kept: &Kept) {
+    let _ = socket2::SockRef::from(&kept.socket).set_linger(Some(Duration::ZERO));
 }
 
 /// A kept socket, as the frame that hands it over borrows it.

@@ -277,3 +277,57 @@ fn a_reload_that_removes_a_uid_disconnects_its_receiver_and_resets_its_connectio
     assert!(!lines.iter().any(|l| l.contains("panicked")));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_receiver_that_reads_no_replies_never_stalls_the_server() {
+    let dir = scratch("handoff-replies");
+    let socket = dir.join("app.sock");
+    // (The default --handoff-reply-queue, 1024.)
+    let server = Server::builder().handoff(&socket).start();
+    let mut rx = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    wait_receivers(&server, 1);
+    // Requests that each get a reply, never read: far more than the socket buffers hold.
+    // tlsplane must go on reading them (or let the receiver go), never stop reading because
+    // its replies cannot be written.
+    rx.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut frame = [0u8; 64];
+    let n = tlsplane_handoff::Message::Close {
+        request_id: 1,
+        conn_id: 7,
+    }
+    .encode(&mut frame)
+    .unwrap();
+    let started = Instant::now();
+    let mut sent = 0usize;
+    let end = loop {
+        match rx.write_all(&frame[..n]) {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+        if sent == 200_000 {
+            panic!("200000 requests went through: were the replies read?");
+        }
+    };
+    assert!(
+        matches!(
+            end.kind(),
+            std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+        ),
+        "the receiver's requests stalled after {sent} ({:?}): {end}",
+        started.elapsed()
+    );
+    let lines = server.stderr_lines();
+    let stats = server.stop();
+    assert_eq!(
+        stats.get("handoff_receivers_reply_overflow"),
+        1,
+        "{stats:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("reads none of its replies")),
+        "{lines:?}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
