@@ -308,13 +308,14 @@ impl Outbox {
         self.queued.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn push_job(&self, job: Job, limit: usize) -> Result<(), (Job, NotQueued)> {
+    /// Queues `job`, or drops it (its descriptor closes) and says why not.
+    fn push_job(&self, job: Job, limit: usize) -> Result<(), NotQueued> {
         let mut q = self.queued();
         if q.closed {
-            return Err((job, NotQueued::Gone));
+            return Err(NotQueued::Gone);
         }
         if q.jobs.len() >= limit {
-            return Err((job, NotQueued::Full));
+            return Err(NotQueued::Full);
         }
         q.jobs.push_back(job);
         drop(q);
@@ -626,9 +627,10 @@ fn finished(receiver: &ReceiverHandle, stats: &Weak<HandoffStats>) {
     };
     let dropped = receiver.dropped.load(Relaxed);
     if let Some(Some(keeper)) = stats.keeper.get() {
-        let program = match dropped {
-            true => hangups::Process::Died,
-            false => hangups::process(receiver.peer.pid),
+        let program = if dropped {
+            hangups::Process::Died
+        } else {
+            hangups::process(receiver.peer.pid)
         };
         keeper.receiver_gone(receiver.id, program);
     }
@@ -1005,10 +1007,9 @@ impl Handoff {
             fd: JobFd::Relay(OwnedFd::from(theirs)),
             info,
         };
-        if let Err((job, why)) = receiver.outbox.push_job(job, socket.queue.load(Relaxed)) {
+        if let Err(why) = receiver.outbox.push_job(job, socket.queue.load(Relaxed)) {
             receiver.pending.fetch_sub(1, Relaxed);
             self.count_refusal(&why);
-            drop(job);
             let _ = Box::pin(tls.close()).await;
             return;
         }
@@ -1124,10 +1125,9 @@ impl Handoff {
             fd: JobFd::Kernel(kept),
             info,
         };
-        if let Err((job, why)) = receiver.outbox.push_job(job, queue) {
+        if let Err(why) = receiver.outbox.push_job(job, queue) {
             receiver.pending.fetch_sub(1, Relaxed);
             self.count_refusal(&why);
-            drop(job);
             keeper.not_handed(id);
             return None;
         }

@@ -3,14 +3,15 @@
 //!
 //! The program reads and writes the socket; tlsplane copies nothing. It keeps a duplicate of
 //! the descriptor and the connection's traffic secrets, to serve the program's KEY_UPDATE
-//! (install the next keys on the shared socket) and CLOSE (send close_notify), and to reset
-//! the connection when the program's receiver connection ends without a CLOSE for it (the
-//! program died or let go: its client must not take what it got for a whole response). A
-//! duplicate is let go when the program asks (CLOSE, after a lingering close), when its
-//! receiver goes, or 30 s
-//! after the client's end of the connection was seen (its FIN or a reset: nothing more can
-//! come that would need a key, and a program that closed its descriptor without a CLOSE
-//! must not leave the connection open through ours). So tlsplane holds at most one
+//! (install the next keys on the shared socket) and CLOSE (send close_notify, once the socket
+//! has room for it: never waiting on the thread that reads requests), and to reset the
+//! connection when its program dies without a CLOSE for it (its client must not take what it
+//! got for a whole response). A duplicate is let go when the program asks (CLOSE, after a
+//! lingering close), when its receiver goes (reset, close_notify or left to the program: see
+//! [`Keeper::receiver_gone`]), or 30 s after the client's end of the connection was seen (its
+//! FIN or a reset: nothing more can come that would need a key, and a program that closed
+//! its descriptor without a CLOSE must not leave the connection open through ours). So
+//! tlsplane holds at most one
 //! descriptor per client connection still open (or ended less than 30 s ago), whatever the
 //! program does.
 //!
