@@ -474,10 +474,12 @@ impl HandoffSocket {
         let Some(suppressed) = pass else {
             return;
         };
-        let (uid, gid, groups) = peer.map_or((None, None, None), |p| {
-            (Some(p.uid), Some(p.gid), Some(p.groups.clone()))
-        });
-        tracing::warn!(socket = %self.path.display(), ?uid, ?gid, ?groups, suppressed, "hand-off receiver refused: {why}");
+        match peer {
+            Some(p) => tracing::warn!(socket = %self.path.display(), uid = p.uid, gid = p.gid,
+                groups = ?p.groups, suppressed, "hand-off receiver refused: {why}"),
+            None => tracing::warn!(socket = %self.path.display(), suppressed,
+                "hand-off receiver refused: {why}"),
+        }
     }
 
     /// A reload's ids: receivers connected under ids no longer allowed are disconnected
