@@ -1,34 +1,36 @@
 //! `tlsplane handoff`: established TLS connections handed to other programs (issue 21).
 //!
 //! Listeners, handshakes, sites, keys and reload are the shared server's (`crate::server`).
-//! Each site names a Unix socket that tlsplane listens on; programs ("receivers") connect to
-//! it, are checked by `SO_PEERCRED` against the site's allowed user and group ids, and
-//! receive each established connection as a CONNECTION frame with a descriptor
-//! (`SCM_RIGHTS`, docs/HANDOFF.md).
+//! Each site names a Unix socket that tlsplane listens on (in a directory no other user can
+//! write: `tlsplane_server::unix_socket`); programs ("receivers") connect to it, are checked
+//! by `SO_PEERCRED`/`SO_PEERGROUPS` against the site's allowed user and group ids (again at
+//! each reload), and receive each established connection as a CONNECTION frame with a
+//! descriptor (`SCM_RIGHTS`, docs/HANDOFF.md).
 //!
-//! This build hands every connection off on the **user relay** plane: the program gets one
-//! end of a `socketpair(AF_UNIX, SOCK_STREAM)` and tlsplane relays between the other end and
-//! the TLS stream with the proxy's TCP-mode relay (half-closes kept: the program's
+//! Where the kernel took the connection the program gets the kTLS socket itself, and
+//! tlsplane keeps a duplicate and the keys (`keeper`). Elsewhere it gets one end of a
+//! `socketpair(AF_UNIX, SOCK_STREAM)` and tlsplane relays between the other end and the TLS
+//! stream with the proxy's TCP-mode relay (half-closes kept: the program's
 //! `shutdown(SHUT_WR)` or close becomes close_notify, the client's close_notify becomes EOF
-//! on the program's end). A kernel-plane connection is relayed the same way (the kernel
-//! plane's own hand-off, the kTLS socket itself, is not built yet).
+//! on the program's end).
 //!
-//! Per socket, one thread accepts receivers; per receiver, one thread writes its CONNECTION
-//! frames (blocking writes, off the event loops: a connection loop only queues a hand-off,
-//! with a bounded queue) and one reads its requests and notices its end. When a receiver
-//! goes away, the relays of the connections it was given end: their clients get close_notify.
+//! Per socket, one thread accepts receivers; per receiver, one thread writes its frames
+//! (CONNECTION frames and replies, from bounded queues: the event loops and the reading
+//! thread only queue) and one reads its requests and notices its end. When a receiver goes
+//! away, the connections it was given and did not end are reset (`hangups` tells, on the
+//! user relay, an end from an abandonment): a client must not take a cut for an end.
 
+mod hangups;
 mod keeper;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::atomic::{AtomicU64, AtomicUsize};
-use std::sync::mpsc::{sync_channel, Receiver as JobQueue, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -39,17 +41,21 @@ use tlsplane_handoff::{ConnInfo, Message, Plane, Reply, Status};
 
 use crate::proxy::backend::{BackendConn, Io};
 use crate::proxy::{Ended, ProxyStats};
+use hangups::Hangups;
 use keeper::{Keeper, KeptSocket, KeptStats};
 use tlsplane_server::config::{HandoffTarget, Origin, SiteNeeds, Sites};
-use tlsplane_server::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served};
+use tlsplane_server::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served, Throttled};
 use tlsplane_server::server::{Product, ServerArgs};
 
 #[derive(Args, Debug, Clone)]
 pub struct HandoffArgs {
     /// Unix socket that receivers connect to, to be handed the established connections (see
     /// docs/HANDOFF.md). With --config, sites name their own (`handoff-socket = "PATH"`) and
-    /// this serves the sites that do not. Receivers get connections least pending first
-    /// (the one with the fewest hand-offs queued and not yet written to it; ties in turn).
+    /// this serves the sites that do not. Its directory must be one that only root or
+    /// tlsplane's user can write (it is created, mode 755, when missing); tlsplane refuses
+    /// to start otherwise (e.g. /tmp). Default: $RUNTIME_DIRECTORY/handoff.sock, else
+    /// /run/tlsplane/handoff.sock. Receivers get connections least pending first (the one
+    /// with the fewest hand-offs queued and not yet written to it; ties in turn).
     #[arg(long, value_name = "PATH")]
     pub handoff_socket: Option<PathBuf>,
     /// User id allowed to receive connections (repeatable; checked with SO_PEERCRED when a
@@ -57,14 +63,20 @@ pub struct HandoffArgs {
     /// --handoff-allow-gid: only the user tlsplane runs as (--user, else its own).
     #[arg(long = "handoff-allow-uid", value_name = "UID")]
     pub handoff_allow_uid: Vec<u32>,
-    /// Group id allowed to receive connections (repeatable; a receiver whose primary group is
-    /// one of these is allowed).
+    /// Group id allowed to receive connections (repeatable; a receiver with one of these among
+    /// its groups, effective or supplementary, is allowed). A reload that removes an id
+    /// disconnects the receivers it allowed, and resets the connections they hold.
     #[arg(long = "handoff-allow-gid", value_name = "GID")]
     pub handoff_allow_gid: Vec<u32>,
     /// Hand-offs queued per receiver and not yet written to it. When the least pending
     /// receiver has this many, the connection is refused (closed with close_notify, counted).
     #[arg(long, default_value_t = 64, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub handoff_queue: u32,
+    /// Replies to a receiver's requests queued and not yet written to it (it sends requests
+    /// and reads nothing). Past this, the receiver is disconnected (counted) and the
+    /// connections it holds are reset: tlsplane never waits for a receiver to read.
+    #[arg(long, default_value_t = 1024, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1048576))]
+    pub handoff_reply_queue: u32,
     /// Bytes buffered per direction per relayed connection. (A relayed connection with no
     /// byte moving either way for --idle-timeout is closed, as in proxy.)
     #[arg(long, default_value_t = 16384, value_name = "BYTES", value_parser = clap::value_parser!(u32).range(1024..=1048576))]
@@ -72,6 +84,11 @@ pub struct HandoffArgs {
     #[command(flatten)]
     pub server: ServerArgs,
 }
+
+/// How long a relay that read its program's end of stream waits for the hang-up watch to
+/// say whether that end came before the receiver's (it takes a thread's wake-up; past this,
+/// the connection is reset rather than risk a false clean end).
+const END_ORDER_WAIT: Duration = Duration::from_secs(1);
 
 /// The ids allowed by default: the user tlsplane serves as.
 fn default_ids(args: &HandoffArgs) -> (Vec<u32>, Vec<u32>) {
@@ -92,7 +109,10 @@ fn default_ids(args: &HandoffArgs) -> (Vec<u32>, Vec<u32>) {
 pub fn default_target(args: &HandoffArgs) -> HandoffTarget {
     let (uids, gids) = default_ids(args);
     HandoffTarget {
-        socket: args.handoff_socket.clone().unwrap_or_default(),
+        socket: args
+            .handoff_socket
+            .clone()
+            .unwrap_or_else(|| tlsplane_server::unix_socket::default_dir().join("handoff.sock")),
         uids,
         gids,
     }
@@ -120,6 +140,12 @@ pub struct HandoffStats {
     receivers_accepted: Counter,
     /// Receivers closed at connect: their uid/gid is not allowed.
     receivers_refused: Counter,
+    /// Receivers disconnected by a reload that no longer allows their ids.
+    receivers_revoked: Counter,
+    /// Receivers disconnected for --handoff-reply-queue replies unread.
+    receivers_reply_overflow: Counter,
+    /// Relayed connections reset because their receiver went without ending them.
+    relay_reset_receiver_gone: Counter,
     /// Receivers that went away (closed, died, or could not be written to).
     receivers_lost: Counter,
     /// KEY_UPDATE and CLOSE requests answered.
@@ -143,6 +169,8 @@ pub struct HandoffStats {
     next_id: AtomicU64,
     /// Receiver ids, to find one in its socket's list.
     next_receiver: AtomicU64,
+    /// The order of receivers' and relayed connections' ends, started at the first build.
+    hangups: OnceLock<Arc<Hangups>>,
     /// Open hand-off sockets by path: bound at the first configuration that names them,
     /// kept (with their receivers) across reloads.
     sockets: Mutex<HashMap<PathBuf, Arc<HandoffSocket>>>,
@@ -174,21 +202,53 @@ struct Allowed {
 }
 
 impl Allowed {
-    fn allows(&self, uid: u32, gid: u32) -> bool {
-        self.uids.contains(&uid) || self.gids.contains(&gid)
+    /// By user id, or by any of the peer's groups: its effective group or a supplementary one.
+    fn allows(&self, peer: &Peer) -> bool {
+        self.uids.contains(&peer.uid)
+            || std::iter::once(&peer.gid)
+                .chain(&peer.groups)
+                .any(|g| self.gids.contains(g))
+    }
+}
+
+/// A receiver's credentials, as the kernel recorded them when it connected.
+#[derive(Clone, Debug, Default)]
+struct Peer {
+    pid: u32,
+    uid: u32,
+    gid: u32,
+    /// Its supplementary groups (`SO_PEERGROUPS`; none where the kernel cannot say).
+    groups: Vec<u32>,
+}
+
+impl Peer {
+    fn of(sock: &UnixStream) -> std::io::Result<Self> {
+        let (uid, gid) = tlsplane_sys::peer_ids(sock.as_fd())?;
+        let (pid, _) = tlsplane_sys::peer_cred(sock.as_fd())?;
+        let groups = tlsplane_sys::peer_groups(sock.as_fd()).unwrap_or_default();
+        Ok(Self {
+            pid,
+            uid,
+            gid,
+            groups,
+        })
     }
 }
 
 /// A hand-off socket and the receivers connected to it.
 struct HandoffSocket {
     path: PathBuf,
-    /// Replaced by a reload.
+    /// Replaced by a reload (receivers it no longer allows are disconnected); held while a
+    /// receiver is checked and added, so that none slips in under ids a reload removed.
     allowed: Mutex<Allowed>,
-    /// --handoff-queue, replaced by a reload.
+    /// --handoff-queue and --handoff-reply-queue, replaced by a reload.
     queue: AtomicUsize,
+    reply_queue: AtomicUsize,
     receivers: Mutex<Vec<Arc<ReceiverHandle>>>,
     /// Where the next tie among least pending receivers starts.
     turn: AtomicUsize,
+    /// Refused receivers are logged at most once a second.
+    refusals: Mutex<Throttled>,
 }
 
 /// One hand-off of a connection to a receiver.
@@ -214,39 +274,141 @@ impl AsFd for JobFd {
     }
 }
 
-/// A connected receiver, as the connection loops see it.
+/// A frame for a receiver's writing thread.
+enum Frame {
+    Connection(Job),
+    Reply(Reply),
+}
+
+/// Why a frame was not queued.
+enum NotQueued {
+    Full,
+    Gone,
+}
+
+/// What waits for a receiver's writing thread: CONNECTION frames (at most --handoff-queue)
+/// and replies (at most --handoff-reply-queue), replies first. Queuing never waits: the
+/// event loops queue hand-offs and the reading thread replies, and neither may stop for a
+/// receiver that does not read.
+#[derive(Default)]
+struct Outbox {
+    queued: Mutex<Queued>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct Queued {
+    jobs: VecDeque<Job>,
+    replies: VecDeque<Reply>,
+    closed: bool,
+}
+
+impl Outbox {
+    fn queued(&self) -> std::sync::MutexGuard<'_, Queued> {
+        self.queued.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `job`, or drops it (its descriptor closes) and says why not.
+    fn push_job(&self, job: Job, limit: usize) -> Result<(), NotQueued> {
+        let mut q = self.queued();
+        if q.closed {
+            return Err(NotQueued::Gone);
+        }
+        if q.jobs.len() >= limit {
+            return Err(NotQueued::Full);
+        }
+        q.jobs.push_back(job);
+        drop(q);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    /// False: the queue is full (the receiver reads nothing) or closed.
+    fn push_reply(&self, reply: Reply, limit: usize) -> bool {
+        let mut q = self.queued();
+        if q.closed || q.replies.len() >= limit {
+            return false;
+        }
+        q.replies.push_back(reply);
+        drop(q);
+        self.ready.notify_one();
+        true
+    }
+
+    /// The next frame to write, waiting for one; `None` once closed.
+    fn next(&self) -> Option<Frame> {
+        let mut q = self.queued();
+        loop {
+            if q.closed {
+                return None;
+            }
+            if let Some(r) = q.replies.pop_front() {
+                return Some(Frame::Reply(r));
+            }
+            if let Some(j) = q.jobs.pop_front() {
+                return Some(Frame::Connection(j));
+            }
+            q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Closes it; the hand-offs still queued are returned, to be dropped by the caller.
+    fn close(&self) -> VecDeque<Job> {
+        let mut q = self.queued();
+        q.closed = true;
+        q.replies.clear();
+        let jobs = std::mem::take(&mut q.jobs);
+        drop(q);
+        self.ready.notify_all();
+        jobs
+    }
+}
+
+/// A connected receiver.
 struct ReceiverHandle {
     id: u64,
-    /// Hand-offs queued and not yet written to it.
-    pending: Arc<AtomicUsize>,
-    jobs: SyncSender<Job>,
-    /// Turns true (or its sender is dropped) when the receiver is gone: relays of the
-    /// connections it was given end.
-    gone: tokio::sync::watch::Receiver<bool>,
+    peer: Peer,
+    sock: UnixStream,
+    /// Hand-offs queued or being written to it.
+    pending: AtomicUsize,
+    outbox: Outbox,
+    /// tlsplane disconnected it (revoked, or it read no replies): the connections it holds
+    /// are reset.
+    dropped: AtomicBool,
+}
+
+impl ReceiverHandle {
+    /// Ends its connection to us for good: the connections it holds are reset.
+    fn drop_it(&self) {
+        self.dropped.store(true, Relaxed);
+        self.disconnect();
+    }
+
+    /// Ends its connection to us; its threads then forget it.
+    fn disconnect(&self) {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
 }
 
 impl HandoffSocket {
-    /// Binds `path` (a stale socket left by a killed server is replaced) and starts
-    /// accepting receivers.
+    /// Binds `path` in a directory only root or this user can write (docs/HANDOFF.md) and
+    /// starts accepting receivers.
     fn open(
         path: &Path,
         allowed: Allowed,
-        queue: usize,
+        queues: (usize, usize),
         stats: &Arc<HandoffStats>,
     ) -> anyhow::Result<Arc<Self>> {
-        free_unix_path(path)?;
-        let listener = UnixListener::bind(path)
-            .with_context(|| format!("hand-off socket {}", path.display()))?;
         // Anyone may connect: SO_PEERCRED decides who is served, and says so in the log.
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
-            .with_context(|| format!("hand-off socket {}: chmod", path.display()))?;
+        let listener = tlsplane_server::unix_socket::bind("hand-off socket", path, 0o666)?;
         let socket = Arc::new(Self {
             path: path.to_path_buf(),
             allowed: Mutex::new(allowed),
-            queue: AtomicUsize::new(queue),
+            queue: AtomicUsize::new(queues.0),
+            reply_queue: AtomicUsize::new(queues.1),
             receivers: Mutex::new(Vec::new()),
             turn: AtomicUsize::new(0),
+            refusals: Mutex::new(Throttled::default()),
         });
         // Threads hold the stats weakly: nothing here keeps them alive past the server.
         let (s, st) = (socket.clone(), Arc::downgrade(stats));
@@ -273,115 +435,137 @@ impl HandoffSocket {
                 return;
             };
             let stats = &stats;
-            let ids = tlsplane_sys::peer_ids(sock.as_fd());
-            let allowed = self
-                .allowed
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            match ids {
-                Ok((uid, gid)) if allowed.allows(uid, gid) => {
-                    stats.receivers_accepted.fetch_add(1, Relaxed);
-                    // Logged once it can be given connections (tests wait for this line).
-                    match self.add_receiver(sock, stats) {
-                        Ok(()) => {
-                            tracing::info!(socket = %self.path.display(), uid, gid, "hand-off receiver connected")
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "hand-off receiver: could not start it")
-                        }
-                    }
-                }
-                Ok((uid, gid)) => {
-                    stats.receivers_refused.fetch_add(1, Relaxed);
-                    tracing::warn!(socket = %self.path.display(), uid, gid, "hand-off receiver refused: uid/gid not allowed");
-                    drop(sock);
-                }
+            let peer = match Peer::of(&sock) {
+                Ok(p) => p,
                 Err(e) => {
                     stats.receivers_refused.fetch_add(1, Relaxed);
-                    tracing::warn!(error = %e, "hand-off receiver refused: SO_PEERCRED failed");
+                    self.log_refusal(None, &format!("SO_PEERCRED failed: {e}"));
+                    continue;
                 }
+            };
+            let allowed = self.allowed.lock().unwrap_or_else(|e| e.into_inner());
+            if !allowed.allows(&peer) {
+                drop(allowed);
+                stats.receivers_refused.fetch_add(1, Relaxed);
+                self.log_refusal(Some(&peer), "uid/gid not allowed");
+                continue;
             }
+            stats.receivers_accepted.fetch_add(1, Relaxed);
+            let (uid, gid) = (peer.uid, peer.gid);
+            let added = self.add_receiver(sock, peer, stats);
+            drop(allowed);
+            // Logged once it can be given connections (tests wait for this line).
+            match added {
+                Ok(()) => {
+                    tracing::info!(socket = %self.path.display(), uid, gid, "hand-off receiver connected")
+                }
+                Err(e) => tracing::warn!(error = %e, "hand-off receiver: could not start it"),
+            }
+        }
+    }
+
+    /// At most a line a second: anyone may connect, and each refusal would log.
+    fn log_refusal(&self, peer: Option<&Peer>, why: &str) {
+        let pass = self
+            .refusals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pass(std::time::Instant::now());
+        let Some(suppressed) = pass else {
+            return;
+        };
+        match peer {
+            Some(p) => tracing::warn!(socket = %self.path.display(), uid = p.uid, gid = p.gid,
+                groups = ?p.groups, suppressed, "hand-off receiver refused: {why}"),
+            None => tracing::warn!(socket = %self.path.display(), suppressed,
+                "hand-off receiver refused: {why}"),
+        }
+    }
+
+    /// A reload's ids: receivers connected under ids no longer allowed are disconnected
+    /// (their connections are reset as they go).
+    fn set_allowed(&self, allowed: Allowed, stats: &HandoffStats) {
+        let mut current = self.allowed.lock().unwrap_or_else(|e| e.into_inner());
+        let revoked: Vec<Arc<ReceiverHandle>> = self
+            .receivers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|r| !allowed.allows(&r.peer))
+            .cloned()
+            .collect();
+        *current = allowed;
+        drop(current);
+        for r in revoked {
+            stats.receivers_revoked.fetch_add(1, Relaxed);
+            tracing::warn!(socket = %self.path.display(), uid = r.peer.uid, gid = r.peer.gid,
+                "hand-off receiver disconnected: the reloaded configuration no longer allows its ids");
+            r.drop_it();
         }
     }
 
     fn add_receiver(
         self: &Arc<Self>,
         sock: UnixStream,
+        peer: Peer,
         stats: &Arc<HandoffStats>,
     ) -> std::io::Result<()> {
-        let id = stats.next_receiver.fetch_add(1, Relaxed);
-        let queue = self.queue.load(Relaxed).max(1);
-        let (jobs, queued) = sync_channel::<Job>(queue);
-        let (gone_tx, gone) = tokio::sync::watch::channel(false);
-        let pending = Arc::new(AtomicUsize::new(0));
-        // Frames to the receiver go out whole: the writer's CONNECTION frames and the
-        // reader's replies take turns under this lock.
-        let writer = Arc::new(Mutex::new(()));
-        let sock = Arc::new(sock);
         let handle = Arc::new(ReceiverHandle {
-            id,
-            pending: pending.clone(),
-            jobs,
-            gone,
+            id: stats.next_receiver.fetch_add(1, Relaxed),
+            peer,
+            sock,
+            pending: AtomicUsize::new(0),
+            outbox: Outbox::default(),
+            dropped: AtomicBool::new(false),
         });
+        if let Some(h) = stats.hangups.get() {
+            h.receiver_reading(handle.id);
+        }
         self.receivers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push(handle);
-        let gone_tx = Arc::new(gone_tx);
-        {
-            let (socket, stats, sock, writer, gone_tx) = (
-                self.clone(),
-                Arc::downgrade(stats),
-                sock.clone(),
-                writer.clone(),
-                gone_tx.clone(),
-            );
-            std::thread::Builder::new()
-                .name("handoff-send".into())
-                .spawn(move || {
-                    write_loop(&sock, &writer, queued, &pending);
-                    socket.lose(id, &stats, &sock, &gone_tx);
-                })?;
-        }
-        let (socket, stats) = (self.clone(), Arc::downgrade(stats));
-        std::thread::Builder::new()
-            .name("handoff-recv".into())
+            .push(handle.clone());
+        let weak = Arc::downgrade(stats);
+        let (socket, h, w) = (self.clone(), handle.clone(), weak.clone());
+        let sending = std::thread::Builder::new()
+            .name("handoff-send".into())
             .spawn(move || {
-                read_loop(id, &sock, &writer, &stats);
-                socket.lose(id, &stats, &sock, &gone_tx);
-            })?;
+                write_loop(&h.sock, &h);
+                socket.lose(&h, &w);
+            });
+        let (socket, h, w) = (self.clone(), handle.clone(), weak.clone());
+        let receiving = sending.and_then(|_| {
+            std::thread::Builder::new()
+                .name("handoff-recv".into())
+                .spawn(move || {
+                    socket.read_loop(&h, &w);
+                    socket.lose(&h, &w);
+                    finished(&h, &w);
+                })
+        });
+        if let Err(e) = receiving {
+            self.lose(&handle, &weak);
+            finished(&handle, &weak);
+            return Err(e);
+        }
         Ok(())
     }
 
-    /// Forgets receiver `id` (once, from whichever of its threads sees it go first): its
-    /// queued hand-offs are dropped (their relays see the program's end close), its socket is
-    /// shut down (the other thread wakes), and the relays it was given end.
-    fn lose(
-        &self,
-        id: u64,
-        stats: &Weak<HandoffStats>,
-        sock: &UnixStream,
-        gone: &tokio::sync::watch::Sender<bool>,
-    ) {
+    /// Forgets a receiver (once, from whichever of its threads sees it go first): its socket
+    /// is shut down (the other thread wakes), its queued hand-offs are dropped, and the
+    /// connections it was given and did not end are reset.
+    fn lose(&self, receiver: &ReceiverHandle, stats: &Weak<HandoffStats>) {
         let removed = {
             let mut list = self.receivers.lock().unwrap_or_else(|e| e.into_inner());
             let before = list.len();
-            list.retain(|r| r.id != id);
+            list.retain(|r| r.id != receiver.id);
             before != list.len()
         };
-        // Not under the write lock: a write blocked on a receiver that stopped reading holds
-        // it, and this shutdown is what wakes it (EPIPE).
-        let _ = sock.shutdown(std::net::Shutdown::Both);
-        gone.send_replace(true);
+        // The receiver's end first: the relays of the hand-offs dropped next end after it.
+        receiver.disconnect();
+        drop(receiver.outbox.close());
         if let (true, Some(stats)) = (removed, stats.upgrade()) {
             stats.receivers_lost.fetch_add(1, Relaxed);
-            // Its kernel-plane connections end too (its queue is gone: nothing more is
-            // handed to it).
-            if let Some(Some(keeper)) = stats.keeper.get() {
-                keeper.receiver_gone(id);
-            }
             tracing::info!(socket = %self.path.display(), "hand-off receiver gone");
         }
     }
@@ -398,107 +582,135 @@ impl HandoffSocket {
             .min_by_key(|r| r.pending.load(Relaxed))
             .cloned()
     }
+
+    /// Reads the receiver's requests until it closes its connection (or breaks the framing,
+    /// or lets its replies pile up unread).
+    fn read_loop(&self, receiver: &ReceiverHandle, stats: &Weak<HandoffStats>) {
+        let mut frame = Vec::new();
+        loop {
+            let (_prefix, fd) = match tlsplane_handoff::read_frame(&receiver.sock, &mut frame) {
+                Ok(Some(f)) => f,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::debug!(error = %e, "hand-off receiver: unreadable request");
+                    return;
+                }
+            };
+            // No request carries a descriptor.
+            drop(fd);
+            let Some(stats) = stats.upgrade() else {
+                return;
+            };
+            let Some(reply) = answer(receiver.id, &frame, &stats) else {
+                continue;
+            };
+            stats.requests.fetch_add(1, Relaxed);
+            if !receiver
+                .outbox
+                .push_reply(reply, self.reply_queue.load(Relaxed))
+            {
+                receiver.dropped.store(true, Relaxed);
+                stats.receivers_reply_overflow.fetch_add(1, Relaxed);
+                tracing::warn!(socket = %self.path.display(), uid = receiver.peer.uid,
+                    "hand-off receiver disconnected: it reads none of its replies");
+                return;
+            }
+        }
+    }
 }
 
-/// Writes the receiver's CONNECTION frames until its queue closes or a write fails.
-fn write_loop(sock: &UnixStream, writer: &Mutex<()>, queued: JobQueue<Job>, pending: &AtomicUsize) {
-    for job in queued {
-        let sent = {
-            let _turn = writer.lock().unwrap_or_else(|e| e.into_inner());
-            tlsplane_handoff::send_connection(sock, job.fd.as_fd(), &job.info)
+/// A receiver's requests are all read (its connection ended): the connections it was given
+/// and did not end are decided. Kernel plane: reset if tlsplane dropped it or its program
+/// died (`hangups::process`); close_notify if the program exited with status 0; else left
+/// to the program, which lives on and owns the socket. User relay: `hangups`.
+fn finished(receiver: &ReceiverHandle, stats: &Weak<HandoffStats>) {
+    let Some(stats) = stats.upgrade() else {
+        return;
+    };
+    let dropped = receiver.dropped.load(Relaxed);
+    if let Some(Some(keeper)) = stats.keeper.get() {
+        let program = if dropped {
+            hangups::Process::Died
+        } else {
+            hangups::process(receiver.peer.pid)
         };
-        pending.fetch_sub(1, Relaxed);
-        // Our copy of the program's end of a relay goes: the program holds the only one now
-        // (a kernel-plane socket stays kept).
-        drop(job.fd);
+        keeper.receiver_gone(receiver.id, program);
+    }
+    if let Some(h) = stats.hangups.get() {
+        h.receiver_done(receiver.id, dropped);
+    }
+}
+
+/// Serves one request of receiver `receiver`; `None` for a frame that is not one.
+fn answer(receiver: u64, frame: &[u8], stats: &HandoffStats) -> Option<Reply> {
+    // Connections on the user relay are re-keyed by tlsplane's record layer (a KEY_UPDATE
+    // does not know them); a CLOSE marks the end the program gives them as orderly.
+    let keeper = stats.keeper.get().cloned().flatten();
+    let (request_id, conn_id, status) = match Message::decode(frame) {
+        Ok(Some(Message::KeyUpdate {
+            request_id,
+            conn_id,
+            record_plaintext,
+        })) => (
+            request_id,
+            conn_id,
+            keeper.map_or(Status::UnknownConnection, |k| {
+                k.key_update(receiver, conn_id, record_plaintext)
+            }),
+        ),
+        Ok(Some(Message::Close {
+            request_id,
+            conn_id,
+        })) => (
+            request_id,
+            conn_id,
+            match keeper.map_or(Status::UnknownConnection, |k| k.close(receiver, conn_id)) {
+                Status::UnknownConnection
+                    if stats
+                        .hangups
+                        .get()
+                        .is_some_and(|h| h.close_requested(receiver, conn_id)) =>
+                {
+                    Status::Ok
+                }
+                status => status,
+            },
+        ),
+        // Kinds a receiver does not send, or a later revision's: skipped.
+        Ok(_) => return None,
+        Err(e) => {
+            tracing::debug!(error = %e, "hand-off receiver: bad request");
+            return None;
+        }
+    };
+    Some(Reply {
+        request_id,
+        conn_id,
+        status,
+    })
+}
+
+/// Writes the receiver's frames until its outbox closes or a write fails. Only this thread
+/// writes to the receiver, so frames go out whole; its writes block (a receiver that reads
+/// nothing holds this thread only, until the receiver is lost or disconnected).
+fn write_loop(sock: &UnixStream, receiver: &ReceiverHandle) {
+    while let Some(frame) = receiver.outbox.next() {
+        let sent = match frame {
+            Frame::Reply(reply) => tlsplane_handoff::send_reply(sock, &reply),
+            Frame::Connection(job) => {
+                let sent = tlsplane_handoff::send_connection(sock, job.fd.as_fd(), &job.info);
+                receiver.pending.fetch_sub(1, Relaxed);
+                // Our copy of the program's end of a relay goes: the program holds the only
+                // one now (a kernel-plane socket stays kept).
+                drop(job);
+                sent
+            }
+        };
         if let Err(e) = sent {
             tracing::debug!(error = %e, "hand-off: writing to a receiver failed");
             return;
         }
     }
-}
-
-/// Reads the receiver's requests until it closes its connection (or breaks the framing).
-fn read_loop(receiver: u64, reader: &UnixStream, writer: &Mutex<()>, stats: &Weak<HandoffStats>) {
-    let mut frame = Vec::new();
-    loop {
-        let (_prefix, fd) = match tlsplane_handoff::read_frame(reader, &mut frame) {
-            Ok(Some(f)) => f,
-            Ok(None) => return,
-            Err(e) => {
-                tracing::debug!(error = %e, "hand-off receiver: unreadable request");
-                return;
-            }
-        };
-        // No request carries a descriptor.
-        drop(fd);
-        let Some(stats) = stats.upgrade() else {
-            return;
-        };
-        // Connections on the user relay are not kept: re-keyed by tlsplane's record layer,
-        // ended by shutting down the program's end, they are unknown to requests.
-        let keeper = stats.keeper.get().cloned().flatten();
-        let (request_id, conn_id, status) = match Message::decode(&frame) {
-            Ok(Some(Message::KeyUpdate {
-                request_id,
-                conn_id,
-                record_plaintext,
-            })) => (
-                request_id,
-                conn_id,
-                keeper.map_or(Status::UnknownConnection, |k| {
-                    k.key_update(receiver, conn_id, record_plaintext)
-                }),
-            ),
-            Ok(Some(Message::Close {
-                request_id,
-                conn_id,
-            })) => (
-                request_id,
-                conn_id,
-                keeper.map_or(Status::UnknownConnection, |k| k.close(receiver, conn_id)),
-            ),
-            // Kinds a receiver does not send, or a later revision's: skipped.
-            Ok(_) => continue,
-            Err(e) => {
-                tracing::debug!(error = %e, "hand-off receiver: bad request");
-                continue;
-            }
-        };
-        stats.requests.fetch_add(1, Relaxed);
-        drop(stats);
-        let reply = Reply {
-            request_id,
-            conn_id,
-            status,
-        };
-        let _turn = writer.lock().unwrap_or_else(|e| e.into_inner());
-        if tlsplane_handoff::send_reply(reader, &reply).is_err() {
-            return;
-        }
-    }
-}
-
-/// Refuses a path that is not a socket or that a live server listens on; removes a stale one.
-fn free_unix_path(p: &Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::FileTypeExt;
-    let Ok(meta) = std::fs::symlink_metadata(p) else {
-        return Ok(());
-    };
-    if !meta.file_type().is_socket() {
-        anyhow::bail!(
-            "hand-off socket: {} exists and is not a socket; remove it or choose another path",
-            p.display()
-        );
-    }
-    if UnixStream::connect(p).is_ok() {
-        anyhow::bail!(
-            "hand-off socket: something already listens on {}",
-            p.display()
-        );
-    }
-    std::fs::remove_file(p)
-        .with_context(|| format!("hand-off socket: cannot remove the stale {}", p.display()))
 }
 
 /// The `handoff` product under one configuration.
@@ -528,10 +740,7 @@ impl Product for Handoff {
         tlsplane_server::server::Alpn::new(args.server.alpn.as_deref(), &[], None)
     }
 
-    fn check_args(args: &HandoffArgs, with_config: bool) -> anyhow::Result<()> {
-        if args.handoff_socket.is_none() && !with_config {
-            anyhow::bail!("no hand-off socket: give --handoff-socket PATH, or --config");
-        }
+    fn check_args(_args: &HandoffArgs, _with_config: bool) -> anyhow::Result<()> {
         Ok(())
     }
 
@@ -567,7 +776,14 @@ impl Product for Handoff {
             seen.insert(t.socket.clone(), allowed.clone());
             targets.push((t.socket, allowed));
         }
-        let queue = args.handoff_queue as usize;
+        if stats.hangups.get().is_none() {
+            let h = Hangups::start().context("hand-off: watching receivers' ends")?;
+            let _ = stats.hangups.set(h);
+        }
+        let queues = (
+            args.handoff_queue as usize,
+            args.handoff_reply_queue as usize,
+        );
         let files = {
             let mut weak = stats.files.lock().unwrap_or_else(|e| e.into_inner());
             weak.upgrade().unwrap_or_else(|| {
@@ -581,12 +797,13 @@ impl Product for Handoff {
         for (path, allowed) in targets {
             let socket = match open.get(&path) {
                 Some(s) => {
-                    *s.allowed.lock().unwrap_or_else(|e| e.into_inner()) = allowed;
-                    s.queue.store(queue, Relaxed);
+                    s.set_allowed(allowed, stats);
+                    s.queue.store(queues.0, Relaxed);
+                    s.reply_queue.store(queues.1, Relaxed);
                     s.clone()
                 }
                 None => {
-                    let s = HandoffSocket::open(&path, allowed, queue, stats)?;
+                    let s = HandoffSocket::open(&path, allowed, queues, stats)?;
                     files
                         .0
                         .lock()
@@ -646,6 +863,18 @@ impl Product for Handoff {
                 h.receivers_refused.load(Relaxed),
             ),
             ("handoff_receivers_lost", h.receivers_lost.load(Relaxed)),
+            (
+                "handoff_receivers_revoked",
+                h.receivers_revoked.load(Relaxed),
+            ),
+            (
+                "handoff_receivers_reply_overflow",
+                h.receivers_reply_overflow.load(Relaxed),
+            ),
+            (
+                "handoff_relay_reset_receiver_gone",
+                h.relay_reset_receiver_gone.load(Relaxed),
+            ),
             ("handoff_requests", h.requests.load(Relaxed)),
             ("handoff_client_errors", h.client_errors.load(Relaxed)),
             ("handoff_program_errors", h.program_errors.load(Relaxed)),
@@ -661,12 +890,24 @@ impl Product for Handoff {
             ),
             ("handoff_kernel_closes", h.kernel.closes.load(Relaxed)),
             (
+                "handoff_kernel_close_notify_timeouts",
+                h.kernel.close_notify_timeouts.load(Relaxed),
+            ),
+            (
                 "handoff_kernel_released_peer_end",
                 h.kernel.released_peer_end.load(Relaxed),
             ),
             (
                 "handoff_kernel_released_receiver_gone",
                 h.kernel.released_receiver_gone.load(Relaxed),
+            ),
+            (
+                "handoff_kernel_released_receiver_left",
+                h.kernel.released_receiver_left.load(Relaxed),
+            ),
+            (
+                "handoff_kernel_released_receiver_exited",
+                h.kernel.released_receiver_exited.load(Relaxed),
             ),
             ("handoff_relayed_bytes", to_program + to_client),
             ("handoff_relayed_bytes_to_program", to_program),
@@ -731,7 +972,7 @@ impl Handoff {
             return;
         }
         tls = if tls.plane() == PlaneKind::Kernel {
-            match self.hand_off_kernel(tls, peer, &receiver) {
+            match self.hand_off_kernel(tls, peer, &receiver, socket.queue.load(Relaxed)) {
                 Some(tls) => tls,
                 None => return,
             }
@@ -747,26 +988,34 @@ impl Handoff {
                 return;
             }
         };
+        let Some(hangups) = self.stats.hangups.get() else {
+            self.stats.failed.fetch_add(1, Relaxed);
+            let _ = Box::pin(tls.close()).await;
+            return;
+        };
         let info = self.conn_info(&tls, peer, Plane::UserRelay);
+        let end =
+            match hangups.watch_relay(receiver.id, receiver.peer.pid, info.conn_id, ours.as_fd()) {
+                Ok(end) => end,
+                Err(e) => {
+                    tracing::warn!(error = %e, "hand-off: the relay could not be watched");
+                    self.stats.failed.fetch_add(1, Relaxed);
+                    let _ = Box::pin(tls.close()).await;
+                    return;
+                }
+            };
         receiver.pending.fetch_add(1, Relaxed);
-        match receiver.jobs.try_send(Job {
+        let job = Job {
             fd: JobFd::Relay(OwnedFd::from(theirs)),
             info,
-        }) {
-            Ok(()) => {}
-            Err(e) => {
-                receiver.pending.fetch_sub(1, Relaxed);
-                match e {
-                    TrySendError::Full(_) => &self.stats.refused_queue_full,
-                    TrySendError::Disconnected(_) => &self.stats.refused_no_receiver,
-                }
-                .fetch_add(1, Relaxed);
-                let _ = Box::pin(tls.close()).await;
-                return;
-            }
+        };
+        if let Err(why) = receiver.outbox.push_job(job, socket.queue.load(Relaxed)) {
+            receiver.pending.fetch_sub(1, Relaxed);
+            self.count_refusal(&why);
+            let _ = Box::pin(tls.close()).await;
+            return;
         }
         self.stats.handed_off_user.fetch_add(1, Relaxed);
-        let mut gone = receiver.gone.clone();
         drop(receiver);
         let ours = ours
             .set_nonblocking(true)
@@ -781,26 +1030,21 @@ impl Handoff {
             }
         };
         let ended = {
-            let mut relay = Box::pin(crate::proxy::tcp::relay(
+            // The program's end of stream is passed on as close_notify only if the program
+            // ended the connection, rather than died holding it (hangups.rs).
+            let relay = crate::proxy::tcp::relay_ending(
                 &mut tls,
                 &program,
                 None,
                 self.args.buffer as usize,
                 Duration::from_secs(self.args.server.idle_timeout),
                 &self.stats.relay,
-            ));
-            let receiver_gone = async {
-                // (The guard `wait_for` returns is not Send: dropped here.)
-                let _ = gone.wait_for(|gone| *gone).await.is_ok();
-            };
+                end.orderly(END_ORDER_WAIT),
+            );
             tokio::select! {
-                ended = &mut relay => ended,
-                () = receiver_gone => {
-                    // The receiver died: its connections end. The relay reads EOF from the
-                    // program's end and sends the client close_notify.
-                    let _ = program.shutdown_both();
-                    relay.await
-                }
+                ended = Box::pin(relay) => ended,
+                // Its program died holding it, or tlsplane dropped its receiver: a reset.
+                () = end.abandoned() => Ended::BackendError,
             }
         };
         match ended {
@@ -808,9 +1052,13 @@ impl Handoff {
                 self.stats.client_errors.fetch_add(1, Relaxed);
             }
             Ended::BackendError => {
-                self.stats.program_errors.fetch_add(1, Relaxed);
-                // The program reset: the client must not take the truncated stream for a
-                // complete one.
+                if end.is_abandoned() {
+                    self.stats.relay_reset_receiver_gone.fetch_add(1, Relaxed);
+                } else {
+                    self.stats.program_errors.fetch_add(1, Relaxed);
+                }
+                // The program reset or went away: the client must not take the truncated
+                // stream for a complete one.
                 let _ = socket2::SockRef::from(tls.tcp()).set_linger(Some(Duration::ZERO));
             }
             Ended::IdleTimeout => {
@@ -823,6 +1071,14 @@ impl Handoff {
         }
     }
 
+    fn count_refusal(&self, why: &NotQueued) {
+        match why {
+            NotQueued::Full => &self.stats.refused_queue_full,
+            NotQueued::Gone => &self.stats.refused_no_receiver,
+        }
+        .fetch_add(1, Relaxed);
+    }
+
     /// Hands a kernel-plane connection over as its kTLS socket, keeping a duplicate and the
     /// keys. `Some`: it cannot go bare (input already buffered, or no keeper): relay it.
     fn hand_off_kernel(
@@ -830,6 +1086,7 @@ impl Handoff {
         tls: TlsStream,
         peer: SocketAddr,
         receiver: &ReceiverHandle,
+        queue: usize,
     ) -> Option<TlsStream> {
         let Some(keeper) = self.keeper() else {
             return Some(tls);
@@ -866,16 +1123,13 @@ impl Handoff {
             }
         };
         receiver.pending.fetch_add(1, Relaxed);
-        if let Err(e) = receiver.jobs.try_send(Job {
+        let job = Job {
             fd: JobFd::Kernel(kept),
             info,
-        }) {
+        };
+        if let Err(why) = receiver.outbox.push_job(job, queue) {
             receiver.pending.fetch_sub(1, Relaxed);
-            match e {
-                TrySendError::Full(_) => &self.stats.refused_queue_full,
-                TrySendError::Disconnected(_) => &self.stats.refused_no_receiver,
-            }
-            .fetch_add(1, Relaxed);
+            self.count_refusal(&why);
             keeper.not_handed(id);
             return None;
         }
@@ -930,33 +1184,35 @@ impl Handoff {
 mod tests {
     use super::*;
 
-    fn socket_with(pending: &[usize]) -> (HandoffSocket, Vec<JobQueue<Job>>) {
-        let mut queues = Vec::new();
-        let mut list = Vec::new();
-        for (id, &p) in pending.iter().enumerate() {
-            let (jobs, queued) = sync_channel(4);
-            let (_gone_tx, gone) = tokio::sync::watch::channel(false);
-            queues.push(queued);
-            list.push(Arc::new(ReceiverHandle {
-                id: id as u64,
-                pending: Arc::new(AtomicUsize::new(p)),
-                jobs,
-                gone,
-            }));
-        }
-        let socket = HandoffSocket {
+    fn socket_with(pending: &[usize]) -> HandoffSocket {
+        let list = pending
+            .iter()
+            .enumerate()
+            .map(|(id, &p)| {
+                Arc::new(ReceiverHandle {
+                    id: id as u64,
+                    peer: Peer::default(),
+                    sock: UnixStream::pair().unwrap().0,
+                    pending: AtomicUsize::new(p),
+                    outbox: Outbox::default(),
+                    dropped: AtomicBool::new(false),
+                })
+            })
+            .collect();
+        HandoffSocket {
             path: PathBuf::from("/nonexistent"),
             allowed: Mutex::new(Allowed::default()),
             queue: AtomicUsize::new(4),
+            reply_queue: AtomicUsize::new(4),
             receivers: Mutex::new(list),
             turn: AtomicUsize::new(0),
-        };
-        (socket, queues)
+            refusals: Mutex::new(Throttled::default()),
+        }
     }
 
     #[test]
     fn the_least_pending_receiver_is_picked() {
-        let (socket, _q) = socket_with(&[3, 1, 2]);
+        let socket = socket_with(&[3, 1, 2]);
         for _ in 0..5 {
             assert_eq!(socket.pick().unwrap().id, 1);
         }
@@ -964,26 +1220,50 @@ mod tests {
 
     #[test]
     fn ties_are_taken_in_turn() {
-        let (socket, _q) = socket_with(&[0, 0, 0]);
+        let socket = socket_with(&[0, 0, 0]);
         let ids: Vec<u64> = (0..6).map(|_| socket.pick().unwrap().id).collect();
         assert_eq!(ids, [0, 1, 2, 0, 1, 2]);
     }
 
     #[test]
     fn no_receiver_no_pick() {
-        let (socket, _q) = socket_with(&[]);
-        assert!(socket.pick().is_none());
+        assert!(socket_with(&[]).pick().is_none());
     }
 
     #[test]
-    fn allowed_by_uid_or_gid() {
+    fn allowed_by_uid_or_any_group() {
         let a = Allowed {
             uids: vec![1000],
             gids: vec![50],
         };
-        assert!(a.allows(1000, 1));
-        assert!(a.allows(7, 50));
-        assert!(!a.allows(0, 0));
-        assert!(!Allowed::default().allows(0, 0));
+        let peer = |uid, gid, groups: &[u32]| Peer {
+            pid: 1,
+            uid,
+            gid,
+            groups: groups.to_vec(),
+        };
+        assert!(a.allows(&peer(1000, 1, &[])));
+        assert!(a.allows(&peer(7, 50, &[])));
+        assert!(a.allows(&peer(7, 8, &[9, 50])));
+        assert!(!a.allows(&peer(0, 0, &[1, 2])));
+        assert!(!Allowed::default().allows(&peer(0, 0, &[0])));
+    }
+
+    #[test]
+    fn replies_never_wait_and_are_bounded() {
+        let outbox = Outbox::default();
+        let reply = |n| Reply {
+            request_id: n,
+            conn_id: 1,
+            status: Status::Ok,
+        };
+        assert!(outbox.push_reply(reply(1), 2));
+        assert!(outbox.push_reply(reply(2), 2));
+        assert!(!outbox.push_reply(reply(3), 2), "over the bound");
+        assert!(matches!(outbox.next(), Some(Frame::Reply(r)) if r.request_id == 1));
+        assert!(outbox.push_reply(reply(3), 2));
+        drop(outbox.close());
+        assert!(outbox.next().is_none());
+        assert!(!outbox.push_reply(reply(4), 2));
     }
 }

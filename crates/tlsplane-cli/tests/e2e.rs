@@ -44,6 +44,8 @@ mod handoff_c;
 mod handoff_preload;
 #[path = "e2e/handoff_readme.rs"]
 mod handoff_readme;
+#[path = "e2e/handoff_trust.rs"]
+mod handoff_trust;
 #[path = "e2e/hello_records.rs"]
 mod hello_records;
 #[path = "e2e/http.rs"]

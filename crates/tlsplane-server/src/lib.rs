@@ -29,3 +29,4 @@ pub mod secret_file;
 pub mod server;
 mod stats;
 pub mod ticket_store;
+pub mod unix_socket;

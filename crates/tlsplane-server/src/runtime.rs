@@ -1024,14 +1024,14 @@ async fn accept_with_spare<H>(
 
 /// At most one log line a second, counting the ones held back.
 #[derive(Default)]
-struct Throttled {
+pub struct Throttled {
     last: Option<Instant>,
     suppressed: u64,
 }
 
 impl Throttled {
     /// `Some(lines held back since the last one)` when a line may be logged now.
-    fn pass(&mut self, now: Instant) -> Option<u64> {
+    pub fn pass(&mut self, now: Instant) -> Option<u64> {
         if self
             .last
             .is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(1))

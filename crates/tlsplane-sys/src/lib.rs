@@ -363,6 +363,49 @@ fn ucred(sock: BorrowedFd<'_>) -> io::Result<libc::ucred> {
     Ok(cred)
 }
 
+/// `SO_PEERGROUPS` (Linux 4.13): `asm-generic/socket.h`, which every architecture tlsplane
+/// builds for uses (alpha, mips, parisc and sparc number it otherwise).
+const SO_PEERGROUPS: libc::c_int = 59;
+
+/// The supplementary group ids of the process at the other end of a connected Unix socket,
+/// as they were when it connected (`SO_PEERGROUPS`): with [`peer_ids`], what a group check
+/// must look at (a process's effective group is only one of its groups).
+pub fn peer_groups(sock: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
+    // NGROUPS_MAX is 65536; start small and grow to what the kernel asks for (ERANGE).
+    let mut groups: Vec<libc::gid_t> = vec![0; 32];
+    loop {
+        let mut len = (groups.len() * std::mem::size_of::<libc::gid_t>()) as libc::socklen_t;
+        // SAFETY: SO_PEERGROUPS writes at most `len` bytes into `groups`, which outlives the
+        // call, and sets `len` to the bytes written (or, with ERANGE, to the bytes needed).
+        let r = unsafe {
+            libc::getsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PEERGROUPS,
+                groups.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        let n = len as usize / std::mem::size_of::<libc::gid_t>();
+        match cvt(r) {
+            Ok(_) => {
+                groups.truncate(n);
+                return Ok(groups);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ERANGE) && n > groups.len() => {
+                groups.resize(n, 0);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The effective user id of this process: the owner of the files it creates.
+pub fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 /// The real user id of this process.
 pub fn current_uid() -> u32 {
     // SAFETY: getuid has no preconditions and cannot fail.
@@ -908,6 +951,19 @@ impl PeerEndWatch {
         if input {
             events |= libc::EPOLLIN;
         }
+        self.add(sock, token, events)
+    }
+
+    /// Watches `sock` under `token` for room to write (and its peer's end, and errors).
+    pub fn watch_output(&self, sock: BorrowedFd<'_>, token: u64) -> io::Result<()> {
+        self.add(
+            sock,
+            token,
+            libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET,
+        )
+    }
+
+    fn add(&self, sock: BorrowedFd<'_>, token: u64, events: libc::c_int) -> io::Result<()> {
         let mut ev = libc::epoll_event {
             events: events as u32,
             u64: token,
@@ -987,6 +1043,25 @@ pub fn wait_writable(sock: BorrowedFd<'_>, timeout_ms: i32) -> io::Result<bool> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_unix_peer_reports_its_groups() {
+        use std::os::fd::AsFd;
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        // SAFETY: getgroups with a zero size only counts.
+        let n = unsafe { libc::getgroups(0, std::ptr::null_mut()) };
+        let mut own = vec![0 as libc::gid_t; n.max(0) as usize];
+        // SAFETY: `own` has room for the `n` groups counted above.
+        let n = unsafe { libc::getgroups(n, own.as_mut_ptr()) };
+        own.truncate(n.max(0) as usize);
+        let mut got = peer_groups(a.as_fd()).unwrap();
+        got.sort_unstable();
+        own.sort_unstable();
+        own.dedup();
+        got.dedup();
+        assert_eq!(got, own);
+        drop(b);
+    }
 
     #[test]
     fn openat2_beneath_refuses_every_way_out() {

@@ -3,19 +3,22 @@
 //!
 //! The program reads and writes the socket; tlsplane copies nothing. It keeps a duplicate of
 //! the descriptor and the connection's traffic secrets, to serve the program's KEY_UPDATE
-//! (install the next keys on the shared socket) and CLOSE (send close_notify), and to send
-//! close_notify itself when the program's receiver connection ends. A duplicate is let go
-//! when the program asks (CLOSE, after a lingering close), when its receiver goes, or 30 s
-//! after the client's end of the connection was seen (its FIN or a reset: nothing more can
-//! come that would need a key, and a program that closed its descriptor without a CLOSE
-//! must not leave the connection open through ours). So tlsplane holds at most one
+//! (install the next keys on the shared socket) and CLOSE (send close_notify, once the socket
+//! has room for it: never waiting on the thread that reads requests), and to reset the
+//! connection when its program dies without a CLOSE for it (its client must not take what it
+//! got for a whole response). A duplicate is let go when the program asks (CLOSE, after a
+//! lingering close), when its receiver goes (reset, close_notify or left to the program: see
+//! [`Keeper::receiver_gone`]), or 30 s after the client's end of the connection was seen (its
+//! FIN or a reset: nothing more can come that would need a key, and a program that closed
+//! its descriptor without a CLOSE must not leave the connection open through ours). So
+//! tlsplane holds at most one
 //! descriptor per client connection still open (or ended less than 30 s ago), whatever the
 //! program does.
 //!
 //! One thread watches every kept socket with an epoll set that asks for the peer's end only
 //! (`EPOLLRDHUP`), so that the program's traffic never wakes it; sockets in a lingering close
-//! are watched for input too, which is read and dropped until the client closes or the
-//! linger time ends.
+//! are watched for input too, which is read and dropped (a bounded amount per wake-up, never
+//! under the table's lock) until the client closes or the linger time ends.
 
 use std::collections::HashMap;
 use std::net::{Shutdown, TcpStream};
@@ -28,6 +31,8 @@ use std::time::{Duration, Instant};
 use tlsplane::{HandedKeyError, HandedKeys};
 use tlsplane_handoff::Status;
 use tlsplane_sys::PeerEndWatch;
+
+use super::hangups::Process;
 
 /// How long a connection closed at a program's request (or for a receiver that went) is
 /// read and drained before its last descriptor closes, at most: as nginx's
@@ -42,6 +47,12 @@ const LINGER: Duration = Duration::from_secs(5);
 /// tlsplane's duplicate no longer than this after the client went.
 const PEER_END_GRACE: Duration = Duration::from_secs(30);
 
+/// How long a close_notify the program asked for may wait for room in the socket (a client
+/// that reads slowly, a response still in flight), at most: then the connection is reset.
+/// The kernel drops a client that takes nothing for --send-timeout before this, unless it
+/// is off.
+const CLOSE_NOTIFY_WAIT: Duration = Duration::from_secs(120);
+
 /// Kernel-plane counters (kept with the product's across reloads).
 #[derive(Default)]
 pub struct KeptStats {
@@ -53,10 +64,18 @@ pub struct KeptStats {
     pub key_update_failures: AtomicU64,
     /// CLOSE requests served.
     pub closes: AtomicU64,
+    /// Connections reset because their close_notify found no room for CLOSE_NOTIFY_WAIT.
+    pub close_notify_timeouts: AtomicU64,
     /// Duplicates let go at the client's end of the connection.
     pub released_peer_end: AtomicU64,
-    /// Connections ended with close_notify because their receiver went.
+    /// Connections reset (no close_notify) because their receiver went without a CLOSE for
+    /// them: its program died, or tlsplane dropped it.
     pub released_receiver_gone: AtomicU64,
+    /// Duplicates let go because their receiver's connection ended while its program lives
+    /// on (the connection is the program's).
+    pub released_receiver_left: AtomicU64,
+    /// Connections ended with close_notify because their program exited with status 0.
+    pub released_receiver_exited: AtomicU64,
 }
 
 /// A handed connection tlsplane still keeps.
@@ -69,9 +88,29 @@ struct Kept {
 enum Entry {
     /// `peer_ended`: when the client's end (FIN or reset) was seen.
     Kept(Arc<Kept>, Option<Instant>),
+    /// Asked to close: close_notify waits for room in the socket (watched for it).
+    Closing { kept: Arc<Kept>, until: Instant },
     /// close_notify sent and our side shut down: input is drained until the client closes.
-    Lingering { socket: TcpStream, until: Instant },
+    Lingering {
+        socket: Arc<TcpStream>,
+        until: Instant,
+    },
 }
+
+/// How a kept connection ends for tlsplane.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// The program asked (CLOSE): close_notify after all it wrote, then a lingering close.
+    CloseNotify,
+    /// Nothing more can need a key: our duplicate goes, the connection is the program's.
+    Release,
+    /// Its owner went without asking: a reset, so that the client sees a cut, not an end.
+    Reset,
+}
+
+/// Reads a lingering socket may take per wake-up: a client that keeps sending cannot hold
+/// the keeper's thread (the rest is read at the next turn, within the linger time).
+const DRAIN_READS: usize = 16;
 
 /// Every kernel-plane hand-off of the process (kept across reloads, like the sockets).
 pub struct Keeper {
@@ -172,7 +211,7 @@ impl Keeper {
         if let Err(s) = self.kept(receiver, id) {
             return s;
         }
-        if self.end(id, true) {
+        if self.end(id, Ending::CloseNotify) {
             self.count(|s| {
                 s.closes.fetch_add(1, Relaxed);
             });
@@ -180,9 +219,12 @@ impl Keeper {
         Status::Ok
     }
 
-    /// Receiver `receiver` went (its connection closed: the program died or let go): each of
-    /// its connections gets close_notify, so that the client can tell an end from a cut.
-    pub fn receiver_gone(&self, receiver: u64) {
+    /// Receiver `receiver` went, its requests all read; its program stands as `program`.
+    /// Died (or tlsplane dropped it): each of its connections that it did not CLOSE is
+    /// reset, so that the client can tell the cut from an end. Exited with status 0: it
+    /// ended with everything it held: close_notify. Alive: the program owns them, our
+    /// duplicates just go.
+    pub fn receiver_gone(&self, receiver: u64, program: Process) {
         let ids: Vec<u64> = self
             .entries()
             .iter()
@@ -191,18 +233,29 @@ impl Keeper {
                 _ => None,
             })
             .collect();
+        let ending = match program {
+            Process::Died => Ending::Reset,
+            Process::ExitedOk => Ending::CloseNotify,
+            Process::Alive => Ending::Release,
+        };
         for id in ids {
-            if self.end(id, true) {
+            if self.end(id, ending) {
                 self.count(|s| {
-                    s.released_receiver_gone.fetch_add(1, Relaxed);
+                    match ending {
+                        Ending::Reset => &s.released_receiver_gone,
+                        Ending::CloseNotify => &s.released_receiver_exited,
+                        Ending::Release => &s.released_receiver_left,
+                    }
+                    .fetch_add(1, Relaxed);
                 });
             }
         }
     }
 
-    /// Connection `id` not handed after all (its frame was never queued): close_notify.
+    /// Connection `id` not handed after all (its frame was never queued): close_notify, as
+    /// any refused connection gets.
     pub fn not_handed(&self, id: u64) {
-        self.end(id, true);
+        self.end(id, Ending::CloseNotify);
     }
 
     fn kept(&self, receiver: u64, id: u64) -> Result<Arc<Kept>, Status> {
@@ -213,9 +266,9 @@ impl Keeper {
         }
     }
 
-    /// Stops keeping connection `id`: with `close_notify`, sends it, shuts our side and
-    /// lingers; without, just lets our duplicate go. False if it was not kept.
-    fn end(&self, id: u64, close_notify: bool) -> bool {
+    /// Stops keeping connection `id` as `ending` says. False if it was not kept. Never waits:
+    /// a close_notify without room now is sent by the watching thread once there is.
+    fn end(&self, id: u64, ending: Ending) -> bool {
         let Some(Entry::Kept(kept, _)) = self.entries().remove(&id) else {
             return false;
         };
@@ -223,69 +276,91 @@ impl Keeper {
         self.count(|s| {
             s.kept.fetch_sub(1, Relaxed);
         });
-        // The program's last CONNECTION frame write may still hold a reference.
-        let socket = match Arc::try_unwrap(kept) {
-            Ok(k) => {
-                if close_notify {
-                    let mut keys = k.keys.into_inner().unwrap_or_else(|e| e.into_inner());
-                    let _ = keys.close_notify(k.socket.as_fd());
-                }
-                k.socket
+        match ending {
+            Ending::Reset => reset(&kept),
+            Ending::Release => {}
+            Ending::CloseNotify => {
+                self.send_close_notify(id, kept, Instant::now() + CLOSE_NOTIFY_WAIT)
             }
-            Err(shared) => {
-                if close_notify {
-                    let _ = shared
-                        .keys
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .close_notify(shared.socket.as_fd());
-                }
-                match shared.socket.try_clone() {
-                    Ok(s) => s,
-                    Err(_) => return true,
-                }
-            }
-        };
-        if !close_notify {
-            return true;
         }
+        true
+    }
+
+    /// close_notify on `kept` if there is room now, then our side's shutdown and a lingering
+    /// close; otherwise it waits for room, until `until`. A failure resets the connection.
+    fn send_close_notify(&self, id: u64, kept: Arc<Kept>, until: Instant) {
+        let sent = kept
+            .keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .try_close_notify(kept.socket.as_fd());
+        match sent {
+            Ok(true) => self.linger(id, &kept),
+            Ok(false) => {
+                let mut entries = self.entries();
+                if self.watch.watch_output(kept.socket.as_fd(), id).is_ok() {
+                    entries.insert(id, Entry::Closing { kept, until });
+                } else {
+                    reset(&kept);
+                }
+            }
+            Err(_) => reset(&kept),
+        }
+    }
+
+    /// After close_notify: shuts our side and drains input until the client closes (the
+    /// program's last CONNECTION frame write may still hold `kept`: a duplicate then).
+    fn linger(&self, id: u64, kept: &Kept) {
+        let Ok(socket) = kept.socket.try_clone() else {
+            return;
+        };
         if socket.shutdown(Shutdown::Write).is_err() {
-            return true;
+            return;
         }
         let mut entries = self.entries();
         if self.watch.watch(socket.as_fd(), id, true).is_ok() {
             entries.insert(
                 id,
                 Entry::Lingering {
-                    socket,
+                    socket: Arc::new(socket),
                     until: Instant::now() + LINGER,
                 },
             );
         }
-        true
     }
 
     /// An event on `id`: a kept socket's client ended (noted: let go after
-    /// [`PEER_END_GRACE`]), or a lingering one has input or its end (drained; closed at the
-    /// end).
-    fn on_event(&self, id: u64) {
-        let lingering = match self.entries().get_mut(&id) {
-            Some(Entry::Kept(_, ended)) => {
-                ended.get_or_insert_with(Instant::now);
+    /// [`PEER_END_GRACE`]), or a lingering one has input or its end (drained, outside the
+    /// table's lock; closed at the end). True: input is left to drain at the next turn.
+    fn on_event(&self, id: u64) -> bool {
+        let socket = {
+            let mut entries = self.entries();
+            match entries.get_mut(&id) {
+                Some(Entry::Kept(_, ended)) => {
+                    ended.get_or_insert_with(Instant::now);
+                    return false;
+                }
+                Some(Entry::Lingering { socket, .. }) => socket.clone(),
+                Some(Entry::Closing { .. }) => {
+                    // Room for the close_notify (or an error, which the send will report).
+                    let Some(Entry::Closing { kept, until }) = entries.remove(&id) else {
+                        return false;
+                    };
+                    drop(entries);
+                    let _ = self.watch.forget(kept.socket.as_fd());
+                    self.send_close_notify(id, kept, until);
+                    return false;
+                }
+                None => return false,
+            }
+        };
+        match drain(&socket, DRAIN_READS) {
+            Drained::Ended => {
+                self.forget_lingering(id);
                 false
             }
-            Some(Entry::Lingering { .. }) => true,
-            None => return,
-        };
-        if !lingering {
-            return;
-        }
-        let done = match self.entries().get(&id) {
-            Some(Entry::Lingering { socket, .. }) => drain(socket),
-            _ => false,
-        };
-        if done {
-            self.forget_lingering(id);
+            Drained::Empty => false,
+            Drained::More => true,
         }
     }
 
@@ -301,21 +376,45 @@ impl Keeper {
     }
 
     fn forget_lingering(&self, id: u64) {
-        if let Some(Entry::Lingering { socket, .. }) = self.entries().remove(&id) {
-            let _ = self.watch.forget(socket.as_fd());
+        let mut entries = self.entries();
+        match entries.remove(&id) {
+            Some(Entry::Lingering { socket, .. }) => {
+                let _ = self.watch.forget(socket.as_fd());
+            }
+            Some(Entry::Closing { kept, .. }) => {
+                let _ = self.watch.forget(kept.socket.as_fd());
+                drop(entries);
+                self.count(|s| {
+                    s.close_notify_timeouts.fetch_add(1, Relaxed);
+                });
+                reset(&kept);
+            }
+            Some(other) => {
+                entries.insert(id, other);
+            }
+            None => {}
         }
     }
 
-    /// Lingering sockets whose time is up.
+    /// Lingering sockets, and close_notify waits, whose time is up.
     fn expired(&self, now: Instant) -> Vec<u64> {
         self.entries()
             .iter()
             .filter_map(|(id, e)| match e {
-                Entry::Lingering { until, .. } if *until <= now => Some(*id),
+                Entry::Lingering { until, .. } | Entry::Closing { until, .. } if *until <= now => {
+                    Some(*id)
+                }
                 _ => None,
             })
             .collect()
     }
+}
+
+/// Ends `kept` with a reset: set on the socket, not our descriptor, so that whichever copy
+/// closes last sends it (ours now if the program died; the program's when it closes, if it
+/// lives on).
+fn reset(kept: &Kept) {
+    let _ = socket2::SockRef::from(&kept.socket).set_linger(Some(Duration::ZERO));
 }
 
 /// A kept socket, as the frame that hands it over borrows it.
@@ -327,45 +426,62 @@ impl AsFd for KeptSocket {
     }
 }
 
-/// Reads and drops what a lingering socket holds (non-blocking). True at its end: the
-/// client's FIN, an error, or a record the kernel will not decrypt past (a KeyUpdate).
-fn drain(socket: &TcpStream) -> bool {
+/// What a drain of a lingering socket found.
+enum Drained {
+    /// The client's FIN, an error, or a record the kernel will not decrypt past (a
+    /// KeyUpdate): nothing more to wait for.
+    Ended,
+    /// All read; more will wake the watch.
+    Empty,
+    /// `reads` records read and more may be there (the watch is edge-triggered: no new wake).
+    More,
+}
+
+/// Reads and drops up to `reads` records of what a lingering socket holds (non-blocking).
+fn drain(socket: &TcpStream, reads: usize) -> Drained {
     let mut buf = [0u8; 16384];
-    loop {
+    for _ in 0..reads {
         match tlsplane_sys::recv_record(socket.as_fd(), &mut buf) {
-            Ok((0, _)) => return true,
+            Ok((0, _)) => return Drained::Ended,
             Ok((_, 23)) => {}
-            // An alert (the client's close_notify) or a handshake record: nothing more to wait
-            // for.
-            Ok(_) => return true,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            // An alert (the client's close_notify) or a handshake record.
+            Ok(_) => return Drained::Ended,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Drained::Empty,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return true,
+            Err(_) => return Drained::Ended,
         }
     }
+    Drained::More
 }
 
 fn watch_loop(keeper: &Weak<Keeper>) {
     let mut ready = Vec::new();
+    let mut again = Vec::new();
     loop {
         let Some(k) = keeper.upgrade() else {
             return;
         };
         ready.clear();
-        // Wakes at least twice a second for linger deadlines.
-        if let Err(e) = k.watch.wait(&mut ready, 500) {
+        // Wakes at least twice a second for linger deadlines; at once if input is left.
+        let wait = if again.is_empty() { 500 } else { 0 };
+        if let Err(e) = k.watch.wait(&mut ready, wait) {
             tracing::warn!(error = %e, "hand-off: epoll_wait failed");
             std::thread::sleep(Duration::from_millis(100));
         }
+        ready.append(&mut again);
+        ready.sort_unstable();
+        ready.dedup();
         for &id in &ready {
-            k.on_event(id);
+            if k.on_event(id) {
+                again.push(id);
+            }
         }
         let now = Instant::now();
         for id in k.expired(now) {
             k.forget_lingering(id);
         }
         for id in k.abandoned(now) {
-            if k.end(id, false) {
+            if k.end(id, Ending::Release) {
                 k.count(|s| {
                     s.released_peer_end.fetch_add(1, Relaxed);
                 });

@@ -314,15 +314,6 @@ impl BackendConn {
         ))
     }
 
-    /// Ends both directions at once (the hand-off's receiver died: the relay reads EOF and
-    /// sends the client close_notify).
-    pub(crate) fn shutdown_both(&self) -> std::io::Result<()> {
-        match &self.io {
-            Io::Tcp(s) => socket2::SockRef::from(s).shutdown(std::net::Shutdown::Both),
-            Io::Unix(s) => socket2::SockRef::from(s).shutdown(std::net::Shutdown::Both),
-        }
-    }
-
     pub(super) fn shutdown_write(&self) -> std::io::Result<()> {
         match &self.io {
             Io::Tcp(s) => socket2::SockRef::from(s).shutdown(std::net::Shutdown::Write),

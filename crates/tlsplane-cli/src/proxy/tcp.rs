@@ -96,6 +96,32 @@ pub(crate) async fn relay(
     idle: Duration,
     stats: &ProxyStats,
 ) -> Ended {
+    relay_ending(
+        tls,
+        backend,
+        pipes,
+        buffer,
+        idle,
+        stats,
+        std::future::ready(true),
+    )
+    .await
+}
+
+/// [`relay`], where the backend's end of stream is passed on as close_notify only if
+/// `orderly_end` (awaited when it is read) says so; otherwise the relay ends as
+/// [`Ended::BackendError`] (the caller resets the client's connection), so that a backend
+/// that went away without ending its stream is not taken for one that finished.
+pub(crate) async fn relay_ending(
+    tls: &mut TlsStream,
+    backend: &BackendConn,
+    pipes: Option<&Pipes>,
+    buffer: usize,
+    idle: Duration,
+    stats: &ProxyStats,
+    orderly_end: impl std::future::Future<Output = bool>,
+) -> Ended {
+    let mut orderly_end = Some(orderly_end);
     // Buffers are lent to a direction only while bytes move, so an idle connection holds
     // none (on the kernel plane, pipes carry the bytes: `up` only takes what splice cannot).
     // Client → backend.
@@ -196,7 +222,14 @@ pub(crate) async fn relay(
                 }
             },
             r = down_op, if !backend_done => match r {
-                Ok((0, _)) => backend_done = true,
+                Ok((0, _)) => {
+                    if let Some(orderly) = orderly_end.take() {
+                        if !Box::pin(orderly).await {
+                            return Ended::BackendError;
+                        }
+                    }
+                    backend_done = true;
+                }
                 Ok((n, held)) => {
                     deadline = tokio::time::Instant::now() + idle;
                     down_streaming = n == buffer;

@@ -807,13 +807,30 @@ impl HandedKeys {
         sys::set_crypto_info(sock, direction, &info).map_err(HandedKeyError::Io)
     }
 
-    /// Sends close_notify (once), after everything already written to `sock`.
-    pub fn close_notify(&mut self, sock: BorrowedFd<'_>) -> io::Result<()> {
+    /// Sends close_notify (once), after everything already written to `sock`, if the socket
+    /// has room for it now, never waiting:
+    /// `Ok(false)` when it has none (try again once it is writable).
+    pub fn try_close_notify(&mut self, sock: BorrowedFd<'_>) -> io::Result<bool> {
         if self.write_closed {
-            return Ok(());
+            return Ok(true);
+        }
+        loop {
+            match sys::send_record(sock, CT_ALERT, &[1, ALERT_CLOSE_NOTIFY]) {
+                Ok(2) => break,
+                Ok(_) => {
+                    self.write_closed = true;
+                    return Err(io::Error::other("a control record went out in part"));
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => {
+                    self.write_closed = true;
+                    return Err(e);
+                }
+            }
         }
         self.write_closed = true;
-        send_record_waiting(sock, CT_ALERT, &[1, ALERT_CLOSE_NOTIFY])
+        Ok(true)
     }
 
     /// Sends an alert (best effort): fatal unless it is close_notify. Nothing is sent after.

@@ -1,0 +1,208 @@
+//! Unix listening sockets that no other user can replace, redirect or use to change another
+//! file's mode.
+//!
+//! A socket file is only as safe as its directory: whoever can write the directory can
+//! remove the socket (while its server restarts, say) and bind their own in its place, or
+//! swap in a symlink between a `bind` and a `chmod` by path, so that a server running as
+//! root changes the mode of any file. So a socket goes only into a directory that root or
+//! this process's user owns and no one else can write, every ancestor likewise (a sticky
+//! one, as /tmp, lets no other user rename what root or this user owns in it); it is bound
+//! under a temporary name there, given its mode, and renamed into place, so that the path
+//! never names a socket of another mode, and a stale socket left by a killed server is
+//! replaced in one step.
+
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+
+/// The mode a missing socket directory is created with: anyone may reach the socket in it
+/// (who is served is the server's decision, e.g. `SO_PEERCRED`), only its owner may write.
+pub const DIR_MODE: u32 = 0o755;
+
+/// Binds a listening socket at `path` with file mode `mode`, creating its directory
+/// ([`DIR_MODE`]) when missing. Refuses a directory that another user could write, a path
+/// that is something else than a socket, and a socket that a live server listens on.
+/// `what` names the socket in errors ("hand-off socket").
+pub fn bind(what: &str, path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("{what} {}: no file name", path.display()))?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let created = !dir.exists();
+    if created {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(DIR_MODE)
+            .create(dir)
+            .with_context(|| format!("{what} {}: creating {}", path.display(), dir.display()))?;
+    }
+    let dir = dir
+        .canonicalize()
+        .with_context(|| format!("{what} {}: its directory", path.display()))?;
+    owned_by_us(&dir).map_err(|why| {
+        anyhow::anyhow!(
+            "{what} {}: {why}: another user could replace the socket. Use a directory that \
+             only root or this user ({}) can write, e.g. $RUNTIME_DIRECTORY or /run/tlsplane \
+             (created with mode {DIR_MODE:o} when missing)",
+            path.display(),
+            tlsplane_sys::effective_uid()
+        )
+    })?;
+    if created {
+        // Its own mode, whatever the umask took away (checked above: ours, in a safe parent).
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(DIR_MODE))
+            .with_context(|| format!("{what} {}: {}", path.display(), dir.display()))?;
+    }
+    let path = dir.join(name);
+    refuse_taken(what, &path)?;
+    let temporary = dir.join(format!(
+        ".{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&temporary);
+    let listener =
+        UnixListener::bind(&temporary).with_context(|| format!("{what} {}", path.display()))?;
+    // By path, in a directory only root and this user can write: nothing can be swapped in.
+    let placed = std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(mode))
+        .and_then(|()| std::fs::rename(&temporary, &path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(e).with_context(|| format!("{what} {}", path.display()));
+    }
+    Ok(listener)
+}
+
+/// Why `dir` (canonical) could be written by a user other than root and this one, if it
+/// could: it or an ancestor is owned by another user, or group- or world-writable (an
+/// ancestor may be, if sticky: its entries owned by root or this user stay theirs).
+fn owned_by_us(dir: &Path) -> Result<(), String> {
+    let me = tlsplane_sys::effective_uid();
+    let mut at = Some(dir);
+    let mut last = true;
+    while let Some(d) = at {
+        let meta = std::fs::metadata(d).map_err(|e| format!("{}: {e}", d.display()))?;
+        let (uid, mode) = (meta.uid(), meta.mode());
+        if uid != 0 && uid != me {
+            return Err(format!("{} is owned by uid {uid}", d.display()));
+        }
+        let sticky = mode & 0o1000 != 0;
+        if mode & 0o022 != 0 && (last || !sticky) {
+            return Err(format!(
+                "{} is writable by {} (mode {:o})",
+                d.display(),
+                if mode & 0o002 != 0 {
+                    "anyone"
+                } else {
+                    "its group"
+                },
+                mode & 0o7777
+            ));
+        }
+        last = false;
+        at = d.parent();
+    }
+    Ok(())
+}
+
+/// Refuses a path that is not a socket, or that a live server listens on.
+fn refuse_taken(what: &str, path: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !meta.file_type().is_socket() {
+        bail!(
+            "{what}: {} exists and is not a socket; remove it or choose another path",
+            path.display()
+        );
+    }
+    if UnixStream::connect(path).is_ok() {
+        bail!("{what}: something already listens on {}", path.display());
+    }
+    Ok(())
+}
+
+/// The default directory for a product's sockets: systemd's `$RUNTIME_DIRECTORY` (its first
+/// entry) when set, else `/run/tlsplane`.
+pub fn default_dir() -> PathBuf {
+    std::env::var_os("RUNTIME_DIRECTORY")
+        .and_then(|v| {
+            v.to_str()
+                .and_then(|s| s.split(':').next())
+                .filter(|s| !s.is_empty())
+                .map(PathBuf::from)
+        })
+        .unwrap_or_else(|| PathBuf::from("/run/tlsplane"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(what: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "tlsplane-unix-socket-{what}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn a_socket_goes_into_a_created_directory_with_its_mode() {
+        let base = scratch("created");
+        let path = base.join("run/app.sock");
+        let listener = bind("test socket", &path, 0o666).unwrap();
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o666);
+        assert_eq!(
+            std::fs::metadata(base.join("run")).unwrap().mode() & 0o777,
+            DIR_MODE
+        );
+        UnixStream::connect(&path).expect("connectable");
+        // A live one is not replaced; once closed, it is (a killed server's stale socket).
+        assert!(bind("test socket", &path, 0o666).is_err());
+        drop(listener);
+        let _again = bind("test socket", &path, 0o600).unwrap();
+        assert_eq!(
+            std::fs::symlink_metadata(&path).unwrap().mode() & 0o777,
+            0o600
+        );
+        // No temporary name is left behind.
+        assert_eq!(std::fs::read_dir(base.join("run")).unwrap().count(), 1);
+        let _ = std::fs::remove_dir_all(base);
+    }
+
+    #[test]
+    fn a_directory_others_can_write_is_refused() {
+        let base = scratch("shared");
+        std::fs::create_dir_all(&base).unwrap();
+        for mode in [0o777, 0o1777, 0o775] {
+            std::fs::set_permissions(&base, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = bind("test socket", &base.join("app.sock"), 0o666).unwrap_err();
+            assert!(
+                format!("{e:#}").contains("another user could replace"),
+                "{e:#}"
+            );
+            assert!(!base.join("app.sock").exists());
+        }
+        // Below a sticky world-writable directory (as /tmp), a directory of ours is fine.
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        bind("test socket", &base.join("own/app.sock"), 0o666).unwrap();
+        // Not below a non-sticky one.
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(bind("test socket", &base.join("own/b.sock"), 0o666).is_err());
+        // Something else at the path is never replaced.
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(base.join("file"), b"x").unwrap();
+        assert!(bind("test socket", &base.join("file"), 0o666).is_err());
+        assert_eq!(std::fs::read(base.join("file")).unwrap(), b"x");
+        let _ = std::fs::remove_dir_all(base);
+    }
+}
