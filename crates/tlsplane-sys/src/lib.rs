@@ -400,7 +400,8 @@ pub fn peer_groups(sock: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
     }
 }
 
-/// The effective user id of this process: the owner of the files it creates.
+/// The effective user id of this process: the owner of the files it creates, and the one
+/// its sockets' `SO_PEERCRED` reports.
 pub fn effective_uid() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() }
@@ -410,12 +411,6 @@ pub fn effective_uid() -> u32 {
 pub fn current_uid() -> u32 {
     // SAFETY: getuid has no preconditions and cannot fail.
     unsafe { libc::getuid() }
-}
-
-/// The effective user id of this process: the one its sockets' `SO_PEERCRED` reports.
-pub fn effective_uid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
 }
 
 /// A user's id and primary group id, from the password database (`getpwnam_r`).
