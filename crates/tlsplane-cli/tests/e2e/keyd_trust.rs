@@ -126,20 +126,33 @@ fn a_client_certificate_signs_only_with_its_own_keys_and_no_remote_client_drops_
     let site_a = fixtures::pki().issue_in(&dir, "site-a", &["a.example"], CertKind::P256);
     let site_b = fixtures::pki().issue_in(&dir, "site-b", &["b.example"], CertKind::P256);
     let (key_a, key_b) = (&site_a.key_pem, &site_b.key_pem);
+    // The daemon loads the keys its configuration's sites name; A's servers are granted
+    // site A's keys by its name, B's servers B's key by its file.
+    let site = |names, cert: &fixtures::CertFiles| crate::sites::SiteSpec {
+        names,
+        default: false,
+        certs: vec![fixtures::CertFiles {
+            cert_pem: cert.cert_pem.clone(),
+            key_pem: cert.key_pem.clone(),
+        }],
+        content: "x",
+    };
+    let config = crate::sites::write_config(
+        &dir,
+        "",
+        &[site(&["a.example"], &site_a), site(&["b.example"], &site_b)],
+    );
     let arg = |s: &str| OsString::from(s);
-    let grant = |client: &str, key: &Path| arg(&format!("{client}={}", key.display()));
     let keyd = TlsKeyd::start_with(
         &pki,
         0,
         &[
-            arg("--key"),
-            key_a.into(),
-            arg("--key"),
-            key_b.into(),
+            arg("--config"),
+            config.into(),
             arg("--authorize"),
-            grant("a-servers.example", key_a),
+            arg("a-servers.example=site:a.example"),
             arg("--authorize"),
-            grant("spiffe://fleet/b", key_b),
+            arg(&format!("spiffe://fleet/b={}", key_b.display())),
             arg("--client-sign-rate"),
             arg("10"),
         ],
