@@ -62,6 +62,8 @@ mod http2_flood;
 mod kernel;
 #[path = "e2e/keyd.rs"]
 mod keyd;
+#[path = "e2e/keyd_trust.rs"]
+mod keyd_trust;
 #[path = "e2e/limits.rs"]
 mod limits;
 #[path = "e2e/linger.rs"]

@@ -117,6 +117,19 @@ impl ConfigFile {
             .collect()
     }
 
+    /// Each site's names (its `name`, if any, and its server names) and the key files its
+    /// certificates name, resolved: what `keyd --authorize CLIENT=site:NAME` grants.
+    pub fn site_keys(&self) -> Vec<(Vec<String>, Vec<PathBuf>)> {
+        self.sites
+            .iter()
+            .map(|s| {
+                let names = s.name.iter().chain(&s.server_names).cloned().collect();
+                let keys = s.certs.iter().map(|c| self.resolve(&c.key)).collect();
+                (names, keys)
+            })
+            .collect()
+    }
+
     /// A path as written in the file: relative ones are relative to the file's directory.
     fn resolve(&self, p: &Path) -> PathBuf {
         match self.path.parent() {

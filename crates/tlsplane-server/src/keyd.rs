@@ -8,12 +8,15 @@
 //! way it is non-dumpable (`PR_SET_DUMPABLE 0`: no core file, no ptrace or /proc/PID/mem by
 //! other processes of its user), opens no network socket unless told to (`--listen-tls`), and
 //! drops (zeroizes) its keys before it exits. SIGUSR1 makes it say on stderr how many
-//! signatures it made and their mean cost.
+//! signatures it made and their mean cost, what it refused, and each TLS client's signatures
+//! and refusals.
 //!
 //! Started by hand with `--listen-tls HOST:PORT`, it also (or only) serves servers on other
 //! hosts (`serve --keyd tls://HOST:PORT`) over TCP and TLS 1.3: only clients whose certificate
-//! `--client-ca` issued, the same requests framed by their length (`tlsplane::keyd::tls`), one
-//! thread per connection, never a HANDOFF.
+//! `--client-ca` issued, each only with the keys `--authorize` grants the names in its
+//! certificate, the same requests framed by their length (`tlsplane::keyd::tls`), one thread
+//! per connection, never a HANDOFF, RELOAD or COMMIT (see [`remote`], [`grants`]). Started by
+//! hand, SIGHUP makes it re-read its key files.
 //!
 //! `serve` keeps a spare daemon started with `--copy-from SOCKET`: it takes the keys of the
 //! daemon in use over that daemon's socket (HANDOFF) instead of reading any file, so that it
@@ -27,6 +30,7 @@ use std::io::{BufRead, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, RwLock};
 
 use clap::Args;
@@ -34,9 +38,16 @@ use rustls::sign::SigningKey;
 use socket2::{Domain, SockAddr, Socket, Type};
 use tlsplane::keyd::{self as proto, op, TOKEN_LEN};
 
+mod counters;
+mod grants;
+mod remote;
+
+use counters::{counters, more, LogLimit};
+
 #[derive(Args, Debug)]
 pub struct KeydArgs {
-    /// Unix socket to listen on (created, mode 0600; keep its directory private).
+    /// Unix socket to listen on (created with mode 0600, in a directory that no one but its
+    /// owner, this daemon's user or root, may write).
     #[arg(long, value_name = "PATH", required_unless_present = "listen_tls")]
     pub socket: Option<PathBuf>,
     /// Also (or only) listen on TCP at HOST:PORT with TLS, for servers on other hosts
@@ -59,6 +70,32 @@ pub struct KeydArgs {
     /// a client certificate is what authenticates a server there.
     #[arg(long, value_name = "PEM", requires = "listen_tls")]
     pub client_ca: Option<PathBuf>,
+    /// Which keys a client over TLS may use (repeatable; needed with --listen-tls):
+    /// CLIENT=KEY[,KEY...]. CLIENT is a name in the client certificate's subjectAltName (DNS
+    /// name, URI or IP address), or * for any; each KEY a key file as this daemon loads it
+    /// (its --key, or the path its --config names), site:NAME for every key of the
+    /// configuration's sites with that server name (or name), or * for every key. A client
+    /// may use what the rules naming it grant, nothing else.
+    #[arg(long, value_name = "CLIENT=KEYS", requires = "listen_tls")]
+    pub authorize: Vec<grants::Rule>,
+    /// Signatures a second one client over TLS may have (a burst of one second's worth); more
+    /// are refused and counted. 0: no limit.
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "listen_tls")]
+    pub client_sign_rate: u32,
+    /// Seconds from the accept within which a client over TLS must complete its handshake.
+    #[arg(long, value_name = "S", default_value_t = 10.0, value_parser = parse_seconds)]
+    pub tls_handshake_timeout: f64,
+    /// TLS handshakes in progress at once; past it a new connection makes the oldest
+    /// handshake of the address with the most give way.
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_tls_handshakes: u32,
+    /// Established TLS connections at once (each a thread); more are closed.
+    #[arg(long, value_name = "N", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_tls_connections: u32,
+    /// TLS connections, handshakes included, from one address at once; more are closed at
+    /// the accept.
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_tls_connections_per_address: u32,
     /// Configuration file: the daemon loads every key its [[site.cert]] entries name.
     #[arg(long, value_name = "FILE", conflicts_with = "key")]
     pub config: Option<PathBuf>,
@@ -88,11 +125,27 @@ enum Source {
     Keys(Vec<PathBuf>),
 }
 
+/// Key files by site: each name of a site, and the key files of its certificates.
+type SiteKeys = HashMap<String, std::collections::HashSet<PathBuf>>;
+
 impl Source {
-    fn paths(&self) -> Result<Vec<PathBuf>, String> {
+    /// The key files it names, and which belong to each site.
+    fn list(&self) -> Result<(Vec<PathBuf>, SiteKeys), String> {
         match self {
-            Source::Keys(k) => Ok(k.clone()),
-            Source::Config(path) => Ok(crate::config::ConfigFile::read(path)?.key_paths()),
+            Source::Keys(k) => Ok((k.clone(), SiteKeys::new())),
+            Source::Config(path) => {
+                let file = crate::config::ConfigFile::read(path)?;
+                let mut sites = SiteKeys::new();
+                for (names, keys) in file.site_keys() {
+                    for n in names {
+                        sites
+                            .entry(n.to_ascii_lowercase())
+                            .or_default()
+                            .extend(keys.iter().cloned());
+                    }
+                }
+                Ok((file.key_paths(), sites))
+            }
         }
     }
 }
@@ -104,11 +157,17 @@ impl Source {
 /// the keys it has. Only when the server commits a generation are keys dropped, those used by
 /// neither it nor the generation committed before it (handshakes begun under that one may
 /// still be signing).
+///
+/// Generations only grow, and never wrap: a commit names one that was made and is not older
+/// than the one in force, so that no request can make the daemon drop keys in use, nor stop
+/// it dropping replaced ones (a commit of a generation past the latest would have done both).
 #[derive(Default)]
 struct Store {
     keys: HashMap<u32, Held>,
     /// The latest generation's files: handle, or why it could not be loaded.
     by_path: HashMap<PathBuf, Result<u32, String>>,
+    /// The latest generation's sites, for `--authorize ...=site:NAME`.
+    sites: SiteKeys,
     generation: u32,
     committed: u32,
     committed_before: u32,
@@ -128,9 +187,11 @@ struct Held {
 impl Store {
     /// Loads every key of `source` as a new generation; its number and how many keys loaded.
     fn load(&mut self, source: &Source) -> Result<(u32, u32), String> {
-        let paths = source.paths()?;
-        self.generation += 1;
-        let g = self.generation;
+        let (paths, sites) = source.list()?;
+        let g = self.generation.checked_add(1).ok_or(
+            "no generation number left (one per reload, 2^32 of them): restart the daemon",
+        )?;
+        let first_handle = self.next_handle;
         let mut by_path = HashMap::new();
         let mut loaded = 0;
         for p in paths {
@@ -151,7 +212,13 @@ impl Store {
                             Ok(handle)
                         }
                         None => {
-                            self.next_handle += 1;
+                            let Some(handle) = self.next_handle.checked_add(1) else {
+                                // What this generation loaded so far is not in force.
+                                self.keys.retain(|h, _| *h <= first_handle);
+                                self.next_handle = first_handle;
+                                return Err("no key handle left: restart the daemon".into());
+                            };
+                            self.next_handle = handle;
                             self.keys.insert(
                                 self.next_handle,
                                 Held {
@@ -172,18 +239,29 @@ impl Store {
             by_path.insert(p, result);
         }
         self.by_path = by_path;
+        self.sites = sites;
+        self.generation = g;
         Ok((g, loaded))
     }
 
-    /// Generation `g` is in force in the server.
-    fn commit(&mut self, g: u32) {
-        if g <= self.committed {
-            return;
+    /// Generation `g` is in force in the server: keys neither it nor the generation committed
+    /// before it has are dropped. The one in force again is nothing to do; one older than it,
+    /// or one never made, is refused.
+    fn commit(&mut self, g: u32) -> Result<(), String> {
+        if g == self.committed {
+            return Ok(());
+        }
+        if g < self.committed || g > self.generation {
+            return Err(format!(
+                "generation {g} cannot be committed: {} is in force and {} is the latest",
+                self.committed, self.generation
+            ));
         }
         self.committed_before = self.committed;
         self.committed = g;
         let keep_from = self.committed_before;
         self.keys.retain(|_, h| h.generation >= keep_from);
+        Ok(())
     }
 }
 
@@ -285,6 +363,9 @@ impl Store {
             next_handle: f.u32()?,
             ..Store::default()
         };
+        if !(store.committed_before <= store.committed && store.committed <= store.generation) {
+            return Err("generations out of order".into());
+        }
         let (keys, paths) = (f.u32()?, f.u32()?);
         for _ in 0..keys {
             let m = next()?;
@@ -334,6 +415,17 @@ fn copy_from(socket: &Path, token: &[u8; TOKEN_LEN]) -> anyhow::Result<Store> {
     sock.set_read_timeout(wait)?;
     sock.set_write_timeout(wait)?;
     sock.connect(&SockAddr::unix(socket)?)?;
+    {
+        use std::os::fd::AsFd;
+        // The daemon it stands in for runs as this one does: no token to anyone else.
+        let uid = tlsplane_sys::peer_uid(sock.as_fd())?;
+        if uid != tlsplane_sys::current_uid() {
+            anyhow::bail!(
+                "{} is listened on by user id {uid}, not this daemon's: no token sent",
+                socket.display()
+            );
+        }
+    }
     let mut hello = zeroize::Zeroizing::new(vec![op::HELLO]);
     hello.extend_from_slice(token);
     sock.send(&hello)?;
@@ -403,6 +495,15 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
         None if !args.key.is_empty() => Source::Keys(args.key.clone()),
         None => anyhow::bail!("keyd needs --config FILE or --key PEM"),
     };
+    if args.listen_tls.is_some() && args.authorize.is_empty() {
+        anyhow::bail!(
+            "--listen-tls needs --authorize CLIENT=KEYS: which client certificates may use \
+             which keys (--authorize '*=*' lets every client of --client-ca use every key)"
+        );
+    }
+    if let Some(socket) = &args.socket {
+        check_socket_dir(socket)?;
+    }
     let mut token = zeroize::Zeroizing::new([0u8; TOKEN_LEN]);
     if args.parent.is_some() {
         let mut line = zeroize::Zeroizing::new(String::new());
@@ -431,7 +532,7 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
         None => {
             let mut s = Store::default();
             let (first, n) = s.load(&source).map_err(anyhow::Error::msg)?;
-            s.commit(first);
+            s.commit(first).map_err(anyhow::Error::msg)?;
             for (p, r) in &s.by_path {
                 if let Err(why) = r {
                     // The server reports it too, with the site it belongs to.
@@ -441,32 +542,15 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
             (s, format!("{n} keys loaded"))
         }
     };
+    warn_unknown_grants(&args.authorize, &store);
     let store = Arc::new(RwLock::new(store));
 
     let tls = match &args.listen_tls {
-        Some(addr) => {
-            let (Some(cert), Some(key), Some(ca)) =
-                (&args.tls_cert, &args.tls_key, &args.client_ca)
-            else {
-                anyhow::bail!("--listen-tls needs --tls-cert, --tls-key and --client-ca");
-            };
-            let config = proto::tls::server_config(cert, key, ca).map_err(anyhow::Error::msg)?;
-            let listener = std::net::TcpListener::bind(addr)
-                .map_err(|e| anyhow::anyhow!("--listen-tls {addr}: {e}"))?;
-            Some((listener, config))
-        }
+        Some(addr) => Some(tls_listener(&args, addr)?),
         None => None,
     };
     let listener = match &args.socket {
-        Some(socket) => {
-            let _ = std::fs::remove_file(socket);
-            let listener = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
-            listener.bind(&SockAddr::unix(socket)?)?;
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(socket, std::fs::Permissions::from_mode(args.socket_mode))?;
-            listener.listen(128)?;
-            Some(listener)
-        }
+        Some(socket) => Some(unix_listener(socket, args.socket_mode)?),
         None => None,
     };
     let mut allowed = vec![tlsplane_sys::current_uid(), 0];
@@ -499,37 +583,70 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let (mut term, mut int, mut usr1) = rt.block_on(async {
+    // SIGHUP reloads a daemon started by hand only: one started by a server reloads when
+    // that server says so, and keeps the default action (a terminal's hangup ends it).
+    let by_hand = args.parent.is_none();
+    let (mut term, mut int, mut usr1, mut hup) = rt.block_on(async {
         use tokio::signal::unix::{signal, SignalKind};
         anyhow::Ok((
             signal(SignalKind::terminate())?,
             signal(SignalKind::interrupt())?,
             signal(SignalKind::user_defined1())?,
+            if by_hand {
+                Some(signal(SignalKind::hangup())?)
+            } else {
+                None
+            },
         ))
     })?;
-    std::thread::spawn(move || {
-        let why = rt.block_on(async {
-            loop {
-                tokio::select! {
-                    _ = term.recv() => break "SIGTERM",
-                    _ = int.recv() => break "SIGINT",
-                    _ = usr1.recv() => report_signatures(),
-                }
-            }
-        });
-        exit(why);
-    });
     let source = Arc::new(source);
+    let clients = Arc::new(grants::Clients::default());
+    {
+        let (store, source, clients) = (store.clone(), source.clone(), clients.clone());
+        let rules = args.authorize.clone();
+        std::thread::spawn(move || {
+            let why = rt.block_on(async {
+                loop {
+                    let hangup = async {
+                        match hup.as_mut() {
+                            Some(h) => h.recv().await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    tokio::select! {
+                        _ = term.recv() => break "SIGTERM",
+                        _ = int.recv() => break "SIGINT",
+                        _ = usr1.recv() => report(&clients),
+                        _ = hangup => reload_by_hand(&store, &source, &rules),
+                    }
+                }
+            });
+            exit(why);
+        });
+    }
     let mut listening = Vec::new();
     if let Some(socket) = &args.socket {
         listening.push(socket.display().to_string());
     }
     if let Some((listener, config)) = tls {
         listening.push(format!("tls://{}", listener.local_addr()?));
-        let (store, source) = (store.clone(), source.clone());
+        let shared = Arc::new(remote::Shared {
+            config,
+            store: store.clone(),
+            source: source.clone(),
+            rules: args.authorize.clone(),
+            clients,
+            sign_rate: args.client_sign_rate,
+            limits: remote::Limits {
+                handshake_timeout: std::time::Duration::from_secs_f64(args.tls_handshake_timeout),
+                max_handshakes: args.max_tls_handshakes as usize,
+                max_connections: args.max_tls_connections as usize,
+                max_per_address: args.max_tls_connections_per_address as usize,
+            },
+        });
         std::thread::Builder::new()
             .name("keyd-tls".into())
-            .spawn(move || serve_tls(listener, config, &store, &source))?;
+            .spawn(move || remote::serve(listener, shared))?;
     }
     tracing::info!("keyd: {loaded}; listening on {}", listening.join(" and "));
     let Some(listener) = listener else {
@@ -543,7 +660,10 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
         let (conn, _) = match listener.accept() {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(error = %e, "keyd: accept failed");
+                static LOG: LogLimit = LogLimit::new();
+                if let Some(n) = LOG.allow() {
+                    tracing::warn!(error = %e, "keyd: accept failed{}", more(n));
+                }
                 std::thread::sleep(std::time::Duration::from_millis(50));
                 continue;
             }
@@ -568,7 +688,11 @@ fn serve_conn(
     parent: Option<u32>,
 ) {
     if let Err(why) = proto::check_hello(&sock, token, allowed) {
-        tracing::warn!("keyd: connection refused: {why}");
+        static LOG: LogLimit = LogLimit::new();
+        counters().unix_refused.fetch_add(1, Relaxed);
+        if let Some(n) = LOG.allow() {
+            tracing::warn!("keyd: connection refused: {why}{}", more(n));
+        }
         let _ = sock.send(&[proto::ERR]);
         return;
     }
@@ -587,7 +711,7 @@ fn serve_conn(
         }
         let reply = match &buf[..n] {
             [op::PING] => vec![proto::OK],
-            request => answer(request, store, source),
+            request => answer(request, store, source, &Caller::Local),
         };
         loop {
             match sock.send(&reply) {
@@ -596,96 +720,6 @@ fn serve_conn(
                 Err(_) => return,
             }
         }
-    }
-}
-
-/// Connections at most served at once over TLS (each a thread), handshakes included: an
-/// unauthenticated peer can hold a slot for the handshake's 10 s, no more.
-const MAX_TLS_CONNECTIONS: usize = 1024;
-/// How long a client may take to complete its TLS handshake.
-const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// `--listen-tls`: accepts connections, each served by a thread of its own.
-fn serve_tls(
-    listener: std::net::TcpListener,
-    config: Arc<rustls::ServerConfig>,
-    store: &Arc<RwLock<Store>>,
-    source: &Arc<Source>,
-) {
-    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    loop {
-        let (tcp, peer) = match listener.accept() {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "keyd: accept failed");
-                std::thread::sleep(std::time::Duration::from_millis(50));
-                continue;
-            }
-        };
-        use std::sync::atomic::Ordering::Relaxed;
-        if open.fetch_add(1, Relaxed) >= MAX_TLS_CONNECTIONS {
-            open.fetch_sub(1, Relaxed);
-            tracing::warn!("keyd: connection from {peer} refused: {MAX_TLS_CONNECTIONS} open");
-            continue;
-        }
-        let (config, store, source, open) =
-            (config.clone(), store.clone(), source.clone(), open.clone());
-        let spawned = std::thread::Builder::new()
-            .name("keyd-tls-conn".into())
-            .spawn(move || {
-                if let Err(why) = serve_tls_conn(tcp, config, &store, &source) {
-                    tracing::warn!("keyd: connection from {peer} closed: {why}");
-                }
-                open.fetch_sub(1, Relaxed);
-            });
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "keyd: no thread for a connection");
-        }
-    }
-}
-
-/// One client over TLS: the handshake (its certificate checked), then framed requests, each
-/// answered as over the Unix socket. Returns at the client's close; an error says why the
-/// connection ended otherwise (a refused certificate, a bad frame).
-fn serve_tls_conn(
-    mut tcp: std::net::TcpStream,
-    config: Arc<rustls::ServerConfig>,
-    store: &RwLock<Store>,
-    source: &Source,
-) -> Result<(), String> {
-    let mut tls = rustls::ServerConnection::new(config).map_err(|e| e.to_string())?;
-    tcp.set_read_timeout(Some(TLS_HANDSHAKE_TIMEOUT))
-        .and_then(|()| tcp.set_write_timeout(Some(TLS_HANDSHAKE_TIMEOUT)))
-        .and_then(|()| tcp.set_nodelay(true))
-        .map_err(|e| e.to_string())?;
-    while tls.is_handshaking() {
-        if let Err(e) = tls.complete_io(&mut tcp) {
-            // The alert, if rustls made one (a refused certificate), before the close.
-            let _ = tls.write_tls(&mut tcp);
-            return Err(format!("TLS handshake: {e}"));
-        }
-    }
-    // Servers keep idle connections for their next signatures: no read deadline from now on.
-    // A peer gone silently is found by keepalive.
-    tcp.set_read_timeout(None).map_err(|e| e.to_string())?;
-    let _ = socket2::SockRef::from(&tcp).set_keepalive(true);
-    let mut stream = rustls::StreamOwned::new(tls, tcp);
-    let mut request = Vec::with_capacity(proto::MAX_MESSAGE);
-    loop {
-        match proto::tls::read_frame(&mut stream, &mut request) {
-            Ok(true) => {}
-            Ok(false) => return Ok(()),
-            Err(e) => return Err(e.to_string()),
-        }
-        let reply = match request.as_slice() {
-            [op::PING] => vec![proto::OK],
-            [op::HANDOFF, ..] => err("HANDOFF is not served over TLS"),
-            _ => answer(&request, store, source),
-        };
-        stream
-            .write_all(&proto::tls::frame(&reply))
-            .and_then(|()| stream.flush())
-            .map_err(|e| e.to_string())?;
     }
 }
 
@@ -710,10 +744,10 @@ fn hand_off(sock: &Socket, store: &RwLock<Store>, parent: Option<u32>) {
 }
 
 /// SIGUSR1: how many signatures the daemon made and what one cost inside the signing library
-/// (its clock, not the server's), on stderr. The server's own view of the same signatures,
-/// round trip included, is its `keyd_signatures` / `keyd_wait_ns` counters.
-fn report_signatures() {
-    use std::sync::atomic::Ordering::Relaxed;
+/// (its clock, not the server's), what it refused, and each TLS client's signatures and
+/// refusals, on stderr. The server's own view of the same signatures, round trip included, is
+/// its `keyd_signatures` / `keyd_wait_ns` counters.
+fn report(clients: &grants::Clients) {
     let stats = tlsplane::stats::global();
     let (n, ns) = (
         stats.signatures.load(Relaxed),
@@ -726,6 +760,127 @@ fn report_signatures() {
     };
     let total_ms = ns as f64 / 1e6;
     tracing::info!("keyd: {n} signatures in {total_ms:.1} ms, {mean_us:.1} µs each in the signer");
+    tracing::info!("keyd: refused: {}", counters().line());
+    for (name, signatures, refused) in clients.counts() {
+        tracing::info!("keyd: client {name:?}: signatures={signatures} refused={refused}");
+    }
+}
+
+/// SIGHUP, on a daemon started by hand: the key files again, as a new generation, in force
+/// at once; the keys of the generation before stay (servers still use them until they
+/// reload), older ones that no file holds any more are dropped.
+fn reload_by_hand(store: &RwLock<Store>, source: &Source, rules: &[grants::Rule]) {
+    let mut s = lock_write(store);
+    let loaded = s
+        .load(source)
+        .and_then(|(g, n)| s.commit(g).map(|()| (g, n)));
+    match loaded {
+        Ok((g, n)) => {
+            let failed = s.by_path.values().filter(|r| r.is_err()).count();
+            tracing::info!("keyd: reloaded (SIGHUP): generation {g}, {n} keys, {failed} failed");
+            drop(s);
+            warn_unknown_grants(rules, &store.read().unwrap_or_else(|e| e.into_inner()));
+        }
+        Err(why) => tracing::warn!("keyd: reload (SIGHUP) failed, the keys stay: {why}"),
+    }
+}
+
+/// What `--authorize` names that the daemon did not load.
+fn warn_unknown_grants(rules: &[grants::Rule], store: &Store) {
+    let loaded = store.by_path.keys().cloned().collect();
+    for why in grants::unknown_keys(rules, &loaded, &store.sites) {
+        tracing::warn!("keyd: --authorize: {why}");
+    }
+}
+
+/// `--listen-tls`'s socket and TLS configuration.
+fn tls_listener(
+    args: &KeydArgs,
+    addr: &str,
+) -> anyhow::Result<(std::net::TcpListener, Arc<rustls::ServerConfig>)> {
+    let (Some(cert), Some(key), Some(ca)) = (&args.tls_cert, &args.tls_key, &args.client_ca) else {
+        anyhow::bail!("--listen-tls needs --tls-cert, --tls-key and --client-ca");
+    };
+    let config = proto::tls::server_config(cert, key, ca).map_err(anyhow::Error::msg)?;
+    // A descriptor per connection, up to the caps: the usual soft limit of 1024 is below them.
+    if let Err(e) = tlsplane_sys::raise_nofile_limit() {
+        tracing::warn!(error = %e, "keyd: could not raise the open-files limit");
+    }
+    let listener = listen_tcp(addr).map_err(|e| anyhow::anyhow!("--listen-tls {addr}: {e}"))?;
+    Ok((listener, config))
+}
+
+/// Connections the kernel completes before the daemon accepts them. A burst of peers larger
+/// than the queue has the kernel drop handshakes' last ACKs, and a server's connection then
+/// waits for a SYN-ACK retransmitted after 1 s, 2 s, ... however fast the daemon refuses the
+/// peers.
+const TCP_LISTEN_BACKLOG: i32 = 4096;
+
+fn listen_tcp(addr: &str) -> std::io::Result<std::net::TcpListener> {
+    use std::net::ToSocketAddrs;
+    let addr = addr
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no address"))?;
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM.cloexec(), None)?;
+    sock.set_reuse_address(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(TCP_LISTEN_BACKLOG)?;
+    Ok(sock.into())
+}
+
+/// The Unix socket, made with `mode` by the bind itself: never a chmod by path afterwards,
+/// which a symlink put in its place in between would turn on another file. The socket's
+/// mode (set on the unbound socket) is what the bind gives the file, less the umask, which is
+/// cleared for the bind; no other thread runs yet to create files meanwhile.
+fn unix_listener(socket: &Path, mode: u32) -> anyhow::Result<Socket> {
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::remove_file(socket);
+    let sock = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
+    let file = std::fs::File::from(std::os::fd::OwnedFd::from(sock));
+    file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    let sock = Socket::from(std::os::fd::OwnedFd::from(file));
+    let umask = tlsplane_sys::set_umask(0);
+    let bound = sock.bind(&SockAddr::unix(socket)?);
+    tlsplane_sys::set_umask(umask);
+    bound.map_err(|e| anyhow::anyhow!("--socket {}: {e}", socket.display()))?;
+    sock.listen(128)?;
+    Ok(sock)
+}
+
+/// A `--socket`'s directory must be writable by no one but its owner, this daemon's user or
+/// root: whoever else could write it could put their own socket in the daemon's place.
+/// (A sticky directory such as /tmp would do, its entries being their owners' alone.)
+fn check_socket_dir(socket: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = match socket.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let meta = std::fs::metadata(dir)
+        .map_err(|e| anyhow::anyhow!("--socket {}: {}: {e}", socket.display(), dir.display()))?;
+    let me = tlsplane_sys::current_uid();
+    let sticky = meta.mode() & 0o1000 != 0;
+    if (meta.uid() != me && meta.uid() != 0) || (meta.mode() & 0o022 != 0 && !sticky) {
+        anyhow::bail!(
+            "--socket {}: its directory {} (mode {:o}, owner {}) may be written by others than \
+             its owner, or is not this user's or root's: whoever can write it could put a \
+             socket of theirs in the daemon's place; use a private directory (e.g. \
+             $RUNTIME_DIRECTORY or /run/tlsplane, mode 0700 or 0755)",
+            socket.display(),
+            dir.display(),
+            meta.mode() & 0o7777,
+            meta.uid()
+        );
+    }
+    Ok(())
+}
+
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    s.parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v > 0.0 && *v <= 3600.0)
+        .ok_or_else(|| format!("{s:?}: expected seconds, more than 0 and at most 3600"))
 }
 
 fn err(why: impl AsRef<str>) -> Vec<u8> {
@@ -734,54 +889,62 @@ fn err(why: impl AsRef<str>) -> Vec<u8> {
     r
 }
 
-fn answer(req: &[u8], store: &RwLock<Store>, source: &Source) -> Vec<u8> {
+/// Who asks. A client on the Unix socket holds the token: it is the server this daemon
+/// serves, and may do anything. A client over TLS may use the keys its certificate's grant
+/// names, and never make the daemon reload, commit (drop keys) or hand its keys over: other
+/// servers use the same keys.
+enum Caller<'a> {
+    Local,
+    Remote {
+        grant: &'a grants::Grant,
+        client: &'a grants::Client,
+        /// Signatures a second (0: no limit).
+        sign_rate: u32,
+    },
+}
+
+impl Caller<'_> {
+    /// A refusal for a client over TLS: counted, and logged at most once a second.
+    fn refuse(&self, why: String) -> Vec<u8> {
+        if let Caller::Remote { grant, client, .. } = self {
+            static LOG: LogLimit = LogLimit::new();
+            client.refused.fetch_add(1, Relaxed);
+            if let Some(n) = LOG.allow() {
+                tracing::warn!("keyd: client {}: {why}{}", grant.client, more(n));
+            }
+        }
+        err(why)
+    }
+
+    /// Why it may not use the key loaded from `path`, if it may not.
+    fn may_not_use(&self, path: &Path, store: &Store) -> Option<String> {
+        match self {
+            Caller::Remote { grant, .. } if !grant.allows(path, &store.sites) => Some(format!(
+                "client {} may not use the key {} (see keyd --authorize)",
+                grant.client,
+                path.display()
+            )),
+            _ => None,
+        }
+    }
+}
+
+fn answer(req: &[u8], store: &RwLock<Store>, source: &Source, caller: &Caller<'_>) -> Vec<u8> {
     let Some((&code, payload)) = req.split_first() else {
         return err("empty request");
     };
-    match code {
-        op::SIGN => {
-            let Some((handle, scheme, message)) = proto::parse_sign(payload) else {
-                return err("malformed SIGN");
-            };
-            let key = store
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .keys
-                .get(&handle)
-                .map(|h| h.key.clone());
-            let Some(signer) = key.and_then(|k| k.choose_scheme(&[scheme])) else {
-                return err(format!("no key {handle} for {scheme:?}"));
-            };
-            match signer.sign(message) {
-                Ok(sig) => {
-                    let mut r = Vec::with_capacity(1 + sig.len());
-                    r.push(proto::OK);
-                    r.extend_from_slice(&sig);
-                    r
-                }
-                Err(e) => err(e.to_string()),
-            }
+    match (code, caller) {
+        (op::RELOAD | op::COMMIT | op::HANDOFF, Caller::Remote { .. }) => {
+            counters().tls_requests_refused.fetch_add(1, Relaxed);
+            caller.refuse(
+                "RELOAD, COMMIT and HANDOFF are not served over TLS: the daemon's host reloads \
+                 it (SIGHUP)"
+                    .into(),
+            )
         }
-        op::KEY => {
-            let path = Path::new(std::ffi::OsStr::from_bytes(payload));
-            let s = store.read().unwrap_or_else(|e| e.into_inner());
-            match s.by_path.get(path) {
-                Some(Ok(h)) => match s.keys.get(h) {
-                    Some(held) => proto::key_reply(*h, held.key.as_ref()),
-                    None => err("key dropped"),
-                },
-                Some(Err(why)) => err(why),
-                None => err(format!(
-                    "{}: not a key this daemon loaded (its configuration names the keys)",
-                    path.display()
-                )),
-            }
-        }
-        op::RELOAD => match store
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .load(source)
-        {
+        (op::SIGN, _) => sign(payload, store, caller),
+        (op::KEY, _) => key(payload, store, caller),
+        (op::RELOAD, _) => match lock_write(store).load(source) {
             Ok((generation, _)) => {
                 let mut r = vec![proto::OK];
                 r.extend_from_slice(&generation.to_be_bytes());
@@ -789,15 +952,81 @@ fn answer(req: &[u8], store: &RwLock<Store>, source: &Source) -> Vec<u8> {
             }
             Err(why) => err(why),
         },
-        op::COMMIT => match payload.get(..4) {
-            Some(b) => {
-                let g = u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
-                store.write().unwrap_or_else(|e| e.into_inner()).commit(g);
-                vec![proto::OK]
-            }
-            None => err("malformed COMMIT"),
+        (op::COMMIT, _) => match payload {
+            [a, b, c, d] => match lock_write(store).commit(u32::from_be_bytes([*a, *b, *c, *d])) {
+                Ok(()) => vec![proto::OK],
+                Err(why) => err(why),
+            },
+            _ => err("malformed COMMIT"),
         },
         _ => err("unknown request"),
+    }
+}
+
+fn lock_write(store: &RwLock<Store>) -> std::sync::RwLockWriteGuard<'_, Store> {
+    store.write().unwrap_or_else(|e| e.into_inner())
+}
+
+fn sign(payload: &[u8], store: &RwLock<Store>, caller: &Caller<'_>) -> Vec<u8> {
+    let Some((handle, scheme, message)) = proto::parse_sign(payload) else {
+        return err("malformed SIGN");
+    };
+    let (key, refusal) = {
+        let s = store.read().unwrap_or_else(|e| e.into_inner());
+        match s.keys.get(&handle) {
+            Some(h) => (Some(h.key.clone()), caller.may_not_use(&h.path, &s)),
+            None => (None, None),
+        }
+    };
+    if let Some(why) = refusal {
+        counters().tls_requests_refused.fetch_add(1, Relaxed);
+        return caller.refuse(why);
+    }
+    let Some(signer) = key.and_then(|k| k.choose_scheme(&[scheme])) else {
+        return err(format!("no key {handle} for {scheme:?}"));
+    };
+    if let Caller::Remote {
+        client, sign_rate, ..
+    } = caller
+    {
+        if !client.take(*sign_rate) {
+            counters().tls_signatures_over_rate.fetch_add(1, Relaxed);
+            return caller.refuse(format!(
+                "past {sign_rate} signatures a second (--client-sign-rate)"
+            ));
+        }
+    }
+    match signer.sign(message) {
+        Ok(sig) => {
+            if let Caller::Remote { client, .. } = caller {
+                client.signatures.fetch_add(1, Relaxed);
+            }
+            let mut r = Vec::with_capacity(1 + sig.len());
+            r.push(proto::OK);
+            r.extend_from_slice(&sig);
+            r
+        }
+        Err(e) => err(e.to_string()),
+    }
+}
+
+fn key(payload: &[u8], store: &RwLock<Store>, caller: &Caller<'_>) -> Vec<u8> {
+    let path = Path::new(std::ffi::OsStr::from_bytes(payload));
+    let s = store.read().unwrap_or_else(|e| e.into_inner());
+    if let Some(why) = caller.may_not_use(path, &s) {
+        counters().tls_requests_refused.fetch_add(1, Relaxed);
+        return caller.refuse(why);
+    }
+    match s.by_path.get(path) {
+        Some(Ok(h)) => match s.keys.get(h) {
+            Some(held) => proto::key_reply(*h, held.key.as_ref()),
+            None => err("key dropped"),
+        },
+        Some(Err(why)) => err(why),
+        None => err(format!(
+            "{}: not a key this daemon loaded (its configuration names the keys)",
+            path.display()
+        )),
     }
 }
 
@@ -870,11 +1099,12 @@ pub fn start_daemon_process(
 }
 
 /// A new directory for a daemon's socket (0700, or 0711 for a daemon that serves another
-/// user), under $XDG_RUNTIME_DIR or the temporary directory.
+/// user), under $RUNTIME_DIRECTORY (systemd's), $XDG_RUNTIME_DIR or the temporary directory.
 pub fn private_dir(mode: u32) -> anyhow::Result<PathBuf> {
-    use std::os::unix::fs::DirBuilderExt;
-    let base = std::env::var_os("XDG_RUNTIME_DIR")
-        .map(PathBuf::from)
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+    let base = std::env::var_os("RUNTIME_DIRECTORY")
+        .and_then(|dirs| std::env::split_paths(&dirs).next())
+        .or_else(|| std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from))
         .filter(|p| p.is_dir())
         .unwrap_or_else(std::env::temp_dir);
     let mut rnd = [0u8; 8];
@@ -892,9 +1122,18 @@ pub fn private_dir(mode: u32) -> anyhow::Result<PathBuf> {
         .create(&dir)
         .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
     if mode != 0o700 {
-        // After creation: the umask would have masked the mode given to mkdir.
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))?;
+        // After creation, as the umask would have masked the mode given to mkdir; on the
+        // directory opened without following a symlink, not by its path, which may have been
+        // replaced since (the base may be a shared /tmp).
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+            .open(&dir)
+            .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", dir.display()))?;
+        if opened.metadata()?.uid() != tlsplane_sys::current_uid() {
+            anyhow::bail!("{} is not the directory this process made", dir.display());
+        }
+        opened.set_permissions(std::fs::Permissions::from_mode(mode))?;
     }
     Ok(dir)
 }
@@ -914,7 +1153,7 @@ mod tests {
         let mut store = Store::default();
         let source = Source::Keys(vec![path.clone(), missing.clone()]);
         let (g, _) = store.load(&source).unwrap();
-        store.commit(g);
+        store.commit(g).unwrap();
         // A second generation, not committed: handed over as it is.
         store.load(&source).unwrap();
         let mut messages = store.handoff_messages().into_iter();
@@ -936,6 +1175,66 @@ mod tests {
             store.keys[&handle].generation
         );
         assert!(copy.by_path[&missing].is_err());
+    }
+
+    /// A new key in the key file at `path`.
+    fn new_key(path: &Path) {
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        std::fs::write(path, key.serialize_pem()).unwrap();
+    }
+
+    #[test]
+    fn generations_neither_wrap_nor_stick() {
+        let dir = std::env::temp_dir().join(format!("tlsplane-generations-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("k.pem");
+        new_key(&path);
+        let source = Source::Keys(vec![path.clone()]);
+        let mut store = Store::default();
+        let (g1, _) = store.load(&source).unwrap();
+        store.commit(g1).unwrap();
+        let first = *store.by_path[&path].as_ref().unwrap();
+        // Generations never made: refused, and nothing changes (a commit of 2^32-1 used to
+        // make every later commit look old, so that no replaced key was dropped again).
+        for never in [u32::MAX, g1 + 1] {
+            let e = store.commit(never).unwrap_err();
+            assert!(e.contains("cannot be committed"), "{e}");
+        }
+        assert_eq!((store.committed, store.generation), (g1, g1));
+        // The key is replaced and reloaded: both kept while the generation before is.
+        new_key(&path);
+        let (g2, _) = store.load(&source).unwrap();
+        store.commit(g2).unwrap();
+        let second = *store.by_path[&path].as_ref().unwrap();
+        assert_ne!(first, second);
+        assert!(store.keys.contains_key(&first) && store.keys.contains_key(&second));
+        // One older than the one in force: refused; the one in force again: nothing to do.
+        assert!(store.commit(g1).is_err());
+        store.commit(g2).unwrap();
+        assert!(store.keys.contains_key(&first));
+        // The next reload and commit retire the replaced key.
+        let (g3, _) = store.load(&source).unwrap();
+        store.commit(g3).unwrap();
+        assert!(!store.keys.contains_key(&first), "the replaced key stays");
+        assert!(store.keys.contains_key(&second));
+        // At the end of the numbers a reload is refused: no wrap to 0, which no commit could
+        // then reach.
+        store.generation = u32::MAX;
+        store.committed = u32::MAX;
+        let e = store.load(&source).unwrap_err();
+        assert!(e.contains("no generation number left"), "{e}");
+        assert_eq!(store.generation, u32::MAX);
+        // Handles too: a new key past the last handle is refused, and nothing half-loaded
+        // stays.
+        store.generation = g3;
+        store.committed = g3;
+        store.next_handle = u32::MAX;
+        new_key(&path);
+        let keys_before = store.keys.len();
+        let e = store.load(&source).unwrap_err();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(e.contains("no key handle left"), "{e}");
+        assert_eq!((store.keys.len(), store.generation), (keys_before, g3));
     }
 
     #[test]

@@ -119,6 +119,9 @@ pub struct Keys {
     launcher: Mutex<Option<Launcher>>,
     /// How long a signature may take (`--keyd-timeout`).
     sign_timeout: Duration,
+    /// With `--keyd unix:PATH`: the daemon's user id when it is neither root nor this
+    /// server's (`--keyd-uid`).
+    daemon_uid: Option<u32>,
     stopping: AtomicBool,
     /// A daemon was started from the files (both were lost): the configuration in force has
     /// no keys until a reload on it succeeds, which the supervisor asks for again until one
@@ -130,14 +133,19 @@ impl Keys {
     /// Starts (or connects to) the key daemon for the keys `daemon_args` name, and its spare.
     /// `run_as`: the user this server becomes once its ports are bound; its daemons are then
     /// started by a launcher that stays root (see [`crate::privileges`]). A signature not
-    /// made within `sign_timeout` fails its handshake.
+    /// made within `sign_timeout` fails its handshake. `daemon_uid`: with `unix:PATH`, the
+    /// daemon's user if it is neither root nor this server's; no token goes to another.
     pub fn start(
         mode: KeydMode,
         daemon_args: Vec<OsString>,
         run_as: Option<&RunAs>,
         sign_timeout: Duration,
         tls: &KeydTls,
+        daemon_uid: Option<u32>,
     ) -> anyhow::Result<Arc<Self>> {
+        if daemon_uid.is_some() && !matches!(mode, KeydMode::Unix(_)) {
+            anyhow::bail!("--keyd-uid goes with --keyd unix:PATH");
+        }
         let launcher = match (&mode, run_as) {
             (KeydMode::On, Some(user)) => Some(Launcher::start(user.uid, &daemon_args)?),
             _ => None,
@@ -167,6 +175,7 @@ impl Keys {
             daemons: Mutex::default(),
             launcher: Mutex::new(launcher),
             sign_timeout,
+            daemon_uid,
             stopping: AtomicBool::new(false),
             reload_owed: AtomicBool::new(false),
         });
@@ -185,16 +194,18 @@ impl Keys {
                 }
             }
             KeydMode::Unix(socket) => {
-                keys.set_client(connect_external(socket, keys.sign_timeout)?);
+                keys.set_client(connect_external(socket, keys.sign_timeout, daemon_uid)?);
             }
         }
         Ok(keys)
     }
 
     fn endpoint(&self, socket: &Path) -> Endpoint {
+        // Its own daemons are root's (with --user) or this server's user's.
         Endpoint {
             socket: socket.to_path_buf(),
             token: self.token.clone(),
+            daemon_uid: None,
         }
     }
 
@@ -330,12 +341,12 @@ impl Keys {
     }
 
     /// Has the daemon re-read its key files (a reload); the generation to commit once the
-    /// configuration built on them is in force. Nothing to do without a daemon.
+    /// configuration built on them is in force. Nothing to do without a daemon, nor with
+    /// daemons over TLS: they serve other servers too, and reload when their host says so
+    /// (SIGHUP); the reload asks them for its keys again.
     pub fn reload(&self) -> anyhow::Result<Option<u32>> {
-        if let Some(fleet) = &self.fleet {
-            // Each daemon has its own generation; the fleet keeps them for the commit.
-            fleet.reload()?;
-            return Ok(Some(0));
+        if self.fleet.is_some() {
+            return Ok(None);
         }
         match self.client() {
             Some(c) => Ok(Some(c.reload()?)),
@@ -349,9 +360,6 @@ impl Keys {
     /// serves a handshake.
     pub fn commit(&self, g: Option<u32>) {
         self.reload_owed.store(false, Relaxed);
-        if let (Some(fleet), Some(_)) = (&self.fleet, g) {
-            fleet.commit();
-        }
         if let (Some(c), Some(g)) = (self.client(), g) {
             if let Err(e) = c.commit(g) {
                 tracing::warn!(error = %e, "the key daemon did not take the commit");
@@ -571,7 +579,11 @@ impl Keys {
         );
         let mut last = String::new();
         let attempt = || {
-            self.set_client(connect_external(socket, self.sign_timeout)?);
+            self.set_client(connect_external(
+                socket,
+                self.sign_timeout,
+                self.daemon_uid,
+            )?);
             Ok(())
         };
         let back = self.retry(Duration::from_secs(1), attempt, |e| {
@@ -652,7 +664,11 @@ fn connect_fleet(
 
 /// Connects to a daemon started by hand (`--keyd unix:PATH`), with the token it wrote beside
 /// its socket.
-fn connect_external(socket: &Path, sign_timeout: Duration) -> anyhow::Result<Arc<KeydClient>> {
+fn connect_external(
+    socket: &Path,
+    sign_timeout: Duration,
+    daemon_uid: Option<u32>,
+) -> anyhow::Result<Arc<KeydClient>> {
     let token_file = crate::keyd::token_path(socket);
     let context = |e: &dyn std::fmt::Display| {
         anyhow::anyhow!(
@@ -669,6 +685,7 @@ fn connect_external(socket: &Path, sign_timeout: Duration) -> anyhow::Result<Arc
         Endpoint {
             socket: socket.to_path_buf(),
             token,
+            daemon_uid,
         },
         sign_timeout,
     )

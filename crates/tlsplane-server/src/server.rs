@@ -56,6 +56,11 @@ pub struct ServerArgs {
     /// stuck: it is replaced, as a dead one is.
     #[arg(long, default_value_t = 5.0, value_name = "S", value_parser = parse_keyd_timeout)]
     pub keyd_timeout: f64,
+    /// With --keyd unix:PATH: the user id the daemon runs as, if neither root nor this
+    /// server's user. The server checks who listens on the socket (SO_PEERCRED) before it
+    /// sends the daemon's token: a listener of any other user gets nothing.
+    #[arg(long, value_name = "UID")]
+    pub keyd_uid: Option<u32>,
     /// Once its ports are bound, switch to this user (NAME, with its groups, or UID[:GID]);
     /// needs root. The key daemon keeps root and the keys: the server cannot read them. The
     /// configuration, certificates and what is served must be readable by this user (a reload
@@ -360,6 +365,7 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
             key: server.keyd_tls_key.clone(),
             ca: server.keyd_ca.clone(),
         },
+        server.keyd_uid,
     )?;
     tracing::info!(
         "private keys: {}",

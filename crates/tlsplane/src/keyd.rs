@@ -5,7 +5,9 @@
 //! key's algorithm, the signature schemes it can make and its public key (so rustls can check
 //! that it belongs to the certificate), never the key. The design is neverbleed's (h2o): a
 //! private Unix socket (in a 0700 directory), the peer's user id checked by the daemon
-//! (`SO_PEERCRED`) and a random token per start, sent first on every connection.
+//! (`SO_PEERCRED`) and a random token per start, sent first on every connection, and only to
+//! a daemon whose user id the client checked the same way (root, its own, or the one it was
+//! told): whoever could put another socket in the daemon's place gets no token.
 //!
 //! The socket is `SOCK_SEQPACKET`: one request or reply per message, so framing needs no
 //! length prefix and a short read cannot split one. Requests: `[op][payload]`; replies:
@@ -90,11 +92,21 @@ pub const SCHEMES: [SignatureScheme; 10] = [
     SignatureScheme::RSA_PKCS1_SHA256,
 ];
 
-/// Where a daemon listens and how to prove we may use it.
+/// Where a daemon listens, who it runs as, and how to prove we may use it.
 #[derive(Clone)]
 pub struct Endpoint {
     pub socket: PathBuf,
     pub token: zeroize::Zeroizing<[u8; TOKEN_LEN]>,
+    /// The daemon's user id when it is neither root nor this process's user (a daemon started
+    /// by hand by another user). A listener of any other user gets no token.
+    pub daemon_uid: Option<u32>,
+}
+
+impl Endpoint {
+    /// Whether a listener of user `uid` may be this endpoint's daemon.
+    fn trusts(&self, uid: u32) -> bool {
+        uid == 0 || uid == tlsplane_sys::current_uid() || self.daemon_uid == Some(uid)
+    }
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -102,6 +114,7 @@ impl std::fmt::Debug for Endpoint {
         // Never the token.
         f.debug_struct("Endpoint")
             .field("socket", &self.socket)
+            .field("daemon_uid", &self.daemon_uid)
             .finish_non_exhaustive()
     }
 }
@@ -111,10 +124,31 @@ struct Conn(Socket, Duration);
 
 impl Conn {
     fn open(ep: &Endpoint, timeout: Duration) -> io::Result<Conn> {
+        Self::open_with(ep, timeout, |sock| tlsplane_sys::peer_uid(sock.as_fd()))
+    }
+
+    /// [`Conn::open`], with the listener's user id as `listener_uid` says it.
+    fn open_with(
+        ep: &Endpoint,
+        timeout: Duration,
+        listener_uid: impl FnOnce(&Socket) -> io::Result<u32>,
+    ) -> io::Result<Conn> {
         let sock = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
         sock.set_read_timeout(Some(timeout))?;
         sock.set_write_timeout(Some(timeout))?;
         sock.connect(&SockAddr::unix(&ep.socket)?)?;
+        // Before the token leaves: the listener's user as the kernel recorded it at listen().
+        let uid = listener_uid(&sock)?;
+        if !ep.trusts(uid) {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} is listened on by user id {uid}, not root, this process's user or the \
+                     daemon's (--keyd-uid): no token sent",
+                    ep.socket.display()
+                ),
+            ));
+        }
         let mut c = Conn(sock, timeout);
         let mut hello = vec![op::HELLO];
         hello.extend_from_slice(ep.token.as_ref());
@@ -599,6 +633,7 @@ mod tests {
         let endpoint = Endpoint {
             socket: path,
             token: zeroize::Zeroizing::new([7; TOKEN_LEN]),
+            daemon_uid: None,
         };
         (endpoint, daemon)
     }
@@ -670,6 +705,45 @@ mod tests {
         assert!(took < Duration::from_millis(700), "waited {took:?}");
         assert_eq!(client.timeouts(), 1);
         assert_eq!(client.broken(), 1);
+    }
+
+    #[test]
+    fn the_token_goes_only_to_a_daemon_of_a_trusted_user() {
+        // A listener of this process's own user, taken for one of another user: what a client
+        // would see if a socket of that user had been put in the daemon's place.
+        let dir = scratch("peer-uid");
+        let path = dir.join("keyd.sock");
+        let listener = Socket::new(Domain::UNIX, Type::SEQPACKET, None).expect("socket");
+        listener
+            .bind(&SockAddr::unix(&path).expect("address"))
+            .expect("bind");
+        listener.listen(4).expect("listen");
+        let received = std::thread::spawn(move || {
+            let (conn, _) = listener.accept().expect("accept");
+            conn.set_read_timeout(Some(Duration::from_secs(2)))
+                .expect("timeout");
+            let mut buf = [0u8; MAX_MESSAGE];
+            (&conn).read(&mut buf).unwrap_or(0)
+        });
+        let me = tlsplane_sys::current_uid();
+        let mut endpoint = Endpoint {
+            socket: path,
+            token: zeroize::Zeroizing::new([7; TOKEN_LEN]),
+            daemon_uid: None,
+        };
+        assert!(endpoint.trusts(0) && endpoint.trusts(me));
+        assert!(!endpoint.trusts(me.wrapping_add(4242)));
+        endpoint.daemon_uid = Some(me.wrapping_add(4242));
+        assert!(endpoint.trusts(me.wrapping_add(4242)));
+        // This process may be root, whom every client trusts: the listener's user is said to
+        // be one that is neither root, ours nor the endpoint's.
+        let e = Conn::open_with(&endpoint, DEFAULT_SIGN_TIMEOUT, |_| Ok(me.wrapping_add(7)))
+            .expect_err("a token for a listener of another user");
+        let bytes = received.join().expect("listener");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+        assert!(e.to_string().contains("no token sent"), "{e}");
+        assert_eq!(bytes, 0, "the listener received {bytes} bytes");
     }
 
     #[test]

@@ -5,7 +5,10 @@
 //! big-endian][message]`, the length between 1 and [`MAX_MESSAGE`]; anything else ends the
 //! connection. There is no HELLO and no token: the client's certificate, issued by the CA the
 //! daemon is given, is what authenticates it (and the daemon's, by the CA the client is given,
-//! the daemon). HANDOFF is never served over TLS: keys do not leave a remote daemon.
+//! the daemon), and the names it bears decide which keys it may use (the daemon's
+//! `--authorize`). HANDOFF, RELOAD and COMMIT are never served over TLS: keys do not leave a
+//! remote daemon, and no client makes one drop or re-read keys that other servers use (its
+//! host reloads it). A server's reload only asks the daemons for its keys again (KEY).
 //!
 //! Several daemons ([`KeydFleet`]) are used in turn, each signature on one. A call that is lost
 //! (connection closed or reset, no daemon listening) is tried again at once on the next daemon,
@@ -277,8 +280,6 @@ struct Daemon {
     /// Bumped each time it comes back (it may have been restarted and number its keys
     /// otherwise): handles learnt before are asked again.
     epoch: AtomicU64,
-    /// The generation its last RELOAD made, to commit.
-    reloaded: Mutex<Option<u32>>,
 }
 
 /// Several key daemons reached over TLS, used in turn, each signature on one that is up.
@@ -324,7 +325,6 @@ impl KeydFleet {
                 up: AtomicBool::new(false),
                 retry: Mutex::new((Instant::now(), Duration::from_millis(50))),
                 epoch: AtomicU64::new(0),
-                reloaded: Mutex::new(None),
             });
         }
         let fleet = Arc::new(KeydFleet {
@@ -483,52 +483,6 @@ impl KeydFleet {
             }
         })?;
         parse_key_reply(&reply)
-    }
-
-    /// Has every daemon in use re-read its key files (a reload). Fails if one refuses (its
-    /// files are broken) or none answers.
-    pub fn reload(&self) -> io::Result<()> {
-        let mut done = 0;
-        for (i, d) in self.daemons.iter().enumerate() {
-            if !d.up.load(Relaxed) {
-                continue;
-            }
-            match self.call_on(i, &[op::RELOAD]) {
-                Ok(r) if r.len() >= 4 => {
-                    *lock(&d.reloaded) = Some(u32::from_be_bytes([r[0], r[1], r[2], r[3]]));
-                    done += 1;
-                }
-                Ok(_) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        "keyd: malformed reply",
-                    ))
-                }
-                Err(e) if is_refusal(&e) => {
-                    return Err(io::Error::other(format!("tls://{}: {e}", d.addr)))
-                }
-                Err(e) => self.lost(i, &e),
-            }
-        }
-        if done == 0 {
-            return Err(no_daemon());
-        }
-        Ok(())
-    }
-
-    /// The configuration built on the last reload is in force: each daemon that reloaded may
-    /// drop the keys it no longer needs.
-    pub fn commit(&self) {
-        for (i, d) in self.daemons.iter().enumerate() {
-            let Some(g) = lock(&d.reloaded).take() else {
-                continue;
-            };
-            let mut req = vec![op::COMMIT];
-            req.extend_from_slice(&g.to_be_bytes());
-            if let Err(e) = self.call_on(i, &req) {
-                tracing::warn!("key daemon tls://{} did not take the commit: {e}", d.addr);
-            }
-        }
     }
 
     /// A signature by the key, on one daemon in use, or on the next if the call is lost.
