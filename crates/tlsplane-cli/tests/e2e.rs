@@ -80,6 +80,8 @@ mod proxy_http;
 mod reload;
 #[path = "e2e/send_timeout.rs"]
 mod send_timeout;
+#[path = "e2e/served_secrets.rs"]
+mod served_secrets;
 #[path = "e2e/shutdown.rs"]
 mod shutdown;
 #[path = "e2e/sites.rs"]
