@@ -44,6 +44,8 @@ mod handoff_c;
 mod handoff_preload;
 #[path = "e2e/hello_records.rs"]
 mod hello_records;
+#[path = "e2e/hello_refusals.rs"]
+mod hello_refusals;
 #[path = "e2e/http.rs"]
 mod http;
 #[path = "e2e/http2.rs"]
