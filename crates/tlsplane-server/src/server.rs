@@ -706,6 +706,11 @@ fn flag_cert_paths(args: &ServerArgs) -> anyhow::Result<(PathBuf, PathBuf)> {
     if let (Some(c), Some(k)) = (&args.cert, &args.key) {
         return Ok((c.clone(), k.clone()));
     }
+    generated_cert()
+}
+
+#[cfg(feature = "localhost-cert")]
+fn generated_cert() -> anyhow::Result<(PathBuf, PathBuf)> {
     let dir = tlsplane::cert::default_state_dir();
     let g = tlsplane::cert::ensure_localhost_cert(&dir)?;
     tracing::info!(
@@ -715,6 +720,13 @@ fn flag_cert_paths(args: &ServerArgs) -> anyhow::Result<(PathBuf, PathBuf)> {
         g.ca.display()
     );
     Ok((g.cert, g.key))
+}
+
+#[cfg(not(feature = "localhost-cert"))]
+fn generated_cert() -> anyhow::Result<(PathBuf, PathBuf)> {
+    anyhow::bail!(
+        "give --cert and --key: this build generates no certificate (the `localhost-cert` feature is off)"
+    )
 }
 
 /// The sites: from the configuration file, else one from the command line (the product's
