@@ -72,6 +72,8 @@ mod mutated_hellos;
 mod operations;
 #[path = "e2e/panics.rs"]
 mod panics;
+#[path = "e2e/post_handshake_records.rs"]
+mod post_handshake_records;
 #[path = "e2e/proxy.rs"]
 mod proxy;
 #[path = "e2e/proxy_h2.rs"]
