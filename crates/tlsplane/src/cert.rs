@@ -323,11 +323,11 @@ fn write_private(path: &Path, bytes: &[u8]) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rustls::client::danger::ServerCertVerifier as _;
 
     #[test]
     #[cfg(feature = "localhost-cert")]
     fn generated_cert_is_reused_and_loads() {
+        use rustls::client::danger::ServerCertVerifier as _;
         let dir = std::env::temp_dir().join(format!("tlsplane-cert-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let first = ensure_localhost_cert(&dir).unwrap();

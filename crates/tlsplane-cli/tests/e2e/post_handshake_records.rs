@@ -21,6 +21,9 @@ use crate::support::{mode, Mode, Server};
 
 const UNEXPECTED_MESSAGE: [u8; 2] = [2, 10];
 
+/// What a case sends: records, each its inner content type and plaintext.
+type Records = Vec<(ContentType, Vec<u8>)>;
+
 /// A TLS 1.3 connection past its handshake whose records the test writes and reads itself.
 struct RawRecords {
     sock: TcpStream,
@@ -124,7 +127,7 @@ fn records_without_content_type_or_interleaved_with_a_key_update_get_unexpected_
     let server = Server::start();
     let port = server.port();
     let request = b"GET /hello.txt HTTP/1.1\r\nHost: localhost\r\n\r\n";
-    let mut cases: Vec<(String, Vec<(ContentType, Vec<u8>)>)> = vec![
+    let mut cases: Vec<(String, Records)> = vec![
         (
             "no content type".into(),
             vec![(ContentType::Unknown(0), vec![])],
