@@ -6,13 +6,19 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 
-use tlsplane_server::config::{load_sites, ConfigFile, SiteNeeds};
-use tlsplane_server::server::{server_options_of, Alpn, Product};
+use tlsplane_server::config::{load_sites, ConfigFile, Sites, PRODUCTS};
+use tlsplane_server::served_secrets::ServedSecrets;
+use tlsplane_server::server::{default_options, server_options_of, Product};
 
 #[derive(Args, Debug)]
 pub struct CheckArgs {
     /// The configuration file to check.
     pub file: PathBuf,
+    /// The product that will run it: the file is checked as `tlsplane PRODUCT --config FILE`
+    /// would check it at start. Default: the file's own `product = "..."`, else guessed from
+    /// what it names (backends: proxy; a hand-off socket: handoff; else serve).
+    #[arg(long, value_name = "serve|proxy|handoff", value_parser = clap::builder::PossibleValuesParser::new(PRODUCTS))]
+    pub product: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -25,115 +31,108 @@ pub struct ReloadArgs {
     pub timeout: u64,
 }
 
-/// The fleet's options, as a server would check them at start (the key-encryption key read).
-fn fleet(server: &tlsplane_server::server::ServerArgs, errors: &mut Vec<String>) {
-    if let Err(e) = tlsplane_server::server::check_fleet(server) {
-        errors.push(format!("{e:#}"));
+/// The product a file is checked for, and why that one.
+fn product_of(
+    file: &ConfigFile,
+    asked: Option<&str>,
+) -> anyhow::Result<(&'static str, &'static str)> {
+    let named = |p: &str| PRODUCTS.into_iter().find(|known| *known == p);
+    if let Some(p) = asked {
+        file.check_product(p).map_err(anyhow::Error::msg)?;
+        return Ok((named(p).unwrap_or("serve"), "--product"));
     }
+    if let Some(p) = file.product.as_deref().and_then(named) {
+        return Ok((p, "the file's `product`"));
+    }
+    Ok(if file.is_handoff() {
+        ("handoff", "guessed: it names a hand-off socket")
+    } else if file.is_proxy() {
+        ("proxy", "guessed: it names backends")
+    } else {
+        ("serve", "guessed: it names no backends")
+    })
 }
 
 pub fn check_config(args: CheckArgs) -> anyhow::Result<()> {
     let file = ConfigFile::read(&args.file).map_err(anyhow::Error::msg)?;
-    let mut errors = Vec::new();
-    // A file that names backends is a proxy's; checked against the proxy's options.
-    let (needs, alpn) = if file.is_handoff() {
-        match server_options_of::<crate::handoff::HandoffArgs>(&file, &|_| false, Vec::new()) {
-            Ok(o) => {
-                fleet(crate::handoff::Handoff::server(&o), &mut errors);
-                (
-                    crate::handoff::site_needs(&o),
-                    crate::handoff::Handoff::alpn(&o),
-                )
-            }
-            Err(e) => {
-                errors.push(format!("{e:#}"));
-                (
-                    SiteNeeds::Handoff {
-                        default: tlsplane_server::config::HandoffTarget {
-                            socket: Default::default(),
-                            uids: vec![],
-                            gids: vec![],
-                        },
-                    },
-                    Alpn::new(None, &[], None),
-                )
-            }
-        }
-    } else if file.is_proxy() {
-        match server_options_of::<crate::proxy::ProxyArgs>(&file, &|_| false, Vec::new()) {
-            Ok(o) => {
-                fleet(crate::proxy::Proxy::server(&o), &mut errors);
-                (crate::proxy::site_needs(&o), crate::proxy::Proxy::alpn(&o))
-            }
-            Err(e) => {
-                errors.push(format!("{e:#}"));
-                (
-                    SiteNeeds::Backends {
-                        default: vec![],
-                        protocol: Some(tlsplane_server::config::BackendProtocol::Http1),
-                    },
-                    Alpn::new(None, &[], None),
-                )
-            }
-        }
-    } else {
-        let options = server_options_of::<crate::serve::ServeArgs>(&file, &|_| false, Vec::new());
-        let alpn = match &options {
-            Ok(o) => {
-                fleet(crate::serve::Serve::server(o), &mut errors);
-                crate::serve::Serve::alpn(o)
-            }
-            Err(_) => Alpn::new(
-                None,
-                &tlsplane_server::server::HTTP1_ALPN,
-                Some(&tlsplane_server::server::SERVE_ALPN),
-            ),
-        };
-        let needs = SiteNeeds::Root {
-            allow_symlinks_outside: match options {
-                Ok(o) => o.allow_symlinks_outside,
-                Err(e) => {
-                    errors.push(format!("{e:#}"));
-                    false
-                }
-            },
-        };
-        (needs, alpn)
+    let (product, why) = product_of(&file, args.product.as_deref())?;
+    let checked = match product {
+        "handoff" => check_for::<crate::handoff::Handoff>(&file),
+        "proxy" => check_for::<crate::proxy::Proxy>(&file),
+        _ => check_for::<crate::serve::Serve>(&file),
     };
-    // Session-ticket keys, read as a server would read them (relative to the working
-    // directory, as a server started here would).
-    if let Some(path) = file.server.get("ticket-keys").and_then(|v| v.as_str()) {
-        if let Err(e) = tlsplane_server::server::read_ticket_keys(Some(path.as_ref())) {
+    match checked {
+        Ok(sites) => {
+            let certs: usize = sites.tls.iter().map(|s| s.certs.len()).sum();
+            println!(
+                "{}: ok: {} sites, {} certificates, for `tlsplane {product} --config` ({why})",
+                file.path.display(),
+                sites.serve.len(),
+                certs
+            );
+            Ok(())
+        }
+        Err(errors) => {
+            for e in &errors {
+                eprintln!("error: {e}");
+            }
+            anyhow::bail!(
+                "{}: {} error(s); `tlsplane {product} --config` ({why}) would not start with it",
+                file.path.display(),
+                errors.len()
+            )
+        }
+    }
+}
+
+/// What `P --config FILE` checks at start, without starting anything; the keys are read here,
+/// by the operator's tool, as keyd would read them. Warnings are printed as found.
+fn check_for<P: Product>(file: &ConfigFile) -> Result<Sites, Vec<String>> {
+    let mut errors = Vec::new();
+    let options = match server_options_of::<P::Args>(file, &|_| false, Vec::new()) {
+        Ok(o) => o,
+        Err(e) => {
+            errors.push(format!("{e:#}"));
+            // The sites are still worth checking, under the product's defaults.
+            match default_options::<P::Args>() {
+                Ok(o) => o,
+                Err(_) => return Err(errors),
+            }
+        }
+    };
+    let server = P::server(&options);
+    let mut push = |r: anyhow::Result<()>| {
+        if let Err(e) = r {
             errors.push(format!("{e:#}"));
         }
-    }
-    // Keys are read here, by the operator's tool, as keyd would read them.
-    match load_sites(&file, &needs, &alpn, &tlsplane::cert::load_key) {
-        Ok(sites) => {
-            for w in &sites.warnings {
-                eprintln!("warning: {w}");
-            }
-            if errors.is_empty() {
-                let certs: usize = sites.tls.iter().map(|s| s.certs.len()).sum();
-                println!(
-                    "{}: ok: {} sites, {} certificates",
-                    file.path.display(),
-                    sites.serve.len(),
-                    certs
-                );
-                return Ok(());
-            }
+    };
+    push(P::check_args(&options, true));
+    push(tlsplane_server::server::check_fleet(server));
+    push(tlsplane_server::server::read_ticket_keys(server.ticket_keys.as_deref()).map(|_| ()));
+    let loaded = load_sites(
+        file,
+        &P::site_needs(&options),
+        &P::alpn(&options),
+        &tlsplane::cert::load_key,
+    );
+    let mut sites = match loaded {
+        Ok(sites) => sites,
+        Err(e) => {
+            errors.extend(e);
+            return Err(errors);
         }
-        Err(e) => errors.extend(e),
+    };
+    for w in &sites.warnings {
+        eprintln!("warning: {w}");
     }
-    for e in &errors {
-        eprintln!("error: {e}");
+    if let Err(e) = ServedSecrets::of(server, Some(file), None, None).guard(&mut sites) {
+        errors.extend(e);
     }
-    anyhow::bail!(
-        "{}: {} error(s); a server would not start with it",
-        file.path.display(),
-        errors.len()
-    )
+    if errors.is_empty() {
+        Ok(sites)
+    } else {
+        Err(errors)
+    }
 }
 
 /// The number of the last reload a server recorded (0: none yet).

@@ -36,6 +36,11 @@ pub struct ServeArgs {
     /// Follow symlinks that lead outside DIR (refused by default).
     #[arg(long)]
     pub allow_symlinks_outside: bool,
+    /// Serve dot-files and dot-directories (`/.git/config`, `/.env`): by default a path with
+    /// a segment starting with `.` is answered 404, except under `/.well-known/`. A site's
+    /// `serve-dotfiles` key says it for that site.
+    #[arg(long)]
+    pub serve_dotfiles: bool,
     /// Seconds from the first byte of a request to the end of its headers (one deadline for
     /// the whole head, however the client spreads it over reads).
     #[arg(long, default_value_t = 10)]
@@ -119,6 +124,7 @@ impl Product for Serve {
     fn site_needs(args: &ServeArgs) -> SiteNeeds {
         SiteNeeds::Root {
             allow_symlinks_outside: args.allow_symlinks_outside,
+            serve_dotfiles: args.serve_dotfiles,
         }
     }
 
@@ -133,7 +139,8 @@ impl Product for Serve {
     fn flag_origin(args: &ServeArgs) -> anyhow::Result<Origin> {
         use anyhow::Context;
         let root = DocRoot::new(&args.dir, args.allow_symlinks_outside)
-            .with_context(|| format!("cannot serve {}", args.dir.display()))?;
+            .with_context(|| format!("cannot serve {}", args.dir.display()))?
+            .serve_dotfiles(args.serve_dotfiles);
         Ok(Origin::Root(root))
     }
 

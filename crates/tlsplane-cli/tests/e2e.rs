@@ -48,6 +48,8 @@ mod handoff_readme;
 mod handoff_trust;
 #[path = "e2e/hello_records.rs"]
 mod hello_records;
+#[path = "e2e/hello_refusals.rs"]
+mod hello_refusals;
 #[path = "e2e/http.rs"]
 mod http;
 #[path = "e2e/http2.rs"]
@@ -76,6 +78,8 @@ mod mutated_hellos;
 mod operations;
 #[path = "e2e/panics.rs"]
 mod panics;
+#[path = "e2e/post_handshake_records.rs"]
+mod post_handshake_records;
 #[path = "e2e/proxy.rs"]
 mod proxy;
 #[path = "e2e/proxy_h2.rs"]
@@ -86,6 +90,8 @@ mod proxy_http;
 mod reload;
 #[path = "e2e/send_timeout.rs"]
 mod send_timeout;
+#[path = "e2e/served_secrets.rs"]
+mod served_secrets;
 #[path = "e2e/shutdown.rs"]
 mod shutdown;
 #[path = "e2e/sites.rs"]

@@ -27,6 +27,9 @@
 //!   is `HTTP/` DIGIT `.` DIGIT), no version at all (an HTTP/0.9-style line).
 //!   The answer does not depend on how the request was split across reads.
 //! * There are no directory listings: a directory without `index.html` is `403`.
+//! * A path with a segment starting with `.` (`/.git/config`, `/.env`) is `404` unless the
+//!   [`DocRoot`] serves dot-files; `/.well-known/` is always served. Files the server holds
+//!   secret ([`Withheld`]: its keys) are `404` whatever path leads to them.
 //! * A request-target may be origin-form or absolute-form (`https://host/p`,
 //!   of which only the path is used). `..` segments are resolved lexically and
 //!   give `403` when they would climb above the root; a percent-decoded `/`,
@@ -66,7 +69,7 @@ pub use error::HttpError;
 pub use head::HeadReader;
 pub use mime::content_type;
 pub use parse::{parse_request, Limits, Method, Parsed, Request};
-pub use resolve::DocRoot;
+pub use resolve::{DocRoot, Withheld};
 pub use response::{
     error_response, error_response_at, fields_of, reason_phrase, respond, Body, Response,
 };

@@ -1,12 +1,13 @@
 //! Mapping a request-target onto a file under the document root, without
 //! ever handing out a file that lies outside it.
 
+use std::collections::HashSet;
 use std::ffi::{CString, OsStr};
 use std::fs::{self, File, Metadata};
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,12 +15,54 @@ use std::sync::Arc;
 use crate::HttpError;
 
 const INDEX: &str = "index.html";
+/// The one dot-directory served by default: RFC 8615's well-known URIs (ACME challenges,
+/// security.txt).
+const WELL_KNOWN: &[u8] = b".well-known";
+
+/// Files a server must never hand out, whatever the path that leads to them: its private keys,
+/// ticket keys and the like. Known by identity (device and inode), so that a symlink or a hard
+/// link leading to one is refused as the file itself is, at no cost per request (the identity
+/// comes with the descriptor's fstat, which serving needs anyway).
+#[derive(Debug, Default)]
+pub struct Withheld {
+    files: HashSet<(u64, u64)>,
+}
+
+impl Withheld {
+    /// Withholds the file at `path` (through symlinks), or for a directory every file in it;
+    /// a path that does not exist is skipped.
+    pub fn add(&mut self, path: &Path) {
+        let Ok(meta) = fs::metadata(path) else {
+            return;
+        };
+        if meta.is_dir() {
+            for entry in fs::read_dir(path).into_iter().flatten().flatten() {
+                if let Ok(m) = fs::metadata(entry.path()) {
+                    if m.is_file() {
+                        self.files.insert((m.dev(), m.ino()));
+                    }
+                }
+            }
+        } else {
+            self.files.insert((meta.dev(), meta.ino()));
+        }
+    }
+
+    fn holds(&self, meta: &Metadata) -> bool {
+        !self.files.is_empty() && self.files.contains(&(meta.dev(), meta.ino()))
+    }
+}
 
 /// The directory files are served from.
 #[derive(Debug, Clone)]
 pub struct DocRoot {
     root: PathBuf,
     allow_symlinks_outside: bool,
+    /// Paths with a segment starting with '.' are served (other than `/.well-known/`, which
+    /// always is).
+    serve_dotfiles: bool,
+    /// Never served, wherever they are found (see [`Withheld`]).
+    withheld: Arc<Withheld>,
     /// The root directory, open, for `openat2` beneath it (see [`open_fast`]).
     dir: Option<Arc<OwnedFd>>,
 }
@@ -41,8 +84,37 @@ impl DocRoot {
         Ok(DocRoot {
             root,
             allow_symlinks_outside,
+            serve_dotfiles: false,
+            withheld: Arc::default(),
             dir,
         })
+    }
+
+    /// Serve dot-files and dot-directories (`/.git/config`, `/.env`). Off by default: they
+    /// are a tree's metadata and secrets far more often than its content.
+    pub fn serve_dotfiles(mut self, yes: bool) -> Self {
+        self.serve_dotfiles = yes;
+        self
+    }
+
+    /// Whether dot-files are served.
+    pub fn serves_dotfiles(&self) -> bool {
+        self.serve_dotfiles
+    }
+
+    /// Never serve these files (answered 404, as if absent).
+    pub fn withhold(&mut self, files: Arc<Withheld>) {
+        self.withheld = files;
+    }
+
+    /// Whether `path` is this root or lies under it (both canonical, or `path` made so from
+    /// its parent when it does not exist yet).
+    pub fn contains(&self, path: &Path) -> bool {
+        let canonical = fs::canonicalize(path).ok().or_else(|| {
+            let parent = fs::canonicalize(path.parent()?).ok()?;
+            Some(parent.join(path.file_name()?))
+        });
+        canonical.is_some_and(|p| p.starts_with(&self.root))
     }
 
     /// The canonical root directory.
@@ -184,6 +256,29 @@ pub(crate) enum Resolved {
 }
 
 pub(crate) fn resolve(root: &DocRoot, target: &Target<'_>) -> Result<Resolved, HttpError> {
+    if !root.serve_dotfiles && names_dotfile(target) {
+        return Err(HttpError::NotFound);
+    }
+    let found = resolve_path(root, target)?;
+    if let Resolved::File { meta, .. } = &found {
+        if root.withheld.holds(meta) {
+            return Err(HttpError::NotFound);
+        }
+    }
+    Ok(found)
+}
+
+/// A segment starting with '.' other than a leading `.well-known` (as nginx's and Caddy's
+/// usual `location ~ /\.` rules).
+fn names_dotfile(target: &Target<'_>) -> bool {
+    target
+        .segments
+        .iter()
+        .enumerate()
+        .any(|(i, s)| s.first() == Some(&b'.') && !(i == 0 && s == WELL_KNOWN))
+}
+
+fn resolve_path(root: &DocRoot, target: &Target<'_>) -> Result<Resolved, HttpError> {
     if let Some(found) = open_fast(root, target)? {
         return Ok(found);
     }
@@ -530,5 +625,96 @@ mod io_mapping_tests {
             404
         );
         assert_eq!(status(io::Error::from_raw_os_error(libc::EIO)), 500);
+    }
+}
+
+#[cfg(test)]
+mod withheld_tests {
+    use super::*;
+
+    fn status(root: &DocRoot, raw: &str) -> Result<(), u16> {
+        parse_target(raw)
+            .and_then(|t| resolve(root, &t))
+            .map(|_| ())
+            .map_err(|e| e.status())
+    }
+
+    #[test]
+    fn dotfiles_are_not_served_unless_allowed() {
+        let dir = std::env::temp_dir().join(format!("tlsplane-http-dot-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        for d in [
+            ".git",
+            ".well-known/acme-challenge",
+            "a/.hidden",
+            "a/.well-known",
+        ] {
+            fs::create_dir_all(dir.join(d)).unwrap();
+        }
+        for f in [
+            ".env",
+            ".git/config",
+            ".well-known/acme-challenge/token",
+            "a/.hidden/x",
+            "a/.well-known/y",
+            "a/b.txt",
+        ] {
+            fs::write(dir.join(f), b"x").unwrap();
+        }
+        let root = DocRoot::new(&dir, false).unwrap();
+        for hidden in [
+            "/.env",
+            "/.git/config",
+            "/.git/",
+            "/.git",
+            "/%2egit/config",
+            "/a/.hidden/x",
+            "/a/.well-known/y",
+            "/x/../.env",
+        ] {
+            assert_eq!(status(&root, hidden), Err(404), "{hidden}");
+        }
+        assert_eq!(status(&root, "/.well-known/acme-challenge/token"), Ok(()));
+        assert_eq!(status(&root, "/a/b.txt"), Ok(()));
+        let open = root.serve_dotfiles(true);
+        for shown in ["/.env", "/.git/config", "/a/.hidden/x", "/a/.well-known/y"] {
+            assert_eq!(status(&open, shown), Ok(()), "{shown}");
+        }
+        let _ = fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn withheld_files_are_not_served_by_any_path() {
+        let base = std::env::temp_dir().join(format!("tlsplane-http-wh-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&base);
+        let (www, state) = (base.join("www"), base.join("state"));
+        fs::create_dir_all(&www).unwrap();
+        fs::create_dir_all(&state).unwrap();
+        fs::write(base.join("ticket.keys"), b"k").unwrap();
+        fs::write(state.join("key.pem"), b"k").unwrap();
+        fs::write(www.join("page.txt"), b"p").unwrap();
+        std::os::unix::fs::symlink(base.join("ticket.keys"), www.join("keys-link")).unwrap();
+        std::os::unix::fs::symlink(state.join("key.pem"), www.join("abs-link")).unwrap();
+        fs::hard_link(base.join("ticket.keys"), www.join("keys-hard")).unwrap();
+        let mut withheld = Withheld::default();
+        withheld.add(&base.join("ticket.keys"));
+        withheld.add(&state);
+        withheld.add(&base.join("missing"));
+        let withheld = Arc::new(withheld);
+        let mut lax = DocRoot::new(&www, true).unwrap();
+        assert_eq!(status(&lax, "/keys-link"), Ok(()));
+        lax.withhold(withheld.clone());
+        for path in ["/keys-link", "/abs-link", "/keys-hard"] {
+            assert_eq!(status(&lax, path), Err(404), "{path}");
+        }
+        assert_eq!(status(&lax, "/page.txt"), Ok(()));
+        let mut strict = DocRoot::new(&www, false).unwrap();
+        strict.withhold(withheld);
+        assert_eq!(status(&strict, "/keys-hard"), Err(404));
+        assert_eq!(status(&strict, "/page.txt"), Ok(()));
+        assert!(strict.contains(&www.join("page.txt")));
+        assert!(strict.contains(&www.join("not-yet")));
+        assert!(!strict.contains(&base.join("ticket.keys")));
+        let _ = fs::remove_dir_all(base);
     }
 }

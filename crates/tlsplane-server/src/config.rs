@@ -24,6 +24,9 @@ const EXPIRY_WARNING: Duration = Duration::from_secs(14 * 24 * 3600);
 #[derive(Deserialize, Debug)]
 #[serde(deny_unknown_fields)]
 struct FileToml {
+    /// The product the file is for (`serve`, `proxy`, `handoff`): the others refuse it, and
+    /// `check-config` checks it for that product.
+    product: Option<String>,
     #[serde(default)]
     server: toml::Table,
     #[serde(default, rename = "site")]
@@ -39,6 +42,8 @@ struct SiteToml {
     server_names: Vec<String>,
     /// `serve`: the document root.
     root: Option<PathBuf>,
+    /// `serve`: serve dot-files and dot-directories under the root; default: --serve-dotfiles.
+    serve_dotfiles: Option<bool>,
     /// `proxy`: the backends (`HOST:PORT` or `unix:PATH`); default: the `--to` flags.
     to: Option<Vec<String>>,
     /// `proxy --mode http`: what its backends speak; default: --backend-protocol.
@@ -73,6 +78,8 @@ struct CertToml {
 #[derive(Debug)]
 pub struct ConfigFile {
     pub path: PathBuf,
+    /// The product it declares itself for (`product = "..."`), if it does.
+    pub product: Option<String>,
     /// The `[server]` table, as written.
     pub server: toml::Table,
     sites: Vec<SiteToml>,
@@ -96,6 +103,15 @@ impl ConfigFile {
                 one_line(e.message())
             )
         })?;
+        if let Some(p) = &parsed.product {
+            if !PRODUCTS.contains(&p.as_str()) {
+                return Err(format!(
+                    "{}: product = {p:?}: expected one of {}",
+                    path.display(),
+                    PRODUCTS.join(", ")
+                ));
+            }
+        }
         if parsed.sites.is_empty() {
             return Err(format!(
                 "{}: no [[site]]: a configuration needs at least one site",
@@ -104,9 +120,21 @@ impl ConfigFile {
         }
         Ok(Self {
             path: path.to_path_buf(),
+            product: parsed.product,
             server: parsed.server,
             sites: parsed.sites,
         })
+    }
+
+    /// Refuses a file that declares itself for another product than `command`.
+    pub fn check_product(&self, command: &str) -> Result<(), String> {
+        match &self.product {
+            Some(p) if p != command => Err(format!(
+                "{}: product = {p:?}: this file is for `tlsplane {p}`, not `tlsplane {command}`",
+                self.path.display()
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Every key file the sites name (what the key daemon loads), resolved.
@@ -193,6 +221,9 @@ impl ConfigFile {
         Ok(out)
     }
 }
+
+/// The products a configuration file can be for (`product = "..."`).
+pub const PRODUCTS: [&str; 3] = ["serve", "proxy", "handoff"];
 
 /// What a site needs besides its TLS: what to call it in messages, and what the product
 /// serves it from.
@@ -294,6 +325,8 @@ pub struct HandoffTarget {
 pub enum SiteNeeds {
     Root {
         allow_symlinks_outside: bool,
+        /// --serve-dotfiles: for sites whose `serve-dotfiles` key does not say.
+        serve_dotfiles: bool,
     },
     /// `default`: the backends of a site that names none (the `--to` flags); `protocol`: what
     /// they speak when a site does not say (--backend-protocol), `None` in TCP mode (where a
@@ -303,9 +336,7 @@ pub enum SiteNeeds {
         protocol: Option<BackendProtocol>,
     },
     /// `default`: the socket and ids of a site that names none (the flags).
-    Handoff {
-        default: HandoffTarget,
-    },
+    Handoff { default: HandoffTarget },
 }
 
 impl ConfigFile {
@@ -513,6 +544,9 @@ pub fn load_sites(
                 )),
             }
         }
+        if site.serve_dotfiles.is_some() && !matches!(needs, SiteNeeds::Root { .. }) {
+            fail("`serve-dotfiles` is for `tlsplane serve`; only serve sites have a root".into());
+        }
         let handoff_keys = site.handoff_socket.is_some()
             || site.handoff_allow_uids.is_some()
             || site.handoff_allow_gids.is_some();
@@ -573,13 +607,16 @@ pub fn load_sites(
             (
                 SiteNeeds::Root {
                     allow_symlinks_outside,
+                    serve_dotfiles,
                 },
                 Some(root),
                 None,
             ) => {
                 let root = file.resolve(root);
                 match DocRoot::new(&root, *allow_symlinks_outside) {
-                    Ok(r) => Some(Origin::Root(r)),
+                    Ok(r) => Some(Origin::Root(
+                        r.serve_dotfiles(site.serve_dotfiles.unwrap_or(*serve_dotfiles)),
+                    )),
                     Err(e) => {
                         fail(format!("root {}: {e}", root.display()));
                         None

@@ -26,6 +26,7 @@ mod lobby;
 pub mod privileges;
 pub mod runtime;
 pub mod secret_file;
+pub mod served_secrets;
 pub mod server;
 mod stats;
 pub mod ticket_store;

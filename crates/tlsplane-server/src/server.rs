@@ -18,6 +18,7 @@ pub use crate::config::{Alpn, HTTP1_ALPN, SERVE_ALPN};
 use crate::config::{ConfigFile, Origin, SiteNeeds, Sites};
 use crate::keys::Keys;
 use crate::runtime::{self, Generation, Handler, RuntimeConfig, RuntimeStats};
+use crate::served_secrets::ServedSecrets;
 
 /// The options every product has: listeners, certificates and keys, the data plane, limits,
 /// timeouts, observability. In a configuration file they go under `[server]`.
@@ -280,6 +281,13 @@ struct Flags<A: clap::Args> {
     args: A,
 }
 
+/// A product's options as they are with no flag given (to check a file's sites when its
+/// `[server]` table does not parse).
+pub fn default_options<A: clap::Args + clap::FromArgMatches>() -> anyhow::Result<A> {
+    use clap::Parser;
+    Ok(Flags::<A>::try_parse_from(Vec::<std::ffi::OsString>::new())?.args)
+}
+
 /// With `--config`: the file's `[server]` options under the command line's (a flag given on
 /// the command line wins), and the file itself.
 fn with_config_file<P: Product>(
@@ -293,6 +301,7 @@ fn with_config_file<P: Product>(
         |id: &str| given.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
     P::refuse_with_config(&explicit)?;
     let file = ConfigFile::read(&path).map_err(anyhow::Error::msg)?;
+    file.check_product(P::COMMAND).map_err(anyhow::Error::msg)?;
     // The command line as given after the subcommand: parsed again behind the file's options.
     let cli: Vec<std::ffi::OsString> = std::env::args_os()
         .skip(1)
@@ -349,7 +358,10 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     }
     let (flag_chain, flag_key) = match &file {
         Some(_) => (PathBuf::new(), PathBuf::new()),
-        None => flag_cert_paths(&server)?,
+        None => {
+            refuse_secrets_under_flag_root::<P>(&args)?;
+            flag_cert_paths(&server)?
+        }
     };
     let daemon_args: Vec<std::ffi::OsString> = match &file {
         Some(f) => vec!["--config".into(), f.path.clone().into()],
@@ -700,6 +712,11 @@ fn flag_cert_paths(args: &ServerArgs) -> anyhow::Result<(PathBuf, PathBuf)> {
     if let (Some(c), Some(k)) = (&args.cert, &args.key) {
         return Ok((c.clone(), k.clone()));
     }
+    generated_cert()
+}
+
+#[cfg(feature = "localhost-cert")]
+fn generated_cert() -> anyhow::Result<(PathBuf, PathBuf)> {
     let dir = tlsplane::cert::default_state_dir();
     let g = tlsplane::cert::ensure_localhost_cert(&dir)?;
     tracing::info!(
@@ -711,8 +728,16 @@ fn flag_cert_paths(args: &ServerArgs) -> anyhow::Result<(PathBuf, PathBuf)> {
     Ok((g.cert, g.key))
 }
 
+#[cfg(not(feature = "localhost-cert"))]
+fn generated_cert() -> anyhow::Result<(PathBuf, PathBuf)> {
+    anyhow::bail!(
+        "give --cert and --key: this build generates no certificate (the `localhost-cert` feature is off)"
+    )
+}
+
 /// The sites: from the configuration file, else one from the command line (the product's
-/// origin and the `flag` certificate and key).
+/// origin and the `flag` certificate and key). A document root holding one of the server's
+/// secrets is refused, and every root withholds them (at start and at each reload).
 fn load_sites<P: Product>(
     args: &P::Args,
     file: Option<&ConfigFile>,
@@ -720,12 +745,49 @@ fn load_sites<P: Product>(
     keys: crate::config::KeyLoader,
 ) -> anyhow::Result<Sites> {
     let alpn = P::alpn(args);
-    let sites = match file {
+    let mut sites = match file {
         Some(file) => crate::config::load_sites(file, &P::site_needs(args), &alpn, keys)
             .map_err(|errors| anyhow::anyhow!("{}", errors.join("\n")))?,
         None => crate::config::single_site(P::flag_origin(args)?, flag.0, flag.1, &alpn, keys)?,
     };
+    let server = P::server(args);
+    let state_dir = generated_cert_dir(server, file.is_some());
+    ServedSecrets::of(
+        server,
+        file,
+        file.is_none().then_some(flag.1),
+        state_dir.as_deref(),
+    )
+    .guard(&mut sites)
+    .map_err(|errors| anyhow::anyhow!("{}", errors.join("\n")))?;
     Ok(sites)
+}
+
+/// Where the generated localhost certificate and its key live, when the server uses it (no
+/// --config, no --cert/--key).
+fn generated_cert_dir(server: &ServerArgs, with_config: bool) -> Option<PathBuf> {
+    (!with_config && server.key.is_none()).then(tlsplane::cert::default_state_dir)
+}
+
+/// Without --config, before anything is started or generated (the key daemon, the localhost
+/// key in the state directory): the served directory must hold none of the server's secrets.
+/// (`load_sites` checks again, as at each reload.)
+fn refuse_secrets_under_flag_root<P: Product>(args: &P::Args) -> anyhow::Result<()> {
+    let server = P::server(args);
+    let state_dir = generated_cert_dir(server, false);
+    if let Origin::Root(root) = P::flag_origin(args)? {
+        let secrets = ServedSecrets::of(server, None, server.key.as_deref(), state_dir.as_deref());
+        let errors = secrets.under(&root, "default");
+        if !errors.is_empty() {
+            let hint = if state_dir.is_some_and(|d| root.contains(&d)) {
+                " (set TLSPLANE_HOME to a directory outside it, or give --cert and --key)"
+            } else {
+                ""
+            };
+            anyhow::bail!("{}{hint}", errors.join("\n"));
+        }
+    }
+    Ok(())
 }
 
 /// The acceptor's options: the sites' TLS and the global TLS options.

@@ -234,6 +234,7 @@ pub fn default_state_dir() -> PathBuf {
 }
 
 /// Paths of a generated certificate, its key and the CA that signed it.
+#[cfg(feature = "localhost-cert")]
 #[derive(Debug, Clone)]
 pub struct GeneratedPaths {
     /// Trust anchor for clients (`curl --cacert`).
@@ -250,6 +251,7 @@ pub struct GeneratedPaths {
 /// certificate because verifiers disagree about the latter: webpki refuses a CA certificate as
 /// a server certificate, and OpenSSL refuses a self-signed leaf that is not a CA. The CA's key
 /// is not kept, so it cannot issue anything else. Key files are created with mode 0600.
+#[cfg(feature = "localhost-cert")]
 pub fn ensure_localhost_cert(dir: &Path) -> Result<GeneratedPaths, Error> {
     let ca = dir.join("localhost-ca.pem");
     let cert = dir.join("localhost-cert.pem");
@@ -303,6 +305,7 @@ pub fn ensure_localhost_cert(dir: &Path) -> Result<GeneratedPaths, Error> {
     })
 }
 
+#[cfg(feature = "localhost-cert")]
 fn write_private(path: &Path, bytes: &[u8]) -> Result<(), Error> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
@@ -320,10 +323,11 @@ fn write_private(path: &Path, bytes: &[u8]) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rustls::client::danger::ServerCertVerifier as _;
 
     #[test]
+    #[cfg(feature = "localhost-cert")]
     fn generated_cert_is_reused_and_loads() {
+        use rustls::client::danger::ServerCertVerifier as _;
         let dir = std::env::temp_dir().join(format!("tlsplane-cert-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let first = ensure_localhost_cert(&dir).unwrap();

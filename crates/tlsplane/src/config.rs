@@ -190,6 +190,24 @@ pub fn crypto_provider() -> CryptoProvider {
     }
 }
 
+/// [`crypto_provider`] as servers use it: the TLS 1.3 suites' decrypters also answer records
+/// rustls would refuse without an alert (see `inner_type`).
+fn server_crypto_provider() -> CryptoProvider {
+    static SUITES: std::sync::OnceLock<Vec<rustls::SupportedCipherSuite>> =
+        std::sync::OnceLock::new();
+    let base = crypto_provider();
+    let suites = SUITES.get_or_init(|| {
+        base.cipher_suites
+            .iter()
+            .map(|s| crate::inner_type::checked(*s))
+            .collect()
+    });
+    CryptoProvider {
+        cipher_suites: suites.clone(),
+        ..base
+    }
+}
+
 /// Every site's ticketer, and the same as a ring when its keys are given (to install new ones).
 type Ticketer = (Arc<dyn ProducesTickets>, Option<Arc<TicketKeyRing>>);
 
@@ -294,7 +312,7 @@ impl Acceptor {
         if opts.sites.is_empty() {
             return Err(Error::Config("no site to serve".into()));
         }
-        let provider = Arc::new(crypto_provider());
+        let provider = Arc::new(server_crypto_provider());
         let mut sites = Vec::with_capacity(opts.sites.len());
         for (i, site) in opts.sites.into_iter().enumerate() {
             if site.certs.is_empty() {

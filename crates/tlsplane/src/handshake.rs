@@ -423,6 +423,7 @@ pub(crate) struct Gate<'a> {
 }
 
 const ALERT_UNEXPECTED_MESSAGE: u8 = 10;
+const ALERT_RECORD_OVERFLOW: u8 = 22;
 const ALERT_ILLEGAL_PARAMETER: u8 = 47;
 pub(crate) const ALERT_UNRECOGNIZED_NAME: u8 = 112;
 
@@ -475,6 +476,10 @@ async fn admit_hello(
             Peek::TooLarge(len) => {
                 plaintext_alert(sock, ALERT_ILLEGAL_PARAMETER).await;
                 return Err(Error::ClientHelloTooLarge(len));
+            }
+            Peek::RecordOverflow(_) => {
+                plaintext_alert(sock, ALERT_RECORD_OVERFLOW).await;
+                return Err(Error::Protocol(rustls::Error::PeerSentOversizedRecord));
             }
             Peek::TooManyRecords(records) => {
                 // As OpenSSL answers a flood of empty records.

@@ -36,6 +36,9 @@ pub(crate) enum Peek {
     /// It is still incomplete after this many records (the cap) and another one starts:
     /// refuse without reading further.
     TooManyRecords(usize),
+    /// A handshake record claims a fragment longer than a plaintext record may carry (this
+    /// many bytes): record_overflow (RFC 8446 §5.1), from its header.
+    RecordOverflow(usize),
     /// The whole ClientHello is buffered.
     Hello(HelloInfo),
     /// Not a ClientHello in handshake records: rustls will say what is wrong with it.
@@ -49,9 +52,11 @@ const EXT_SESSION_TICKET: u16 = 35;
 const EXT_PRE_SHARED_KEY: u16 = 41;
 /// Handshake message header: type (1) and length (3).
 const HS_HEADER_LEN: usize = 4;
-/// A record claiming a longer fragment is refused by rustls from its header (record_overflow):
-/// waiting for its body would only let a client hold the connection longer.
-const MAX_FRAGMENT_LEN: usize = crate::handshake::MAX_RECORD_LEN - crate::handshake::HEADER_LEN;
+/// The longest fragment of a plaintext record (2^14, RFC 8446 §5.1; RFC 5246 §6.2.1). rustls
+/// allows ciphertext's expansion on every record, encrypted or not, so a longer hello record
+/// is refused here, from its header: waiting for its body would only let a client hold the
+/// connection longer.
+const MAX_PLAINTEXT_FRAGMENT: usize = 16384;
 
 /// The ClientHello as read so far, kept between reads so that each read costs only its new
 /// bytes. Reading it again from the start of the input on every read made a hello sent in
@@ -91,9 +96,12 @@ impl HelloReader {
                 return Peek::NotHello;
             }
             let rec_len = u16::from_be_bytes([header[3], header[4]]) as usize;
-            if rec_len == 0 || rec_len > MAX_FRAGMENT_LEN {
-                // rustls refuses both from the header: empty handshake fragments (a flood of
-                // them costs nothing to send) and oversized records.
+            if rec_len > MAX_PLAINTEXT_FRAGMENT {
+                return Peek::RecordOverflow(rec_len);
+            }
+            if rec_len == 0 {
+                // rustls refuses an empty handshake fragment from its header (a flood of them
+                // costs nothing to send).
                 return Peek::NotHello;
             }
             if self.records >= max_records {
@@ -523,16 +531,25 @@ mod tests {
         // A handshake record holding a ServerHello.
         assert_eq!(peek_all(&records(&[2, 0, 0, 1, 0], 100)), Peek::NotHello);
         assert_eq!(peek_all(&[22, 3, 1, 0, 0, 22, 3, 1, 0, 0]), Peek::NotHello);
-        // Empty records after a start, and a record longer than any rustls takes: both refused
-        // by rustls from their headers, so not waited for.
+        // Empty records after a start: refused by rustls from their headers, so not waited for.
         let mut wire = records(&hello(&[]), 1);
         wire.truncate(6 * 3);
         wire.extend_from_slice(&[22, 3, 1, 0, 0]);
         assert_eq!(peek_all(&wire), Peek::NotHello);
-        assert_eq!(
-            peek_all(&[22, 3, 1, 0xff, 0xff, 1, 0, 0, 10]),
-            Peek::NotHello
-        );
+    }
+
+    /// A plaintext record carries 2^14 bytes at most: one more is refused from its header,
+    /// first record or a later one, however much of it came.
+    #[test]
+    fn oversized_records_overflow() {
+        let msg = hello(&[ext(21, &[0; 16000])]);
+        assert!(matches!(peek_all(&records(&msg, 16384)), Peek::Hello(_)));
+        let mut wire = vec![22, 3, 1, 0x40, 0x01];
+        wire.extend_from_slice(&msg[..4]);
+        assert_eq!(peek_all(&wire), Peek::RecordOverflow(16385));
+        let mut wire = records(&msg[..100], 100);
+        wire.extend_from_slice(&[22, 3, 1, 0xff, 0xff]);
+        assert_eq!(peek_all(&wire), Peek::RecordOverflow(0xffff));
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod config;
 pub mod error;
 mod handshake;
 pub mod hello;
+mod inner_type;
 pub mod keyd;
 pub mod linger;
 pub mod plane;

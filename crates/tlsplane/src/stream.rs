@@ -309,6 +309,7 @@ impl Acceptor {
             Error::Protocol(_)
                 | Error::PlainHttp
                 | Error::ClientHelloTooLarge(_)
+                | Error::ClientHelloTooManyRecords(_)
                 | Error::UnknownServerName(_)
         );
         if told {

@@ -44,7 +44,7 @@ fn cpu_per_connection(pid: u32, n: u32, deadline: Instant, mut one: impl FnMut()
 
 /// A real rustls ClientHello (TLS 1.3, X25519MLKEM768 key share) padded with a padding
 /// extension to `size` bytes of handshake message, without its record header.
-fn padded_client_hello(size: usize) -> Vec<u8> {
+pub fn padded_client_hello(size: usize) -> Vec<u8> {
     let wire = crate::mutated_hellos::client_hello(Tls::V13);
     assert_eq!(wire[0], 22, "one handshake record");
     let mut msg = wire[5..].to_vec();
@@ -66,7 +66,7 @@ fn padded_client_hello(size: usize) -> Vec<u8> {
 }
 
 /// `msg` in handshake records of `frag` bytes.
-fn records(msg: &[u8], frag: usize) -> Vec<u8> {
+pub fn records(msg: &[u8], frag: usize) -> Vec<u8> {
     msg.chunks(frag)
         .flat_map(|c| {
             let mut r = vec![22, 3, 1];
