@@ -126,8 +126,8 @@ pub struct TicketStoreArgs {
     /// `NAME:ticket-keys:lease`); several fleets can share one Redis.
     #[arg(long, value_name = "NAME", default_value = "tlsplane")]
     pub fleet: String,
-    /// For a rediss:// store: the CA certificates (PEM) its certificate must chain to, and its
-    /// name or address must match the URL's host. Default: the system's trusted roots.
+    /// For a rediss:// store: the CA certificates (PEM) its certificate must chain to (its
+    /// name or address must also match the URL's host). Default: the system's trusted roots.
     #[arg(long, value_name = "PEM")]
     pub ticket_store_ca: Option<PathBuf>,
     /// For a rediss:// store that asks for a client certificate (Redis's `tls-auth-clients
