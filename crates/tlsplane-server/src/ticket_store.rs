@@ -491,6 +491,11 @@ impl TicketStoreArgs {
         if let Some((_, flag)) = certificates.iter().find(|(v, _)| v.is_some() && !tls) {
             anyhow::bail!("{flag}: for a rediss:// store, and --ticket-store is {shown}");
         }
+        if tls {
+            // The Redis client builds its TLS configuration on the process's default provider:
+            // make it aws-lc-rs, as everywhere else, whatever else the build enables.
+            let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+        }
         let client = if self.ticket_store_ca.is_some() || self.ticket_store_tls_cert.is_some() {
             redis::Client::build_with_tls(info, self.tls_certificates()?)
         } else {
