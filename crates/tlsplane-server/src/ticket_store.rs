@@ -1003,7 +1003,7 @@ impl Follower {
         if self.rotation_due(now) {
             // Numbers only go up, past anything seen; keys are carried over only from a
             // generation that may still be used.
-            let number = stored_number.max(held_number) + 1;
+            let number = stored_number.max(held_number).saturating_add(1);
             let next = match self.fresh_held(now) {
                 Some(h) => h.rotated(number, now),
                 None => Generation::fresh(number, now),
@@ -1014,7 +1014,9 @@ impl Follower {
                     "ticket store {}: rotated the fleet's ticket keys to generation {number}",
                     self.store
                 );
-                self.repaired(readable, number);
+                if !readable {
+                    self.repaired(number);
+                }
                 self.install(next);
             }
         } else if !readable {
@@ -1023,17 +1025,14 @@ impl Follower {
             };
             let (sealed, number) = (self.sealer.seal(h), h.number);
             if self.write(conn, &raw, &sealed).await? {
-                self.repaired(false, number);
+                self.repaired(number);
             }
         }
         Ok(())
     }
 
     /// Counts and tells that a value that did not open was replaced with generation `number`.
-    fn repaired(&mut self, readable: bool, number: u64) {
-        if readable {
-            return;
-        }
+    fn repaired(&mut self, number: u64) {
         self.stats.heals.fetch_add(1, Relaxed);
         if let Some(more) = self.warnings.repaired.pass() {
             tracing::warn!(
