@@ -34,6 +34,8 @@ mod control;
 mod descriptors;
 #[path = "e2e/fleet.rs"]
 mod fleet;
+#[path = "e2e/fleet_trust.rs"]
+mod fleet_trust;
 #[path = "e2e/h2spec.rs"]
 mod h2spec;
 #[path = "e2e/handoff.rs"]

@@ -26,7 +26,7 @@ use aws_lc_rs::hmac;
 use tlsplane::stats::Counter;
 
 use crate::limits::{Admission, ClientKey, Usage};
-use crate::ticket_store::{connect, on_own_thread, Conn, StoreUrl, OP_TIMEOUT, RECONNECT_BACKOFF};
+use crate::ticket_store::{connect, on_own_thread, Conn, Store, OP_TIMEOUT, RECONNECT_BACKOFF};
 
 /// The store's windows of counts, milliseconds.
 const WINDOW_MS: u64 = 1000;
@@ -90,7 +90,7 @@ impl LimitSyncStats {
 /// the key-encryption key (for the keyed hash of addresses).
 #[derive(Clone)]
 pub struct LimitSync {
-    url: StoreUrl,
+    store: Store,
     prefix: String,
     period: Duration,
     hash: hmac::Key,
@@ -100,7 +100,7 @@ pub struct LimitSync {
 impl std::fmt::Debug for LimitSync {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LimitSync")
-            .field("url", &self.url)
+            .field("store", &self.store)
             .field("prefix", &self.prefix)
             .field("period", &self.period)
             .finish_non_exhaustive()
@@ -109,7 +109,7 @@ impl std::fmt::Debug for LimitSync {
 
 impl LimitSync {
     pub fn new(
-        url: StoreUrl,
+        store: Store,
         fleet: &str,
         kek: &[u8],
         period: Duration,
@@ -117,7 +117,7 @@ impl LimitSync {
     ) -> Self {
         let key = tlsplane::tickets::derive_key(kek, HASH_INFO);
         LimitSync {
-            url,
+            store,
             prefix: format!("{fleet}:limits:"),
             period: period.max(Duration::from_millis(10)),
             hash: hmac::Key::new(hmac::HMAC_SHA256, &key[..]),
@@ -196,7 +196,7 @@ impl Exchange {
         let mut attempt = 0;
         let mut used = Vec::new();
         loop {
-            let mut conn = match connect(&self.config.url).await {
+            let mut conn = match connect(&self.config.store).await {
                 Ok(c) => c,
                 Err(e) => {
                     self.failed(e);
@@ -345,7 +345,7 @@ impl Exchange {
         if self.down.take().is_some() {
             tracing::info!(
                 "fleet limits: counts exchanged again with store {}",
-                self.config.url
+                self.config.store
             );
         }
     }
@@ -355,7 +355,7 @@ impl Exchange {
         if self.down.is_none() {
             tracing::warn!(
                 "fleet limits: store {}: {why}: per-client rates count this server's connections only until it answers",
-                self.config.url
+                self.config.store
             );
             self.down = Some(why);
         }
@@ -418,14 +418,14 @@ mod tests {
     #[test]
     fn fields_hide_addresses_and_differ_by_key() {
         let a = LimitSync::new(
-            StoreUrl::Redis("redis://127.0.0.1".into()),
+            crate::ticket_store::Store::plain("redis://127.0.0.1"),
             "f",
             &[1; 32],
             Duration::from_millis(100),
             Default::default(),
         );
         let b = LimitSync::new(
-            StoreUrl::Redis("redis://127.0.0.1".into()),
+            crate::ticket_store::Store::plain("redis://127.0.0.1"),
             "f",
             &[2; 32],
             Duration::from_millis(100),

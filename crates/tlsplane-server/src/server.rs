@@ -399,15 +399,17 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
     // One ticketer for the server's life; a reload installs the file's keys in it, a shared
     // store's follower the store's.
     let kek = server.store.read_kek()?;
+    let store = server.store.store()?;
     let ticket_ring = match read_ticket_keys(server.ticket_keys.as_deref())? {
         Some(keys) => Some(TicketKeyRing::new(keys)),
         None => crate::ticket_store::start(
             &server.store,
+            store.clone(),
             kek.as_ref().map(|k| &k[..]),
             runtime_stats.ticket_store.clone(),
         )?,
     };
-    let limit_sync = fleet_limits(&server, kek.as_ref().map(|k| &k[..]), &runtime_stats)?;
+    let limit_sync = fleet_limits(&server, store, kek.as_ref().map(|k| &k[..]), &runtime_stats)?;
     // Both keep what they derived from it, inside aws-lc; the bytes go now.
     drop(kek);
     let acceptor = Acceptor::new(server_options(
@@ -577,20 +579,21 @@ pub fn run<P: Product>(args: P::Args, given: &clap::ArgMatches) -> anyhow::Resul
 /// --fleet-limits: the exchange of per-client counts, once the flags make sense together.
 fn fleet_limits(
     server: &ServerArgs,
+    store: Option<crate::ticket_store::Store>,
     kek: Option<&[u8]>,
     stats: &RuntimeStats,
 ) -> anyhow::Result<Option<crate::limit_sync::LimitSync>> {
     check_fleet_limits(server)?;
     let l = &server.limits;
-    let (true, Some(url), Some(kek)) = (l.fleet_limits, &server.store.ticket_store, kek) else {
+    let (true, Some(store), Some(kek)) = (l.fleet_limits, store, kek) else {
         return Ok(None);
     };
     tracing::info!(
-        "fleet limits: per-client rates shared through {url}, counts exchanged every {} s",
+        "fleet limits: per-client rates shared through {store}, counts exchanged every {} s",
         l.fleet_limits_period
     );
     Ok(Some(crate::limit_sync::LimitSync::new(
-        url.clone(),
+        store,
         &server.store.fleet,
         kek,
         Duration::from_secs_f64(l.fleet_limits_period),
@@ -602,6 +605,7 @@ fn fleet_limits(
 /// key-encryption key reads, and --fleet-limits has what it needs.
 pub fn check_fleet(server: &ServerArgs) -> anyhow::Result<()> {
     server.store.read_kek()?;
+    server.store.store()?;
     check_fleet_limits(server)
 }
 
@@ -693,6 +697,12 @@ fn counters<P: Product>(stats: &P::Stats, r: &RuntimeStats) -> Vec<(&'static str
             r.ticket_store.installs.load(Relaxed),
         ),
         ("ticket_store_errors", r.ticket_store.errors.load(Relaxed)),
+        ("ticket_store_heals", r.ticket_store.heals.load(Relaxed)),
+        (
+            "ticket_store_leases_cut",
+            r.ticket_store.leases_cut.load(Relaxed),
+        ),
+        ("ticket_store_expired", r.ticket_store.expired.load(Relaxed)),
         ("limit_sync_rounds", r.limit_sync.rounds.load(Relaxed)),
         ("limit_sync_errors", r.limit_sync.errors.load(Relaxed)),
         ("limit_sync_clients", r.limit_sync.clients.load(Relaxed)),

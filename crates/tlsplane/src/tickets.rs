@@ -2,7 +2,7 @@
 //!
 //! rustls's own ticketer makes random keys in each process, so a ticket resumes only on the
 //! process that issued it, and not after a restart. [`TicketKeyRing`] instead encrypts tickets
-//! under keys given to it (`--ticket-keys FILE` today, a shared store later), installed again
+//! under keys given to it (`--ticket-keys FILE`, or the fleet's store), installed again
 //! whenever they change, so that every server holding the same keys resumes every other's
 //! tickets.
 //!
@@ -12,12 +12,19 @@
 //! one rotation before any of them encrypts with it, a ticket issued by a server that rotated
 //! first still resumes on one that has not.
 //!
-//! A ticket is `key name (16) ‖ nonce (12) ‖ AES-256-GCM(issuer (8) ‖ rustls's session state)
-//! ‖ tag (16)`, with the key name as associated data. The name picks the key, so a ticket
-//! costs at most one decryption whatever it holds. The issuer, random per process and sealed
-//! with the rest, tells a resumption of this process's ticket from one issued elsewhere in
-//! the fleet (`handshakes_resumed_local`, `handshakes_resumed_remote`).
+//! A ticket is `key name (16) ‖ issuer id (8) ‖ nonce (12) ‖ AES-256-GCM(rustls's session
+//! state) ‖ tag (16)`, with the name and the id as associated data. The name picks the key,
+//! so a ticket costs at most one decryption whatever it holds. The issuer id is random per
+//! process, and each process seals under a subkey of its own, derived by HKDF-SHA256 from the
+//! key's secret and its id: with random 96-bit nonces an AES-GCM key may seal 2^32 messages
+//! (NIST SP 800-38D), which a fleet sharing one key would reach, while one process seals far
+//! fewer, and draws a new id before it could. Any server holding the key derives the subkey
+//! from the id in the ticket (and keeps it for the next ticket of that issuer, once one
+//! opened). The id also tells a resumption of this process's ticket from one issued elsewhere
+//! in the fleet (`handshakes_resumed_local`, `handshakes_resumed_remote`).
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};
 
 use aws_lc_rs::aead::{Aad, Nonce, RandomizedNonceKey, AES_256_GCM, NONCE_LEN};
@@ -38,9 +45,19 @@ pub const KEYS_USED: usize = 3;
 /// before a rotation is then still decrypted (under the previous key) for as long as the
 /// client may offer it.
 pub const TICKET_LIFETIME: u32 = 6 * 3600;
-/// HKDF info: the AEAD key is derived from a key's secret, so the same file can never be used
-/// as the raw key of another cipher by mistake.
-const KDF_INFO: &[u8] = b"tlsplane session ticket key v1";
+/// HKDF info of a subkey, followed by the issuer's id: the AEAD key is derived from a key's
+/// secret, so the same file can never be used as the raw key of another cipher by mistake.
+const KDF_INFO: &[u8] = b"tlsplane session ticket v2 issuer ";
+/// Bytes of the issuer's id, after the key's name in each ticket.
+pub const ISSUER_ID_LEN: usize = 8;
+/// Tickets a process seals under one subkey before it draws a new id: half the 2^32
+/// sealings with random nonces that NIST SP 800-38D allows one AES-GCM key.
+const SEALS_PER_SUBKEY: u64 = 1 << 31;
+/// Subkeys of issuers kept per key (those of tickets that opened): more than a fleet has
+/// processes in one key's life; the cache is emptied when full.
+const SUBKEYS_KEPT: usize = 4096;
+/// This process's ids kept, to tell its own tickets (after it drew a new one).
+const OWN_IDS_KEPT: usize = 8;
 const TAG_LEN: usize = 16;
 
 /// Why a set of ticket keys was refused.
@@ -75,19 +92,55 @@ impl std::fmt::Display for TicketKeyError {
 
 impl std::error::Error for TicketKeyError {}
 
-/// One key: its name and the AEAD key derived from its secret (key material stays inside
-/// aws-lc; the bytes it came from are zeroized).
+/// One key: its name, its secret, and the subkeys derived from it so far.
 struct TicketKey {
     name: [u8; KEY_NAME_LEN],
-    aead: RandomizedNonceKey,
+    /// Zeroized when the key is dropped.
+    secret: Zeroizing<Vec<u8>>,
+    subkeys: RwLock<HashMap<IssuerId, Arc<RandomizedNonceKey>>>,
 }
+
+type IssuerId = [u8; ISSUER_ID_LEN];
 
 impl TicketKey {
     fn new(raw: &[u8]) -> Self {
         let mut name = [0u8; KEY_NAME_LEN];
         name.copy_from_slice(&raw[..KEY_NAME_LEN]);
-        let aead = derive_aead_key(&raw[KEY_NAME_LEN..], KDF_INFO);
-        Self { name, aead }
+        Self {
+            name,
+            secret: Zeroizing::new(raw[KEY_NAME_LEN..].to_vec()),
+            subkeys: RwLock::default(),
+        }
+    }
+
+    /// The subkey of issuer `id`, if derived before.
+    fn known_subkey(&self, id: &IssuerId) -> Option<Arc<RandomizedNonceKey>> {
+        let subkeys = self.subkeys.read().unwrap_or_else(|e| e.into_inner());
+        subkeys.get(id).cloned()
+    }
+
+    /// The subkey of issuer `id`: HKDF-SHA256 of the key's secret, with the id in the info.
+    fn derive_subkey(&self, id: &IssuerId) -> Arc<RandomizedNonceKey> {
+        let info = [KDF_INFO, &id[..]].concat();
+        Arc::new(derive_aead_key(&self.secret, &info))
+    }
+
+    /// Keeps `subkey` of issuer `id` for its next tickets: only subkeys of this process and
+    /// of tickets that opened, so that made-up ids cannot fill the cache.
+    fn keep_subkey(&self, id: IssuerId, subkey: Arc<RandomizedNonceKey>) {
+        let mut subkeys = self.subkeys.write().unwrap_or_else(|e| e.into_inner());
+        if subkeys.len() >= SUBKEYS_KEPT {
+            subkeys.clear();
+        }
+        subkeys.insert(id, subkey);
+    }
+
+    /// The associated data of a ticket: the key's name and the issuer's id.
+    fn aad(&self, id: &IssuerId) -> [u8; KEY_NAME_LEN + ISSUER_ID_LEN] {
+        let mut aad = [0u8; KEY_NAME_LEN + ISSUER_ID_LEN];
+        aad[..KEY_NAME_LEN].copy_from_slice(&self.name);
+        aad[KEY_NAME_LEN..].copy_from_slice(id);
+        aad
     }
 }
 
@@ -121,6 +174,8 @@ pub struct TicketKeys {
     keys: Vec<TicketKey>,
     /// Index of the key that encrypts.
     current: usize,
+    /// Tickets sealed under the current key's subkey of this process's newest id.
+    sealed: AtomicU64,
 }
 
 impl std::fmt::Debug for TicketKeys {
@@ -164,7 +219,11 @@ impl TicketKeys {
             keys.push(key);
         }
         let current = keys.len().saturating_sub(2);
-        Ok(Self { keys, current })
+        Ok(Self {
+            keys,
+            current,
+            sealed: AtomicU64::new(0),
+        })
     }
 
     /// Keys from a file's text: one base64 key per line, oldest first; blank lines and lines
@@ -212,38 +271,54 @@ impl TicketKeys {
         self.keys[self.current].name
     }
 
-    fn encrypt(&self, plain: &[u8]) -> Option<Vec<u8>> {
+    /// Seals `plain` under the current key's subkey of issuer `id`.
+    fn encrypt(&self, id: &IssuerId, plain: &[u8]) -> Option<Vec<u8>> {
         let key = &self.keys[self.current];
-        let mut out = Vec::with_capacity(KEY_NAME_LEN + NONCE_LEN + plain.len() + TAG_LEN);
+        let subkey = key.known_subkey(id).unwrap_or_else(|| {
+            let subkey = key.derive_subkey(id);
+            key.keep_subkey(*id, subkey.clone());
+            subkey
+        });
+        let head = KEY_NAME_LEN + ISSUER_ID_LEN;
+        let mut out = Vec::with_capacity(head + NONCE_LEN + plain.len() + TAG_LEN);
         out.extend_from_slice(&key.name);
-        out.extend_from_slice(&[0u8; NONCE_LEN]);
-        out.extend_from_slice(plain);
-        let mut body = out.split_off(KEY_NAME_LEN + NONCE_LEN);
-        let nonce = key
-            .aead
-            .seal_in_place_append_tag(Aad::from(&key.name), &mut body)
+        out.extend_from_slice(id);
+        // Plaintext until sealed, if sealing fails.
+        let mut body = Zeroizing::new(Vec::with_capacity(plain.len() + TAG_LEN));
+        body.extend_from_slice(plain);
+        let nonce = subkey
+            .seal_in_place_append_tag(Aad::from(key.aad(id)), &mut *body)
             .ok()?;
-        out[KEY_NAME_LEN..].copy_from_slice(nonce.as_ref());
-        out.append(&mut body);
+        out.extend_from_slice(nonce.as_ref());
+        out.extend_from_slice(&body);
         Some(out)
     }
 
-    fn decrypt(&self, ticket: &[u8]) -> Option<Vec<u8>> {
-        if ticket.len() < KEY_NAME_LEN + NONCE_LEN + TAG_LEN {
+    /// Opens `ticket`: its plaintext, and the id of its issuer.
+    fn decrypt(&self, ticket: &[u8]) -> Option<(Vec<u8>, IssuerId)> {
+        if ticket.len() < KEY_NAME_LEN + ISSUER_ID_LEN + NONCE_LEN + TAG_LEN {
             return None;
         }
         let (name, rest) = ticket.split_at(KEY_NAME_LEN);
+        let (id, rest) = rest.split_at(ISSUER_ID_LEN);
+        let id: IssuerId = id.try_into().expect("ISSUER_ID_LEN bytes");
         let (nonce, sealed) = rest.split_at(NONCE_LEN);
         let key = self.keys.iter().find(|k| k.name == name)?;
         let nonce = Nonce::try_assume_unique_for_key(nonce).ok()?;
+        let (subkey, known) = match key.known_subkey(&id) {
+            Some(k) => (k, true),
+            None => (key.derive_subkey(&id), false),
+        };
         let mut body = sealed.to_vec();
-        let plain_len = key
-            .aead
-            .open_in_place(nonce, Aad::from(name), &mut body)
+        let plain_len = subkey
+            .open_in_place(nonce, Aad::from(key.aad(&id)), &mut body)
             .ok()?
             .len();
         body.truncate(plain_len);
-        Some(body)
+        if !known {
+            key.keep_subkey(id, subkey);
+        }
+        Some((body, id))
     }
 }
 
@@ -254,12 +329,10 @@ pub struct TicketKeyRing {
     keys: RwLock<Arc<TicketKeys>>,
     /// Seconds tickets are announced for: at most the time between rotations.
     lifetime: u32,
-    /// This process's mark in the tickets it issues.
-    issuer: [u8; ISSUER_LEN],
+    /// This process's issuer ids, the one it seals under last (a new one is drawn when it
+    /// has sealed [`SEALS_PER_SUBKEY`] tickets under one key).
+    ids: RwLock<Vec<IssuerId>>,
 }
-
-/// Bytes of the issuer's mark at the front of each ticket's plaintext.
-const ISSUER_LEN: usize = 8;
 
 /// Who issued a ticket of the shared keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -270,6 +343,12 @@ pub enum TicketIssuer {
     Elsewhere,
 }
 
+fn random_id() -> IssuerId {
+    let mut id = [0u8; ISSUER_ID_LEN];
+    aws_lc_rs::rand::fill(&mut id).expect("the system's random source");
+    id
+}
+
 impl TicketKeyRing {
     pub fn new(keys: Arc<TicketKeys>) -> Arc<Self> {
         Self::with_lifetime(keys, TICKET_LIFETIME)
@@ -278,19 +357,22 @@ impl TicketKeyRing {
     /// A ring whose keys rotate every `lifetime` seconds (or more seldom): tickets are
     /// announced for that long.
     pub fn with_lifetime(keys: Arc<TicketKeys>, lifetime: u32) -> Arc<Self> {
-        let mut issuer = [0u8; ISSUER_LEN];
-        aws_lc_rs::rand::fill(&mut issuer).expect("the system's random source");
         Arc::new(Self {
             keys: RwLock::new(keys),
             lifetime: lifetime.clamp(1, TICKET_LIFETIME),
-            issuer,
+            ids: RwLock::new(vec![random_id()]),
         })
     }
 
     /// Installs `keys`: tickets are encrypted with their current key from now on, and
     /// decrypted with any of them (a ticket under a key no longer held gets a full handshake).
     pub fn install(&self, keys: Arc<TicketKeys>) {
-        *self.keys.write().unwrap_or_else(|e| e.into_inner()) = keys;
+        let mut held = self.keys.write().unwrap_or_else(|e| e.into_inner());
+        // The same current key again (a reload): its subkey's count goes on.
+        if held.current_name() == keys.current_name() {
+            keys.sealed.store(held.sealed.load(Relaxed), Relaxed);
+        }
+        *held = keys;
     }
 
     /// The keys in use.
@@ -298,12 +380,33 @@ impl TicketKeyRing {
         self.keys.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The id this process seals under now, drawn anew once the current key's subkey of the
+    /// last one has sealed its share.
+    fn sealing_id(&self, keys: &TicketKeys) -> IssuerId {
+        if keys.sealed.fetch_add(1, Relaxed) >= SEALS_PER_SUBKEY {
+            let mut ids = self.ids.write().unwrap_or_else(|e| e.into_inner());
+            if keys.sealed.swap(1, Relaxed) >= SEALS_PER_SUBKEY {
+                ids.push(random_id());
+                let excess = ids.len().saturating_sub(OWN_IDS_KEPT);
+                ids.drain(..excess);
+            }
+        }
+        let ids = self.ids.read().unwrap_or_else(|e| e.into_inner());
+        *ids.last().expect("a ring has an id")
+    }
+
+    fn issued_here(&self, id: &IssuerId) -> bool {
+        let ids = self.ids.read().unwrap_or_else(|e| e.into_inner());
+        ids.contains(id)
+    }
+
     /// Who issued `ticket`, if it opens under the keys held (what rustls's decryption will
     /// then find, short of a key installed in between).
     pub fn issuer_of(&self, ticket: &[u8]) -> Option<TicketIssuer> {
-        // The session state inside holds the resumption secret.
-        let plain = Zeroizing::new(self.keys().decrypt(ticket)?);
-        match plain.get(..ISSUER_LEN)? == self.issuer {
+        let (plain, id) = self.keys().decrypt(ticket)?;
+        // The session state holds the resumption secret.
+        drop(Zeroizing::new(plain));
+        match self.issued_here(&id) {
             true => Some(TicketIssuer::Here),
             false => Some(TicketIssuer::Elsewhere),
         }
@@ -320,19 +423,12 @@ impl ProducesTickets for TicketKeyRing {
     }
 
     fn encrypt(&self, plain: &[u8]) -> Option<Vec<u8>> {
-        let mut marked = Zeroizing::new(Vec::with_capacity(ISSUER_LEN + plain.len()));
-        marked.extend_from_slice(&self.issuer);
-        marked.extend_from_slice(plain);
-        self.keys().encrypt(&marked)
+        let keys = self.keys();
+        keys.encrypt(&self.sealing_id(&keys), plain)
     }
 
     fn decrypt(&self, cipher: &[u8]) -> Option<Vec<u8>> {
-        let mut plain = self.keys().decrypt(cipher)?;
-        if plain.len() < ISSUER_LEN {
-            return None;
-        }
-        plain.drain(..ISSUER_LEN);
-        Some(plain)
+        self.keys().decrypt(cipher).map(|(plain, _)| plain)
     }
 }
 
@@ -350,17 +446,28 @@ mod tests {
         base64::engine::general_purpose::STANDARD.encode(k)
     }
 
+    const ID: IssuerId = *b"issuer-1";
+
+    /// `keys` opening `ticket`: its plaintext alone.
+    fn open(keys: &TicketKeys, ticket: &[u8]) -> Option<Vec<u8>> {
+        keys.decrypt(ticket).map(|(plain, _)| plain)
+    }
+
     #[test]
     fn a_ticket_decrypts_under_the_same_keys_and_not_under_others() {
         let a = TicketKeys::from_raw(&[key(1)]).unwrap();
         let same = TicketKeys::from_raw(&[key(1)]).unwrap();
         let other = TicketKeys::from_raw(&[key(2)]).unwrap();
-        let t = a.encrypt(b"session state").unwrap();
+        let t = a.encrypt(&ID, b"session state").unwrap();
         assert_eq!(&t[..KEY_NAME_LEN], &key(1)[..KEY_NAME_LEN]);
-        assert_eq!(same.decrypt(&t).as_deref(), Some(&b"session state"[..]));
-        assert_eq!(other.decrypt(&t), None);
+        assert_eq!(
+            same.decrypt(&t),
+            Some((b"session state".to_vec(), ID)),
+            "a server that never saw the issuer derives its subkey"
+        );
+        assert_eq!(open(&other, &t), None);
         // Two tickets of the same state differ (random nonces).
-        assert_ne!(a.encrypt(b"session state").unwrap(), t);
+        assert_ne!(a.encrypt(&ID, b"session state").unwrap(), t);
     }
 
     #[test]
@@ -380,25 +487,82 @@ mod tests {
         assert_eq!(b.issuer_of(&t), Some(TicketIssuer::Elsewhere));
         let other = TicketKeyRing::new(Arc::new(TicketKeys::from_raw(&[key(2)]).unwrap()));
         assert_eq!(other.issuer_of(&t), None);
-        // A ticket sealed without an issuer's mark (shorter than one) does not open.
-        let bare = keys().encrypt(b"1234567").unwrap();
-        assert_eq!(ProducesTickets::decrypt(&*a, &bare), None);
-        assert_eq!(a.issuer_of(&bare), None);
+        // The issuer's id is authenticated: A's ticket named as B's opens nowhere.
+        let b_id = ProducesTickets::encrypt(&*b, b"x").unwrap()[16..24].to_vec();
+        let mut forged = t.clone();
+        forged[16..24].copy_from_slice(&b_id);
+        assert_eq!(ProducesTickets::decrypt(&*b, &forged), None);
+        assert_eq!(b.issuer_of(&forged), None);
+    }
+
+    #[test]
+    fn each_issuer_seals_under_a_subkey_of_its_own() {
+        // As docs/FLEET.md gives it: name (16) ‖ id (8) ‖ nonce (12) ‖ sealed ‖ tag (16), under
+        // HKDF-SHA256(no salt, the key's secret, "tlsplane session ticket v2 issuer " ‖ id).
+        let raw = key(1);
+        let keys = || Arc::new(TicketKeys::from_raw(&[&raw]).unwrap());
+        let open_as = |t: &[u8], id: &[u8]| -> Option<Vec<u8>> {
+            let info = [&b"tlsplane session ticket v2 issuer "[..], id].concat();
+            let aead = derive_aead_key(&raw[16..], &info);
+            let aad = [&t[..16], id].concat();
+            let nonce = Nonce::try_assume_unique_for_key(&t[24..36]).unwrap();
+            let mut body = t[36..].to_vec();
+            let n = aead
+                .open_in_place(nonce, Aad::from(aad), &mut body)
+                .ok()?
+                .len();
+            body.truncate(n);
+            Some(body)
+        };
+        let (a, b) = (TicketKeyRing::new(keys()), TicketKeyRing::new(keys()));
+        let a1 = ProducesTickets::encrypt(&*a, b"one").unwrap();
+        let a2 = ProducesTickets::encrypt(&*a, b"two").unwrap();
+        let b1 = ProducesTickets::encrypt(&*b, b"three").unwrap();
+        assert_eq!(a1.len(), 16 + 8 + 12 + 3 + 16);
+        assert_eq!(a1[16..24], a2[16..24], "one id per process");
+        assert_ne!(a1[16..24], b1[16..24]);
+        assert_eq!(open_as(&a1, &a1[16..24]).as_deref(), Some(&b"one"[..]));
+        assert_eq!(open_as(&b1, &b1[16..24]).as_deref(), Some(&b"three"[..]));
+        // Another issuer's subkey opens none of A's tickets.
+        assert_eq!(open_as(&a1, &b1[16..24]), None);
+    }
+
+    #[test]
+    fn a_process_draws_a_new_id_before_its_subkey_seals_too_many() {
+        let keys = || Arc::new(TicketKeys::from_raw(&[key(1), key(2)]).unwrap());
+        let ring = TicketKeyRing::new(keys());
+        let first = ProducesTickets::encrypt(&*ring, b"a").unwrap();
+        // A reload with the same current key keeps counting.
+        ring.keys().sealed.store(SEALS_PER_SUBKEY, Relaxed);
+        ring.install(keys());
+        let second = ProducesTickets::encrypt(&*ring, b"b").unwrap();
+        assert_ne!(first[16..24], second[16..24], "a new id");
+        let third = ProducesTickets::encrypt(&*ring, b"c").unwrap();
+        assert_eq!(second[16..24], third[16..24]);
+        // Its tickets under the id before are still its own, and open.
+        assert_eq!(ring.issuer_of(&first), Some(TicketIssuer::Here));
+        assert_eq!(ring.issuer_of(&second), Some(TicketIssuer::Here));
+        assert_eq!(ring.decrypt(&first).as_deref(), Some(&b"a"[..]));
+        // Another current key: a subkey of its own, counted from nothing.
+        ring.install(Arc::new(
+            TicketKeys::from_raw(&[key(1), key(2), key(3)]).unwrap(),
+        ));
+        assert_eq!(ring.keys().sealed.load(Relaxed), 0);
     }
 
     #[test]
     fn a_changed_byte_anywhere_fails_the_ticket() {
         let k = TicketKeys::from_raw(&[key(1)]).unwrap();
-        let t = k.encrypt(b"0123456789").unwrap();
+        let t = k.encrypt(&ID, b"0123456789").unwrap();
         for i in 0..t.len() {
             let mut bad = t.clone();
             bad[i] ^= 1;
-            assert_eq!(k.decrypt(&bad), None, "byte {i}");
+            assert_eq!(open(&k, &bad), None, "byte {i}");
         }
         for n in 0..t.len() {
-            assert_eq!(k.decrypt(&t[..n]), None, "cut at {n}");
+            assert_eq!(open(&k, &t[..n]), None, "cut at {n}");
         }
-        assert_eq!(k.decrypt(&t).as_deref(), Some(&b"0123456789"[..]));
+        assert_eq!(open(&k, &t).as_deref(), Some(&b"0123456789"[..]));
     }
 
     #[test]
@@ -418,12 +582,12 @@ mod tests {
         assert_eq!(four.current_name(), k3[..16]);
         assert_eq!(four.len(), 3);
         // A rotation: the ticket of the old current key decrypts after one, not after two.
-        let t = two.encrypt(b"x").unwrap();
+        let t = two.encrypt(&ID, b"x").unwrap();
         assert!(three.decrypt(&t).is_some());
         assert!(four.decrypt(&t).is_none());
         // A ticket of a server that rotated first decrypts on one that has not.
-        let ahead = three.encrypt(b"y").unwrap();
-        assert_eq!(two.decrypt(&ahead).as_deref(), Some(&b"y"[..]));
+        let ahead = three.encrypt(&ID, b"y").unwrap();
+        assert_eq!(open(&two, &ahead).as_deref(), Some(&b"y"[..]));
     }
 
     #[test]

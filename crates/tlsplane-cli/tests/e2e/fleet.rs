@@ -49,7 +49,7 @@ fn node(keys: Option<&Path>, pid_file: Option<&Path>) -> Server {
 
 /// Connects with `client` (whose session store holds what earlier connections left), gets a
 /// page so that the server's tickets arrive, and says how the handshake went.
-fn visit(port: u16, client: &Arc<ClientConfig>) -> HandshakeKind {
+pub(crate) fn visit(port: u16, client: &Arc<ClientConfig>) -> HandshakeKind {
     let mut c = TlsClient::connect_with(port, client.clone());
     let kind = c.conn.handshake_kind().expect("handshake done");
     assert_eq!(c.get(&fixtures::get().hello.url).status, 200);
@@ -59,7 +59,7 @@ fn visit(port: u16, client: &Arc<ClientConfig>) -> HandshakeKind {
 
 /// As [`visit`], for a loop that counts failures rather than stop at one: None if the
 /// handshake or the page failed.
-fn try_visit(port: u16, client: &Arc<ClientConfig>) -> Option<HandshakeKind> {
+pub(crate) fn try_visit(port: u16, client: &Arc<ClientConfig>) -> Option<HandshakeKind> {
     let mut c = TlsClient::over(crate::support::client::tcp_connect(port), client.clone());
     c.handshake().ok()?;
     let kind = c.conn.handshake_kind()?;
@@ -69,7 +69,7 @@ fn try_visit(port: u16, client: &Arc<ClientConfig>) -> Option<HandshakeKind> {
 }
 
 /// A client that has been to `port` once (a full handshake) and holds its ticket.
-fn client_with_ticket(port: u16, v: Tls) -> Arc<ClientConfig> {
+pub(crate) fn client_with_ticket(port: u16, v: Tls) -> Arc<ClientConfig> {
     let client = ClientOpts::version(v).config();
     assert_eq!(visit(port, &client), HandshakeKind::Full);
     client
@@ -82,7 +82,7 @@ fn reload(pid_file: &Path) {
     assert!(out.status.success(), "{}", out.describe());
 }
 
-fn no_panic(server: &Server) {
+pub(crate) fn no_panic(server: &Server) {
     let lines = server.stderr_lines();
     assert!(
         !lines.iter().any(|l| l.contains("panicked")),
@@ -307,16 +307,18 @@ fn a_bad_key_file_is_refused_before_listening_with_its_reason() {
 
 /// A Redis server of the test's own on a loopback port, with nothing kept on disk (so that a
 /// restart brings it back empty, as a store that lost its data).
-struct Redis {
+pub(crate) struct Redis {
     child: Option<std::process::Child>,
-    port: u16,
+    pub(crate) port: u16,
     dir: PathBuf,
-    /// `--replicaof 127.0.0.1 PORT`, for a replica.
-    primary: Option<u16>,
+    /// Options besides the port and the directory (`--replicaof`, TLS, users).
+    options: Vec<String>,
+    /// Whether `port` is a TLS port (`--tls-port`, and no plain one).
+    tls: bool,
 }
 
 /// A loopback port free now.
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -325,33 +327,43 @@ fn free_port() -> u16 {
 }
 
 impl Redis {
-    fn start(dir: &Path) -> Redis {
-        Redis::start_replica(dir, None)
+    pub(crate) fn start(dir: &Path) -> Redis {
+        Redis::start_with(dir, Vec::new(), false)
     }
 
     fn start_replica(dir: &Path, primary: Option<u16>) -> Redis {
+        let options = primary
+            .iter()
+            .flat_map(|p| ["--replicaof".to_string(), "127.0.0.1".into(), p.to_string()])
+            .collect();
+        Redis::start_with(dir, options, false)
+    }
+
+    /// With `options`; on a TLS port alone if `tls`.
+    pub(crate) fn start_with(dir: &Path, options: Vec<String>, tls: bool) -> Redis {
         let mut r = Redis {
             child: None,
             port: free_port(),
             dir: dir.to_path_buf(),
-            primary,
+            options,
+            tls,
         };
         r.restart();
         r
     }
 
     fn restart(&mut self) {
+        let port = self.port.to_string();
+        let ports: &[&str] = match self.tls {
+            true => &["--port", "0", "--tls-port", &port],
+            false => &["--port", &port],
+        };
         let child = Command::new("redis-server")
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--port")
-            .arg(self.port.to_string())
+            .args(ports)
             .arg("--dir")
             .arg(&self.dir)
-            .args(
-                self.primary
-                    .iter()
-                    .flat_map(|p| ["--replicaof".to_string(), "127.0.0.1".into(), p.to_string()]),
-            )
+            .args(&self.options)
             .stdout(std::process::Stdio::null())
             .spawn()
             .expect("redis-server");
@@ -366,14 +378,14 @@ impl Redis {
         }
     }
 
-    fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
         }
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
 }
@@ -389,14 +401,14 @@ impl Drop for Redis {
 const ROTATION: u64 = 4;
 
 /// A key-encryption key at `path`: 32 random bytes, base64.
-fn write_kek(path: &Path) -> PathBuf {
+pub(crate) fn write_kek(path: &Path) -> PathBuf {
     let kek = base64::engine::general_purpose::STANDARD.encode(&random_key()[..32]);
     fs::write(path, kek).unwrap();
     path.to_path_buf()
 }
 
 /// A server of the fleet whose store is at `url`, yet to start.
-fn fleet_member(url: &str, kek: &Path) -> crate::support::ServerBuilder {
+pub(crate) fn fleet_member(url: &str, kek: &Path) -> crate::support::ServerBuilder {
     Server::builder()
         .arg("--ticket-store")
         .arg(url)
@@ -413,7 +425,7 @@ fn store_node(url: &str, kek: &Path) -> Server {
 }
 
 /// Waits for `server` to log `what`; when it saw it.
-fn wait_log(server: &Server, what: &str, within: Duration) -> std::time::Instant {
+pub(crate) fn wait_log(server: &Server, what: &str, within: Duration) -> std::time::Instant {
     let logged = || server.stderr_lines().iter().any(|l| l.contains(what));
     if !poll_until(within, logged) {
         panic!(
@@ -425,7 +437,7 @@ fn wait_log(server: &Server, what: &str, within: Duration) -> std::time::Instant
 }
 
 /// Polls `ok` until it holds (true) or `within` has passed (false).
-fn poll_until(within: Duration, mut ok: impl FnMut() -> bool) -> bool {
+pub(crate) fn poll_until(within: Duration, mut ok: impl FnMut() -> bool) -> bool {
     let deadline = std::time::Instant::now() + within;
     while !ok() {
         if std::time::Instant::now() >= deadline {
@@ -437,7 +449,7 @@ fn poll_until(within: Duration, mut ok: impl FnMut() -> bool) -> bool {
 }
 
 /// The generation `server` installed last, from its log.
-fn generation(server: &Server) -> u64 {
+pub(crate) fn generation(server: &Server) -> u64 {
     server
         .stderr_lines()
         .iter()
@@ -449,7 +461,7 @@ fn generation(server: &Server) -> u64 {
         .unwrap_or(0)
 }
 
-fn installed(n: u64) -> String {
+pub(crate) fn installed(n: u64) -> String {
     format!("generation {n} installed")
 }
 
@@ -563,8 +575,9 @@ fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
     no_panic(&joined);
     joined.stop();
 
-    // A server with another key-encryption key cannot read the store's keys, and does not
-    // overwrite them.
+    // A server with another key-encryption key cannot read the store's keys. It replaces the
+    // value it cannot open (as it would garbage), the fleet's servers put theirs back, and
+    // each side keeps the keys it holds meanwhile.
     let other_kek = write_kek(&dir.join("other-kek"));
     let stranger = store_node(&redis.url(), &other_kek);
     wait_log(
@@ -575,7 +588,7 @@ fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
     let c6 = client_with_ticket(a.port(), Tls::V13);
     assert_eq!(visit(stranger.port(), &c6), HandshakeKind::Full);
     let c7 = client_with_ticket(a.port(), Tls::V13);
-    assert_eq!(visit(b.port(), &c7), HandshakeKind::Resumed, "store intact");
+    assert_eq!(visit(b.port(), &c7), HandshakeKind::Resumed, "keys held");
     no_panic(&stranger);
     stranger.stop();
 
@@ -591,7 +604,7 @@ fn a_store_shares_keys_through_rotations_restarts_and_its_own_outage() {
 }
 
 /// Runs `redis-cli -p PORT ARGS...` and returns its output.
-fn redis_cli(port: u16, args: &[&str]) -> String {
+pub(crate) fn redis_cli(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
         .arg("-p")
         .arg(port.to_string())
@@ -601,7 +614,7 @@ fn redis_cli(port: u16, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn wait_for(what: &str, within: Duration, ok: impl FnMut() -> bool) {
+pub(crate) fn wait_for(what: &str, within: Duration, ok: impl FnMut() -> bool) {
     assert!(poll_until(within, ok), "{what} within {within:?}");
 }
 

@@ -241,6 +241,29 @@ impl Pki {
     /// A new leaf for `names` (DNS names, `*.` wildcards or IP addresses) with a new key of
     /// `kind`, signed by the test CA, written to `dir/<stem>.crt.pem` and `.key.pem`.
     pub fn issue_in(&self, dir: &Path, stem: &str, names: &[&str], kind: CertKind) -> CertFiles {
+        self.issue_for(
+            dir,
+            stem,
+            names,
+            kind,
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        )
+    }
+
+    /// As [`Pki::issue_in`], a client certificate (for a TLS server that asks for one).
+    pub fn issue_client_in(&self, dir: &Path, stem: &str, kind: CertKind) -> CertFiles {
+        let usage = rcgen::ExtendedKeyUsagePurpose::ClientAuth;
+        self.issue_for(dir, stem, &[stem], kind, usage)
+    }
+
+    fn issue_for(
+        &self,
+        dir: &Path,
+        stem: &str,
+        names: &[&str],
+        kind: CertKind,
+        usage: rcgen::ExtendedKeyUsagePurpose,
+    ) -> CertFiles {
         let key = match kind {
             CertKind::P256 => rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256),
             CertKind::P384 => rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P384_SHA384),
@@ -256,7 +279,7 @@ impl Pki {
             rcgen::DnType::CommonName,
             names.first().cloned().unwrap_or_default(),
         );
-        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+        params.extended_key_usages = vec![usage];
         params.use_authority_key_identifier_extension = true;
         let cert = params
             .signed_by(&key, &self.ca_cert, &self.ca_key)
