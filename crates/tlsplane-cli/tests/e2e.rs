@@ -50,8 +50,12 @@ mod http;
 mod http2;
 #[path = "e2e/http2_abuse.rs"]
 mod http2_abuse;
+#[path = "e2e/http2_access_log.rs"]
+mod http2_access_log;
 #[path = "e2e/http2_browser.rs"]
 mod http2_browser;
+#[path = "e2e/http2_control_flood.rs"]
+mod http2_control_flood;
 #[path = "e2e/http2_flood.rs"]
 mod http2_flood;
 #[path = "e2e/kernel.rs"]

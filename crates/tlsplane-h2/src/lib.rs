@@ -12,6 +12,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod flood;
 pub mod greeting;
 pub mod serve;
 pub mod settings;

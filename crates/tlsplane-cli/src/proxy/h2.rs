@@ -112,6 +112,7 @@ async fn connection(
     // The client's preface and SETTINGS are its first request head: the header timeout.
     let header_timeout = Duration::from_secs(args.header_timeout);
     let flush = io.flusher();
+    let floods = io.floods();
     let handshake =
         tlsplane_h2::settings::server(tlsplane_h2::settings::SEND_BUFFER).handshake::<_, Bytes>(io);
     let mut conn = match timeout(header_timeout, handshake).await {
@@ -134,6 +135,7 @@ async fn connection(
         stats: &proxy.stats.h2,
         timeouts: &proxy.stats.idle_timeouts,
         flush,
+        floods,
     };
     h2_connection::run(&mut conn, life, |request, send| {
         shared.stream(request, send)
