@@ -80,6 +80,8 @@ mod proxy;
 mod proxy_h2;
 #[path = "e2e/proxy_http.rs"]
 mod proxy_http;
+#[path = "e2e/proxy_responses.rs"]
+mod proxy_responses;
 #[path = "e2e/reload.rs"]
 mod reload;
 #[path = "e2e/send_timeout.rs"]
