@@ -305,10 +305,11 @@ fn header(len: usize, typ: u8, flags: u8, stream: u32) -> [u8; 9] {
 impl Model {
     /// Operations, each a tag byte and its arguments, until the input ends (a partial one is
     /// dropped) or a malformed frame:
-    /// - 0 stream offset:u16 len:u16: register a body range of stream 1, 3, 5 or 7 (the
+    /// - 0 stream offset:u16 len:u16: register a body range of stream 1, 3, ... or 15 (the
     ///   range may reach past the end of the file);
-    /// - 1 stream: forget the body of stream 1, 3, 5 or 7;
-    /// - 2 stream flags len:u16 fill: a DATA frame on stream 1, 3, 5, 7 or 9, the stream id's
+    /// - 1 stream: forget the body of stream 1, 3, ... or 15 (more than FORGOTTEN, so that a
+    ///   body given up is dropped);
+    /// - 2 stream flags len:u16 fill: a DATA frame on stream 1, 3, ... or 17, the stream id's
     ///   reserved bit set when stream ≥ 128; its payload is `fill` bytes (on a file stream,
     ///   the placeholder bytes the file's replace);
     /// - 3 type flags stream:u32 len:u16 seed: any frame (len < 4096), DATA on a file stream
@@ -335,7 +336,7 @@ impl Model {
                     let (Some(s), Some(offset), Some(len)) = (b.u8(), b.u16(), b.u16()) else {
                         break;
                     };
-                    let stream = 1 + 2 * (s as u32 % 4);
+                    let stream = 1 + 2 * (s as u32 % 8);
                     let offset = offset as u64 % (FILE_LEN as u64 + 1000);
                     flush(&mut m, &mut frames);
                     m.ops.push(Op::Carry {
@@ -348,7 +349,7 @@ impl Model {
                 }
                 1 => {
                     let Some(s) = b.u8() else { break };
-                    let stream = 1 + 2 * (s as u32 % 4);
+                    let stream = 1 + 2 * (s as u32 % 8);
                     flush(&mut m, &mut frames);
                     m.ops.push(Op::Forget { stream });
                     bodies.forget(stream);
@@ -360,7 +361,7 @@ impl Model {
                     else {
                         break;
                     };
-                    let stream = 1 + 2 * (s as u32 % 5);
+                    let stream = 1 + 2 * (s as u32 % 9);
                     let id = if s >= 128 { stream | 1 << 31 } else { stream };
                     let len = len as usize;
                     (header(len, DATA, flags, id), vec![fill; len])

@@ -15,7 +15,12 @@
 //!   kernel plane it queues the file range itself, and the pump writes the frame header with
 //!   `MSG_MORE` and the payload by `sendfile(2)` (header and payload share a record; the file
 //!   never enters this process); on the user plane it reads the range into the queue, the one
-//!   copy encryption needs.
+//!   copy encryption needs. A frame of a file stream that does not match its body resets the
+//!   stream instead (`Outbox::refuse`): no byte but the file's goes as the file.
+//! - the client's frames are counted against the control-frame caps before h2 reads them
+//!   ([`crate::flood`]); past one h2 gets none of its bytes any more, and the product ends
+//!   the connection ([`Floods`]).
+//! - the product may learn when a stream's last frame has been written ([`StreamEnds`]).
 //!
 //! - h2's side runs until it waits (all the streams it can serve now are served), then the
 //!   pump sends what it queued, in one write: a round of requests read together is answered
@@ -148,7 +153,7 @@ enum Payload {
     /// User plane: placeholders of a file DATA frame whose bytes were all read in when its
     /// header came; dropped as h2 writes them.
     FileRead,
-    /// A frame of a stream we reset ([`Outbox::refuse`]): dropped.
+    /// A frame of a stream we reset (`Outbox::refuse`): dropped.
     Dropped,
 }
 
@@ -206,7 +211,7 @@ struct Outbox {
     /// [`FORGOTTEN`]): a DATA frame on one would be placeholders with nothing to put in.
     dropped: VecDeque<u32>,
     /// Streams we reset because h2's frames did not match their file bodies
-    /// ([`Outbox::refuse`]): h2's later frames of them are dropped.
+    /// (`Outbox::refuse`): h2's later frames of them are dropped.
     refused: VecDeque<u32>,
     /// Streams whose end a product waits for ([`StreamEnds`]).
     ends: HashMap<u32, End>,
@@ -652,7 +657,7 @@ impl FileBodies {
     /// up last (h2 holds one DATA frame at a time), and such a frame still carries the file's
     /// bytes (so that h2's flow-control windows stay the client's). Older ones are dropped,
     /// and a DATA frame of one that came all the same would reset its stream
-    /// ([`Outbox::refuse`]), never go with placeholders.
+    /// (`Outbox::refuse`), never go with placeholders.
     pub fn forget(&self, stream: impl Into<u32>) {
         let mut outbox = lock(&self.0);
         let stream = stream.into();
