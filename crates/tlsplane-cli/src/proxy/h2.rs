@@ -223,7 +223,7 @@ impl Shared<'_> {
             // A tunnel (RFC 9113 §8.5): the proxy has none to offer, and forwarded as a
             // request it would ask an HTTP/1.1 backend for one. Refused as nginx refuses it.
             proxy.stats.http_refused.fetch_add(1, Relaxed);
-            proxy.stats.h2_connect_refused.fetch_add(1, Relaxed);
+            proxy.stats.connect_refused.fetch_add(1, Relaxed);
             return (None, Outcome::own(405, answer(send, self.responses, 405)));
         }
         let head = http1_head(parts, !body.is_end_stream());

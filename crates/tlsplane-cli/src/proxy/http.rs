@@ -366,6 +366,16 @@ async fn exchange(
             });
         }
     };
+    if request.method == "CONNECT" {
+        // A tunnel to the target (RFC 9110 §9.3.6), which the proxy does not make: forwarded,
+        // the backend would be asked for one. Refused as nginx refuses it; what the client
+        // sends next would be the tunnel's bytes, not a request: close after.
+        proxy.stats.http_refused.fetch_add(1, Relaxed);
+        proxy.stats.connect_refused.fetch_add(1, Relaxed);
+        let _ = answer(tls, responses, 405, false).await;
+        log(tls, 405, "-", None);
+        return Next::End(Ended::Closed);
+    }
     let misdirected = request.host.as_deref().is_some_and(|h| {
         let name = host_name(h);
         proxy.names.lookup(name) != Some(site)

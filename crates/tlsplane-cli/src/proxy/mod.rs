@@ -185,9 +185,10 @@ pub struct ProxyStats {
     h2_streams_reset: Counter,
     /// h2c backend connections opened (each carries many streams).
     h2c_connections: Counter,
-    /// HTTP mode, h2 clients: CONNECT requests refused with 405 (the proxy tunnels nothing
-    /// over h2; counted in `http_refused` too).
-    h2_connect_refused: Counter,
+    /// HTTP mode: CONNECT requests refused with 405, from HTTP/1.1 and h2 clients (the proxy
+    /// tunnels nothing but a websocket after its backend's 101; counted in `http_refused`
+    /// too).
+    connect_refused: Counter,
     /// HTTP mode: responses sent to clients (the backends' and the proxy's own), by status
     /// class, as serve counts its own (`tlsplane_http_responses_total{class}`).
     responses_2xx: Counter,
@@ -402,10 +403,7 @@ impl Product for Proxy {
             ("proxy_upgrades", p.upgrades.load(Relaxed)),
             ("proxy_h2_streams_reset", p.h2_streams_reset.load(Relaxed)),
             ("proxy_h2c_connections", p.h2c_connections.load(Relaxed)),
-            (
-                "proxy_h2_connect_refused",
-                p.h2_connect_refused.load(Relaxed),
-            ),
+            ("proxy_connect_refused", p.connect_refused.load(Relaxed)),
             // serve's names: one `tlsplane_http_responses_total{class}` for either product.
             ("http_responses_2xx", p.responses_2xx.load(Relaxed)),
             ("http_responses_3xx", p.responses_3xx.load(Relaxed)),

@@ -1,9 +1,9 @@
 //! `proxy --mode http`: its responses on /metrics as serve's are
 //! (`tlsplane_http_responses_total{class}`, `tlsplane_time_to_first_byte_seconds`), for
-//! HTTP/1.1 and h2 clients, the backend's responses and the proxy's own; and a CONNECT from an
-//! h2 client refused (405, counted), never forwarded to a backend (issue 36). Before, the
-//! histogram stayed empty and the family was absent in proxy mode, and the CONNECT went to
-//! the HTTP/1.1 backend as `CONNECT host:port HTTP/1.1`.
+//! HTTP/1.1 and h2 clients, the backend's responses and the proxy's own; and a CONNECT, from
+//! an h2 client or an HTTP/1.1 one, refused (405, counted), never forwarded to a backend
+//! (issue 36). Before, the histogram stayed empty and the family was absent in proxy mode, and
+//! a CONNECT went to the HTTP/1.1 backend as `CONNECT host:port HTTP/1.1`.
 
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -110,8 +110,9 @@ fn proxy_counts_responses_times_first_bytes_and_refuses_h2_connect() {
         "h2|GET|localhost|/a",
         "h2|GET|localhost|/b",
         "h1|GET /c HTTP/1.1\\nHost: localhost\\nConnection: close\\n\\n",
-        // A tunnel asked for: refused, not forwarded.
+        // Tunnels asked for: refused, not forwarded.
         "h2|CONNECT|example.com:443|",
+        "h1|CONNECT example.com:443 HTTP/1.1\\nHost: example.com:443\\n\\n",
         // Two Hosts: refused by the proxy itself (400).
         "h1|GET /d HTTP/1.1\\nHost: a\\nHost: b\\n\\n",
     ];
@@ -124,7 +125,7 @@ fn proxy_counts_responses_times_first_bytes_and_refuses_h2_connect() {
         serde_json::from_str(out.stdout_text().trim()).expect("client output");
     assert_eq!(
         statuses,
-        ["200", "200", "200", "405", "400"],
+        ["200", "200", "200", "405", "405", "400"],
         "{}",
         out.describe()
     );
@@ -138,10 +139,10 @@ fn proxy_counts_responses_times_first_bytes_and_refuses_h2_connect() {
     let after = scrape(py, &url);
     let moved = |k: &str| value(&after, k) - value(&before, k);
     assert_eq!(moved("tlsplane_http_responses_total{class=2xx}"), 3.0);
-    assert_eq!(moved("tlsplane_http_responses_total{class=4xx}"), 2.0);
+    assert_eq!(moved("tlsplane_http_responses_total{class=4xx}"), 3.0);
     assert_eq!(moved("tlsplane_http_responses_total{class=5xx}"), 0.0);
-    assert_eq!(moved("tlsplane_proxy_h2_connect_refused_total{}"), 1.0);
-    assert_eq!(moved("tlsplane_proxy_http_refused_total{}"), 2.0);
+    assert_eq!(moved("tlsplane_proxy_connect_refused_total{}"), 2.0);
+    assert_eq!(moved("tlsplane_proxy_http_refused_total{}"), 3.0);
     // One first response per connection, each after its handshake at least.
     assert_eq!(
         moved("tlsplane_time_to_first_byte_seconds_count{}"),
