@@ -794,7 +794,12 @@ impl Floods {
             match outbox.limits.flooded() {
                 Some(flood) => Poll::Ready(flood),
                 None => {
-                    outbox.flood_watcher = Some(cx.waker().clone());
+                    // Polled at every turn of the product's loop: the waker is cloned only
+                    // when it changed.
+                    let watcher = &mut outbox.flood_watcher;
+                    if !watcher.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                        *watcher = Some(cx.waker().clone());
+                    }
                     Poll::Pending
                 }
             }
