@@ -3,12 +3,15 @@
 //! vectored writes, to the transport h2 writes to, while file bodies are registered and
 //! forgotten as `serve` does; the real pump sends what the outbox queues to an in-memory client.
 //! What the client receives is checked against an independent model:
-//! - well-formed input: exactly the frames written, with the payloads of DATA frames on streams
-//!   with a file body replaced by the file's bytes;
-//! - malformed input (a padded DATA frame on a file stream, DATA longer than the file body
-//!   registered, a body range past the end of the file): an error, and what was received is
-//!   the frames before it whole, then a prefix of the bad frame with nothing but real file
-//!   bytes in its payload (never a zero-filled or foreign byte).
+//! - exactly the frames written, with the payloads of DATA frames on streams with a file body
+//!   replaced by the file's bytes;
+//! - but a frame of a file stream that does not match its body (a padded DATA frame, DATA
+//!   longer than the body's rest or on a body given up and dropped, the stream ending short of
+//!   its body) is replaced by RST_STREAM(INTERNAL_ERROR), and the stream's later frames are
+//!   dropped;
+//! - a body range past the end of the file: an error, and what was received is the frames
+//!   before it whole, then a prefix of the bad frame with nothing but real file bytes in its
+//!   payload (never a zero-filled or foreign byte).
 //!
 //! Input: byte 0 chooses the plane (bit 0: kernel plane, file ranges sent by the client's
 //! `write_file`; else the user plane, file bytes read into memory) and the largest write
@@ -23,7 +26,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
-use tlsplane_h2::transport::{self, Transport, FORGOTTEN};
+use tlsplane_h2::transport::{self, Transport, FORGOTTEN, KEPT_STREAMS};
 use tokio::io::AsyncWriteExt;
 
 /// The file bodies are taken from; ranges may reach past its end.
@@ -35,6 +38,11 @@ const MAX_WRITTEN: usize = 256 << 10;
 /// user plane), so that tiny writes keep executions fast.
 const MAX_WRITES: usize = 8192;
 const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const CONTINUATION: u8 = 0x9;
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
 const PADDED: u8 = 0x8;
 
 struct Fixture {
@@ -126,10 +134,145 @@ struct Model {
     ops: Vec<Op>,
     /// What the client receives if all goes well: the frames, file bytes in their payloads.
     expected: Vec<u8>,
-    /// The input ends with a malformed frame: then `expected` ends where the outbox must stop
-    /// (at the latest), and `good` is where the frames before it end.
+    /// The input ends with a body range past the end of the file: then `expected` ends where
+    /// the outbox must stop (at the latest), and `good` is where the frames before it end.
     bad: bool,
     good: usize,
+}
+
+/// The file bodies as the outbox must keep them (`FileBodies::{carry, forget}`, the frames
+/// that end streams), written apart from it.
+#[derive(Default)]
+struct Bodies {
+    /// By stream: ranges not sent yet; a stream is kept until a frame ends it.
+    files: HashMap<u32, VecDeque<(u64, u64)>>,
+    /// Given up, oldest first; the last FORGOTTEN keep their ranges.
+    forgotten: VecDeque<u32>,
+    /// Given up longer ago: a DATA frame on one resets it.
+    dropped: VecDeque<u32>,
+    /// Reset by the outbox: h2's frames of them go nowhere.
+    refused: VecDeque<u32>,
+    /// A header block ending its stream goes on in CONTINUATION frames.
+    block_ends: Option<u32>,
+}
+
+fn keep_last(ring: &mut VecDeque<u32>, stream: u32) {
+    if !ring.contains(&stream) {
+        ring.push_back(stream);
+        if ring.len() > KEPT_STREAMS {
+            ring.pop_front();
+        }
+    }
+}
+
+impl Bodies {
+    fn carry(&mut self, stream: u32, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        // A new body on a stream given up: not the old one's rest.
+        if let Some(at) = self.forgotten.iter().position(|&s| s == stream) {
+            self.forgotten.remove(at);
+            self.files.remove(&stream);
+        }
+        self.dropped.retain(|&s| s != stream);
+        self.files.entry(stream).or_default().push_back((offset, len));
+    }
+
+    fn forget(&mut self, stream: u32) {
+        if !self.files.contains_key(&stream) || self.forgotten.contains(&stream) {
+            return;
+        }
+        self.forgotten.push_back(stream);
+        if self.forgotten.len() > FORGOTTEN {
+            if let Some(oldest) = self.forgotten.pop_front() {
+                self.files.remove(&oldest);
+                keep_last(&mut self.dropped, oldest);
+            }
+        }
+    }
+
+    fn ended(&mut self, stream: u32) {
+        self.files.remove(&stream);
+        self.forgotten.retain(|&s| s != stream);
+        self.dropped.retain(|&s| s != stream);
+    }
+
+    /// What the client gets for one frame h2 writes (`payload` as written), appended to
+    /// `out`; false when its file range reaches past the end of the file (an error: `out` then
+    /// ends with what may have been sent of it).
+    fn frame(&mut self, h: [u8; 9], payload: &[u8], content: &[u8], out: &mut Vec<u8>) -> bool {
+        let len = payload.len();
+        let (typ, flags) = (h[3], h[4]);
+        let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+        let ends = match typ {
+            DATA if flags & END_STREAM != 0 => Some(true),
+            HEADERS if flags & END_STREAM != 0 && flags & END_HEADERS == 0 => {
+                self.block_ends = Some(stream);
+                None
+            }
+            HEADERS if flags & END_STREAM != 0 => Some(true),
+            CONTINUATION if flags & END_HEADERS != 0 && self.block_ends == Some(stream) => {
+                self.block_ends = None;
+                Some(true)
+            }
+            RST_STREAM => Some(false),
+            _ => None,
+        };
+        if self.refused.contains(&stream) {
+            if ends.is_some() {
+                self.ended(stream);
+                self.refused.retain(|&s| s != stream);
+            }
+            return true;
+        }
+        let refuse = |bodies: &mut Bodies, out: &mut Vec<u8>| {
+            bodies.ended(stream);
+            let mut rst = header(4, RST_STREAM, 0, stream).to_vec();
+            rst.extend_from_slice(&2u32.to_be_bytes());
+            out.extend_from_slice(&rst);
+            keep_last(&mut bodies.refused, stream);
+            true
+        };
+        if let Some(ranges) = self.files.get_mut(&stream) {
+            let left: u64 = ranges.iter().map(|r| r.1).sum();
+            let short = if typ == DATA { len as u64 != left } else { left > 0 };
+            let bad_data = typ == DATA && (flags & PADDED != 0 || len as u64 > left);
+            if bad_data || ends == Some(true) && short {
+                return refuse(self, out);
+            }
+            out.extend_from_slice(&h);
+            if typ != DATA {
+                out.extend_from_slice(payload);
+            } else {
+                let mut left = len as u64;
+                while left > 0 {
+                    let r = ranges.front_mut().expect("checked against the body's rest");
+                    let take = r.1.min(left);
+                    let end = (r.0 + take).min(FILE_LEN as u64);
+                    out.extend_from_slice(&content[r.0.min(end) as usize..end as usize]);
+                    if r.0 + take > FILE_LEN as u64 {
+                        return false;
+                    }
+                    r.0 += take;
+                    r.1 -= take;
+                    left -= take;
+                    if r.1 == 0 {
+                        ranges.pop_front();
+                    }
+                }
+            }
+        } else if typ == DATA && len > 0 && self.dropped.contains(&stream) {
+            return refuse(self, out);
+        } else {
+            out.extend_from_slice(&h);
+            out.extend_from_slice(payload);
+        }
+        if ends.is_some() {
+            self.ended(stream);
+        }
+        true
+    }
 }
 
 struct Bytes<'a>(&'a [u8]);
@@ -162,13 +305,15 @@ fn header(len: usize, typ: u8, flags: u8, stream: u32) -> [u8; 9] {
 impl Model {
     /// Operations, each a tag byte and its arguments, until the input ends (a partial one is
     /// dropped) or a malformed frame:
-    /// - 0 stream offset:u16 len:u16: register a body range of stream 1, 3, 5 or 7 (the
+    /// - 0 stream offset:u16 len:u16: register a body range of stream 1, 3, ... or 15 (the
     ///   range may reach past the end of the file);
-    /// - 1 stream: forget the body of stream 1, 3, 5 or 7;
-    /// - 2 stream flags len:u16 fill: a DATA frame on stream 1, 3, 5, 7 or 9, the stream id's
+    /// - 1 stream: forget the body of stream 1, 3, ... or 15 (more than FORGOTTEN, so that a
+    ///   body given up is dropped);
+    /// - 2 stream flags len:u16 fill: a DATA frame on stream 1, 3, ... or 17, the stream id's
     ///   reserved bit set when stream ≥ 128; its payload is `fill` bytes (on a file stream,
     ///   the placeholder bytes the file's replace);
-    /// - 3 type flags stream:u32 len:u16 seed: any frame (len < 4096).
+    /// - 3 type flags stream:u32 len:u16 seed: any frame (len < 4096), DATA on a file stream
+    ///   and frames that end streams included.
     fn parse(input: &[u8], content: &[u8], limit: usize) -> Model {
         let mut b = Bytes(input);
         let mut m = Model {
@@ -177,8 +322,7 @@ impl Model {
             bad: false,
             good: 0,
         };
-        let mut files: HashMap<u32, VecDeque<(u64, u64)>> = HashMap::new();
-        let mut forgotten: VecDeque<u32> = VecDeque::new();
+        let mut bodies = Bodies::default();
         let mut written = 0usize;
         let mut frames = Vec::new();
         let flush = |m: &mut Model, frames: &mut Vec<u8>| {
@@ -187,12 +331,12 @@ impl Model {
             }
         };
         while let Some(tag) = b.u8() {
-            match tag % 4 {
+            let (h, payload) = match tag % 4 {
                 0 => {
                     let (Some(s), Some(offset), Some(len)) = (b.u8(), b.u16(), b.u16()) else {
                         break;
                     };
-                    let stream = 1 + 2 * (s as u32 % 4);
+                    let stream = 1 + 2 * (s as u32 % 8);
                     let offset = offset as u64 % (FILE_LEN as u64 + 1000);
                     flush(&mut m, &mut frames);
                     m.ops.push(Op::Carry {
@@ -200,33 +344,16 @@ impl Model {
                         offset,
                         len: len as u64,
                     });
-                    if len > 0 {
-                        // A new body on a stream given up: not the old one's rest.
-                        if let Some(at) = forgotten.iter().position(|&s| s == stream) {
-                            forgotten.remove(at);
-                            files.remove(&stream);
-                        }
-                        files
-                            .entry(stream)
-                            .or_default()
-                            .push_back((offset, len as u64));
-                    }
+                    bodies.carry(stream, offset, len as u64);
+                    continue;
                 }
                 1 => {
                     let Some(s) = b.u8() else { break };
-                    let stream = 1 + 2 * (s as u32 % 4);
+                    let stream = 1 + 2 * (s as u32 % 8);
                     flush(&mut m, &mut frames);
                     m.ops.push(Op::Forget { stream });
-                    // The rest is kept for a frame h2 framed already, for the last
-                    // FORGOTTEN streams given up (FileBodies::forget).
-                    if files.contains_key(&stream) && !forgotten.contains(&stream) {
-                        forgotten.push_back(stream);
-                        if forgotten.len() > FORGOTTEN {
-                            if let Some(oldest) = forgotten.pop_front() {
-                                files.remove(&oldest);
-                            }
-                        }
-                    }
+                    bodies.forget(stream);
+                    continue;
                 }
                 2 => {
                     let (Some(s), Some(flags), Some(len), Some(fill)) =
@@ -234,54 +361,10 @@ impl Model {
                     else {
                         break;
                     };
-                    let stream = 1 + 2 * (s as u32 % 5);
+                    let stream = 1 + 2 * (s as u32 % 9);
                     let id = if s >= 128 { stream | 1 << 31 } else { stream };
                     let len = len as usize;
-                    if written + 9 + len > limit {
-                        continue; // neither written nor expected
-                    }
-                    written += 9 + len;
-                    let h = header(len, DATA, flags, id);
-                    frames.extend_from_slice(&h);
-                    frames.resize(frames.len() + len, fill);
-                    let Some(ranges) = files.get_mut(&stream) else {
-                        m.expected.extend_from_slice(&h);
-                        m.expected.resize(m.expected.len() + len, fill);
-                        continue;
-                    };
-                    m.good = m.expected.len();
-                    m.expected.extend_from_slice(&h);
-                    if flags & PADDED != 0 {
-                        m.bad = true;
-                        break;
-                    }
-                    let mut left = len as u64;
-                    while left > 0 {
-                        let Some(r) = ranges.front_mut() else {
-                            m.bad = true; // longer than the body registered
-                            break;
-                        };
-                        let take = r.1.min(left);
-                        let end = (r.0 + take).min(FILE_LEN as u64);
-                        m.expected
-                            .extend_from_slice(&content[r.0.min(end) as usize..end as usize]);
-                        if r.0 + take > FILE_LEN as u64 {
-                            m.bad = true; // the range is past the end of the file
-                            break;
-                        }
-                        r.0 += take;
-                        r.1 -= take;
-                        left -= take;
-                        if r.1 == 0 {
-                            ranges.pop_front();
-                        }
-                    }
-                    if m.bad {
-                        break;
-                    }
-                    if ranges.is_empty() {
-                        files.remove(&stream);
-                    }
+                    (header(len, DATA, flags, id), vec![fill; len])
                 }
                 _ => {
                     let (Some(typ), Some(flags), Some(stream), Some(len), Some(seed)) =
@@ -290,27 +373,22 @@ impl Model {
                         break;
                     };
                     let len = len as usize % 4096;
-                    if written + 9 + len > limit {
-                        continue; // neither written nor expected
-                    }
-                    written += 9 + len;
-                    let h = header(len, typ, flags, stream);
                     let payload: Vec<u8> = (0..len)
                         .map(|i| seed.wrapping_add((i * 31) as u8))
                         .collect();
-                    if typ == DATA && files.contains_key(&(stream & 0x7fff_ffff)) {
-                        // DATA on a file stream: expected as such by op 2 only; here it would
-                        // need the same model, so write it as a frame of another type.
-                        let h = header(len, 0x20, flags, stream);
-                        frames.extend_from_slice(&h);
-                        m.expected.extend_from_slice(&h);
-                    } else {
-                        frames.extend_from_slice(&h);
-                        m.expected.extend_from_slice(&h);
-                    }
-                    frames.extend_from_slice(&payload);
-                    m.expected.extend_from_slice(&payload);
+                    (header(len, typ, flags, stream), payload)
                 }
+            };
+            if written + 9 + payload.len() > limit {
+                continue; // neither written nor expected
+            }
+            written += 9 + payload.len();
+            frames.extend_from_slice(&h);
+            frames.extend_from_slice(&payload);
+            m.good = m.expected.len();
+            if !bodies.frame(h, &payload, content, &mut m.expected) {
+                m.bad = true;
+                break;
             }
         }
         flush(&mut m, &mut frames);
@@ -392,7 +470,7 @@ fuzz_target!(|input: &[u8]| {
     if model.bad {
         assert!(
             written.is_err() || pumped.is_err(),
-            "malformed frames taken without an error"
+            "a range past the end of the file sent without an error"
         );
         assert!(
             received.len() >= model.good,
@@ -408,8 +486,8 @@ fuzz_target!(|input: &[u8]| {
             model.expected.len()
         );
     } else {
-        written.expect("well-formed frames written");
-        pumped.expect("well-formed frames sent");
+        written.expect("frames written");
+        pumped.expect("frames sent");
         assert!(
             received == &model.expected,
             "received {} bytes, not the {} expected (first difference at {:?})",

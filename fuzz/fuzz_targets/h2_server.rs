@@ -118,7 +118,7 @@ async fn answer(
     let request = request(&req);
     let resp =
         refused(&request, had_body).unwrap_or_else(|| respond(&request, root, SystemTime::now()));
-    let _ = send_response(&mut send, resp, files, stall).await;
+    let _ = send_response(&mut send, resp, files, stall, None).await;
 }
 
 fuzz_target!(|input: &[u8]| {
@@ -163,12 +163,20 @@ fuzz_target!(|input: &[u8]| {
         let stall = Duration::from_secs(10);
         let served = transport::run(&mut client, woken, stall, |io| async move {
             let files = io.file_bodies();
+            let floods = io.floods();
             let mut conn = settings::server(FILE_SEND_BUFFER)
                 .handshake::<_, H2Body>(io)
                 .await?;
             let mut streams = FuturesUnordered::new();
+            let mut flooded = false;
             loop {
                 tokio::select! {
+                    // As the products do (h2_connection.rs): past a control-frame cap the
+                    // client's bytes stop, and the connection ends.
+                    _ = floods.flooded(), if !flooded => {
+                        flooded = true;
+                        conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
+                    }
                     accepted = conn.accept() => match accepted {
                         Some(Ok((req, send))) => {
                             streams.push(answer(req, send, &files, &f.root, stall));

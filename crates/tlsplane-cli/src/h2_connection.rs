@@ -15,8 +15,9 @@ use h2::server::{Connection, SendResponse};
 use h2::RecvStream;
 use tlsplane::stats::Counter;
 use tlsplane::TlsStream;
+use tlsplane_h2::flood::Flood;
 use tlsplane_h2::greeting::{self, Greeting, Heard};
-use tlsplane_h2::transport::{Flusher, H2Io, Woken};
+use tlsplane_h2::transport::{Floods, Flusher, H2Io, Woken};
 use tlsplane_server::runtime::Idle;
 use tokio::sync::watch;
 use tokio::time::{timeout_at, Instant};
@@ -51,12 +52,22 @@ pub(crate) struct H2Stats {
     /// Idle connections (no stream open) sent GOAWAY to make room for a new connection under
     /// --max-connections.
     pub evictions: Counter,
+    /// Connections ended with GOAWAY(ENHANCE_YOUR_CALM) (counted in `goaway_calm` too) for
+    /// passing a control-frame cap ([`tlsplane_h2::flood`]), by the frame's kind, in the
+    /// order of [`Flood::ALL`].
+    pub floods: [Counter; 4],
 }
+
+/// How many counters [`H2Stats::counters`] gives.
+const COUNTERS: usize = 11;
 
 impl H2Stats {
     /// The counters under `names` (the product's: [`SERVE`](Self::SERVE),
     /// [`PROXY`](Self::PROXY)).
-    pub(crate) fn counters(&self, names: &[&'static str; 7]) -> [(&'static str, u64); 7] {
+    pub(crate) fn counters(
+        &self,
+        names: &[&'static str; COUNTERS],
+    ) -> [(&'static str, u64); COUNTERS] {
         let values = [
             &self.connections,
             &self.started,
@@ -65,11 +76,15 @@ impl H2Stats {
             &self.goaway_protocol,
             &self.stalls,
             &self.evictions,
+            &self.floods[0],
+            &self.floods[1],
+            &self.floods[2],
+            &self.floods[3],
         ];
         std::array::from_fn(|i| (names[i], values[i].load(Relaxed)))
     }
 
-    pub(crate) const SERVE: [&'static str; 7] = [
+    pub(crate) const SERVE: [&'static str; COUNTERS] = [
         "h2_connections",
         "h2_started",
         "h2_streams",
@@ -77,8 +92,12 @@ impl H2Stats {
         "h2_goaway_protocol",
         "h2_stalls",
         "h2_evictions",
+        "h2_flood_settings",
+        "h2_flood_ping",
+        "h2_flood_window_update",
+        "h2_flood_priority",
     ];
-    pub(crate) const PROXY: [&'static str; 7] = [
+    pub(crate) const PROXY: [&'static str; COUNTERS] = [
         "proxy_h2_connections",
         "proxy_h2_started",
         "proxy_h2_streams",
@@ -86,7 +105,18 @@ impl H2Stats {
         "proxy_h2_goaway_protocol",
         "proxy_h2_stalls",
         "proxy_h2_evictions",
+        "proxy_h2_flood_settings",
+        "proxy_h2_flood_ping",
+        "proxy_h2_flood_window_update",
+        "proxy_h2_flood_priority",
     ];
+
+    /// Counts a connection ended for passing the cap on `flood` frames.
+    fn count_flood(&self, flood: Flood) {
+        let at = Flood::ALL.iter().position(|&f| f == flood).unwrap_or(0);
+        self.floods[at].fetch_add(1, Relaxed);
+        self.goaway_calm.fetch_add(1, Relaxed);
+    }
 
     /// Counts how h2's side of a connection ended, when it was an error we sent GOAWAY for.
     pub(crate) fn count_end(&self, e: &h2::Error) {
@@ -255,6 +285,8 @@ pub(crate) struct Lifetime<'a> {
     pub timeouts: &'a Counter,
     /// The connection's outbox ([`H2Io::flusher`]), sent early between streams.
     pub flush: Flusher,
+    /// The client passing a control-frame cap ([`H2Io::floods`]).
+    pub floods: Floods,
 }
 
 /// Runs `conn` until it ends (the client's GOAWAY or end, ours after the idle timeout, an
@@ -277,6 +309,7 @@ where
         stats,
         timeouts,
         flush,
+        floods,
     } = life;
     // Made at the first stream and dropped when the last ends: an empty FuturesUnordered
     // still holds a stub task as large as a stream's future (~1.6 KiB for serve), which an
@@ -290,6 +323,8 @@ where
         going_away = Some(Instant::now());
     }
     let mut busy = Busy(false);
+    // The client passed a control-frame cap: h2 gets none of its bytes any more.
+    let mut flooded = false;
     loop {
         busy.set(streams.is_some());
         // The only connection of its worker with work: let the responses of this round that
@@ -304,6 +339,7 @@ where
         let step = async {
             tokio::select! {
                 accepted = conn.accept() => Step::Accepted(accepted),
+                flood = floods.flooded(), if !flooded => Step::Flooded(flood),
                 Some(()) = async { streams.as_mut()?.next().await }, if !quiet => Step::StreamDone,
                 // No stream open for the idle timeout: GOAWAY, and the connection ends.
                 _ = tokio::time::sleep_until(idle_since + idle_timeout),
@@ -344,6 +380,14 @@ where
                 stats.stalls.fetch_add(1, Relaxed);
                 return Ok(());
             }
+            Step::Flooded(flood) => {
+                // GOAWAY naming the last stream h2 took; its streams in flight end with the
+                // connection, which h2 closes once the GOAWAY is out.
+                flooded = true;
+                stats.count_flood(flood);
+                conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
+                going_away = Some(Instant::now());
+            }
             Step::StreamDone => {
                 if streams.as_ref().is_some_and(FuturesUnordered::is_empty) {
                     streams = None;
@@ -371,4 +415,5 @@ enum Step<T> {
     Stop,
     Evicted,
     GoneQuiet,
+    Flooded(Flood),
 }

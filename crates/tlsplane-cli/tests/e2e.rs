@@ -58,8 +58,12 @@ mod http;
 mod http2;
 #[path = "e2e/http2_abuse.rs"]
 mod http2_abuse;
+#[path = "e2e/http2_access_log.rs"]
+mod http2_access_log;
 #[path = "e2e/http2_browser.rs"]
 mod http2_browser;
+#[path = "e2e/http2_control_flood.rs"]
+mod http2_control_flood;
 #[path = "e2e/http2_flood.rs"]
 mod http2_flood;
 #[path = "e2e/kernel.rs"]
@@ -88,6 +92,8 @@ mod proxy;
 mod proxy_h2;
 #[path = "e2e/proxy_http.rs"]
 mod proxy_http;
+#[path = "e2e/proxy_responses.rs"]
+mod proxy_responses;
 #[path = "e2e/reload.rs"]
 mod reload;
 #[path = "e2e/send_timeout.rs"]

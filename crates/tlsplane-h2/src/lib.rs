@@ -5,6 +5,8 @@
 //! - [`transport`]: the transport h2 runs on over a [`tlsplane::TlsStream`] (or any
 //!   [`transport::Transport`]), whose outbox follows h2's frames and puts file bytes in place
 //!   of the placeholder payloads of file bodies;
+//! - [`flood`]: the caps on the control frames a client sends (SETTINGS, PING,
+//!   WINDOW_UPDATE, PRIORITY), which h2 would answer or take without end;
 //! - [`greeting`]: a connection's opening kept without h2 until the first request, so that
 //!   h2's buffers are allocated only for connections that ask for something;
 //! - [`settings`]: the h2 settings every product uses, each with its reason;
@@ -12,6 +14,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod flood;
 pub mod greeting;
 pub mod serve;
 pub mod settings;

@@ -12,7 +12,7 @@ use h2::server::SendResponse;
 use h2::{Reason, RecvStream, SendStream};
 use tlsplane_http::{error_response, Body, Method, Request, Response};
 
-use crate::transport::{FileBodies, H2Body};
+use crate::transport::{EndWatch, FileBodies, H2Body};
 
 /// Body bytes h2 queues per stream before it stops granting capacity (h2's default ~400 KB;
 /// the other settings are every product's: [`settings`](crate::settings)). File bodies are
@@ -100,13 +100,15 @@ pub fn field<T>(req: &http::Request<T>, name: http::header::HeaderName) -> Optio
     joined
 }
 
-/// Sends the planned response on its stream: `Ok(true)` when all of it was handed to h2,
+/// Sends the planned response on its stream: `Ok(true)` when all of it was handed to h2 (and,
+/// with `end`, the watch of this stream's end, once its last byte has gone to the client),
 /// `Err(Stalled)` when the client granted no window for `stall`.
 pub async fn send_response(
     send: &mut SendResponse<H2Body>,
     mut resp: Response,
     files: &FileBodies,
     stall: Duration,
+    end: Option<&mut EndWatch>,
 ) -> Result<bool, Stalled> {
     let mut head = http::Response::new(());
     *head.status_mut() =
@@ -126,28 +128,38 @@ pub async fn send_response(
             fields.append(name, value);
         }
     }
-    let end = matches!(resp.body, Body::Empty);
-    let mut stream = match send.send_response(head, end) {
+    let empty = matches!(resp.body, Body::Empty);
+    let mut stream = match send.send_response(head, empty) {
         Ok(s) => s,
         Err(_) => return Ok(false), // the client reset the stream, or the connection is gone
     };
+    let id = stream.stream_id();
     let sent = match resp.body {
         Body::Empty => Ok(()),
         Body::Bytes(b) => {
             let b = Bytes::from(b);
-            send_data(&mut stream, b.len() as u64, stall, usize::MAX, |at, n| {
+            let bytes = |at: u64, n| {
                 let at = at as usize;
                 H2Body::Bytes(b.slice(at..at + n))
-            })
+            };
+            send_data(
+                &mut stream,
+                b.len() as u64,
+                stall,
+                usize::MAX,
+                bytes,
+                || false,
+            )
             .await
         }
         Body::File { file, offset, len } => {
             // The outbox puts the file's bytes in place of the placeholders, by sendfile on
             // the kernel plane ([`transport`](crate::transport)).
-            let id = stream.stream_id();
             files.carry(id, Arc::new(file), offset, len);
             let frame = files.frame_limit();
-            let sent = send_data(&mut stream, len, stall, frame, |_, n| H2Body::file(n)).await;
+            let placeholders = |_, n| H2Body::file(n);
+            let refused = || files.refused(id);
+            let sent = send_data(&mut stream, len, stall, frame, placeholders, refused).await;
             if sent.is_err() {
                 files.forget(id);
             }
@@ -155,7 +167,10 @@ pub async fn send_response(
         }
     };
     match sent {
-        Ok(()) => Ok(true),
+        Ok(()) => match end {
+            Some(end) => Ok(end.sent().await),
+            None => Ok(true),
+        },
         Err(e) => {
             tracing::debug!(error = %e, "h2 stream ended early");
             if e.kind() == io::ErrorKind::TimedOut {
@@ -195,16 +210,24 @@ pub struct Stalled;
 /// flow-control window: never more than h2 has granted, so nothing queues beyond
 /// [`FILE_SEND_BUFFER`]. A stream granted no window for `stall` is reset (a zero-window reader
 /// cannot hold it forever). No piece handed to h2 is longer than `frame`
-/// ([`FileBodies::frame_limit`]).
+/// ([`FileBodies::frame_limit`]). A stream the outbox `refused` (its frames did not match its
+/// file body) is reset in h2 too, which then frames no more of it.
 async fn send_data(
     stream: &mut SendStream<H2Body>,
     len: u64,
     stall: Duration,
     frame: usize,
     mut chunk: impl FnMut(u64, usize) -> H2Body,
+    refused: impl Fn() -> bool,
 ) -> io::Result<()> {
     let mut at = 0u64;
     while at < len {
+        if refused() {
+            stream.send_reset(Reason::INTERNAL_ERROR);
+            return Err(io::Error::other(
+                "the stream's frames did not match its file body",
+            ));
+        }
         let want = (len - at).min(CHUNK as u64) as usize;
         stream.reserve_capacity(want);
         let granted = loop {

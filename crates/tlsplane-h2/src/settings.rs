@@ -28,6 +28,31 @@ pub const RESET_STREAM_DURATION: Duration = Duration::from_secs(1);
 /// where bodies are bytes in memory (the proxy's; `serve` queues placeholders of files).
 pub const SEND_BUFFER: usize = 32 * 1024;
 
+/// SETTINGS frames a client may send per second, in bursts of as many ([`crate::flood`]).
+/// Browsers send two in a connection's life (theirs, and the acknowledgement of ours); h2
+/// answers each non-acknowledgement with one of its own.
+pub const MAX_SETTINGS_PER_SECOND: u32 = 100;
+/// PING frames a client may send per second, in bursts of as many, plus one per DATA frame we
+/// sent ([`crate::flood`]). Chromium and Firefox send one when they reuse a connection that
+/// has been idle for a while (seconds apart at most); gRPC clients probe the bandwidth with a
+/// PING per round trip of the data they receive, which the allowance per DATA frame covers
+/// however short the round trip. Each is answered by h2.
+pub const MAX_PINGS_PER_SECOND: u32 = 100;
+/// WINDOW_UPDATE frames a client may send per DATA frame we sent ([`crate::flood`]), besides
+/// two per stream it opened and [`WINDOW_UPDATES_AT_START`]: a client gives window back for
+/// the data it receives, at most once per frame for the stream and once for the connection
+/// (Chromium and curl once per half window; Firefox about the same). Envoy's rule and
+/// default (`max_inbound_window_update_frames_per_data_frame_sent`). A cap per second
+/// instead would cut a fast download with small windows.
+pub const MAX_WINDOW_UPDATES_PER_DATA_FRAME: u32 = 10;
+/// WINDOW_UPDATE frames before any data (browsers open the connection's window once).
+pub const WINDOW_UPDATES_AT_START: u64 = 5;
+/// PRIORITY frames a client may send per stream it opened, plus as many before the first
+/// ([`crate::flood`]): Envoy's rule and default (`max_inbound_priority_frames_per_stream`).
+/// Firefox built its RFC 7540 dependency tree with five PRIORITY frames at the start;
+/// Chromium puts priorities in HEADERS; neither sends more than a few per stream.
+pub const MAX_PRIORITY_PER_STREAM: u32 = 100;
+
 /// The server side, as clients see it, queueing up to `send_buffer` body bytes per stream.
 pub fn server(send_buffer: usize) -> h2::server::Builder {
     let mut builder = h2::server::Builder::new();

@@ -15,7 +15,12 @@
 //!   kernel plane it queues the file range itself, and the pump writes the frame header with
 //!   `MSG_MORE` and the payload by `sendfile(2)` (header and payload share a record; the file
 //!   never enters this process); on the user plane it reads the range into the queue, the one
-//!   copy encryption needs.
+//!   copy encryption needs. A frame of a file stream that does not match its body resets the
+//!   stream instead (`Outbox::refuse`): no byte but the file's goes as the file.
+//! - the client's frames are counted against the control-frame caps before h2 reads them
+//!   ([`crate::flood`]); past one h2 gets none of its bytes any more, and the product ends
+//!   the connection ([`Floods`]).
+//! - the product may learn when a stream's last frame has been written ([`StreamEnds`]).
 //!
 //! - h2's side runs until it waits (all the streams it can serve now are served), then the
 //!   pump sends what it queued, in one write: a round of requests read together is answered
@@ -36,11 +41,13 @@ use std::os::unix::fs::FileExt;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes};
 use tlsplane::{PlaneKind, TlsStream};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::flood::{Flood, Inbound};
 
 /// What one TLS read moves (a record's plaintext).
 const IO_BUF: usize = 16 * 1024;
@@ -69,7 +76,17 @@ const FRAME_HEADER: usize = 9;
 /// (16,384 bytes of plaintext; [`FileBodies::frame_limit`]).
 pub const KERNEL_FILE_FRAME: usize = 16 * 1024 - FRAME_HEADER;
 const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const CONTINUATION: u8 = 0x9;
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
 const PADDED: u8 = 0x8;
+const INTERNAL_ERROR: u32 = 0x2;
+/// Streams remembered after their file bodies were dropped, or after we reset them, so that
+/// a late frame of one is never sent as it is: h2 holds at most one frame of a stream after
+/// its reset, far fewer streams back than this.
+pub const KEPT_STREAMS: usize = 64;
 /// What an [`H2Body::file`] placeholder's bytes are taken from (never sent).
 static PLACEHOLDER: [u8; 16 * 1024] = [0; 16 * 1024];
 
@@ -125,19 +142,46 @@ enum Piece {
     File(FileRange),
 }
 
+/// What becomes of the payload of the frame h2 is writing.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+enum Payload {
+    /// Queued as written.
+    #[default]
+    Bytes,
+    /// Placeholders of the file body of this stream: its bytes go in their place.
+    File(u32),
+    /// User plane: placeholders of a file DATA frame whose bytes were all read in when its
+    /// header came; dropped as h2 writes them.
+    FileRead,
+    /// A frame of a stream we reset (`Outbox::refuse`): dropped.
+    Dropped,
+}
+
 /// Where h2's writes stand in its frame sequence.
 #[derive(Default)]
 struct Frames {
     header: [u8; FRAME_HEADER],
-    /// Header bytes seen of the current frame (the payload follows once all 9 are).
+    /// Header bytes seen of the current frame (the payload follows once all 9 are). They are
+    /// queued once all have come: the frame may be one to drop or replace.
     header_len: usize,
     /// Payload bytes of the current frame still to come.
     payload_left: usize,
-    /// The current frame is DATA on a stream whose body is a file.
-    file_stream: Option<u32>,
-    /// User plane: the current frame's file bytes were all read in when its header came; its
-    /// placeholders are dropped as h2 writes them.
-    file_read: bool,
+    payload: Payload,
+    /// The stream the current frame ends, once its last byte is taken, and whether whole
+    /// (END_STREAM) or reset (RST_STREAM).
+    ends: Option<(u32, bool)>,
+    /// A header block with END_STREAM goes on in CONTINUATION frames: the stream ends with it.
+    block_ends: Option<u32>,
+}
+
+/// Where a watched stream's end stands ([`StreamEnds`]).
+enum End {
+    /// Its last frame has not been written by h2 yet.
+    Waiting(Option<Waker>),
+    /// Its last frame is queued, or being sent, by the pump: whole or reset.
+    Queued(bool, Option<Waker>),
+    /// Sent to the client (true: whole), or never will be (false).
+    Done(bool),
 }
 
 /// The queues between h2 and the pump: what h2 wrote and the pump has not sent yet, and the
@@ -150,14 +194,30 @@ struct Outbox {
     inbound_end: bool,
     /// h2, waiting for the client's bytes.
     reader: Option<Waker>,
+    /// The client's frames, counted against the control-frame caps ([`crate::flood`]).
+    limits: Inbound,
+    /// The product, waiting to hear that the client passed a cap.
+    flood_watcher: Option<Waker>,
     pieces: VecDeque<Piece>,
     /// Bytes (of both kinds) queued.
     queued: usize,
     frames: Frames,
-    /// File ranges by stream, in the order their DATA will be written.
+    /// File ranges by stream, in the order their DATA will be written; a stream is kept
+    /// (its ranges all sent) until its last frame, so that DATA beyond its body is known.
     files: HashMap<u32, VecDeque<FileRange>>,
     /// Streams whose bodies were given up, oldest first ([`FileBodies::forget`]).
     forgotten: VecDeque<u32>,
+    /// Streams whose given-up bodies were dropped from `files` (older than the last
+    /// [`FORGOTTEN`]): a DATA frame on one would be placeholders with nothing to put in.
+    dropped: VecDeque<u32>,
+    /// Streams we reset because h2's frames did not match their file bodies
+    /// (`Outbox::refuse`): h2's later frames of them are dropped.
+    refused: VecDeque<u32>,
+    /// Streams whose end a product waits for ([`StreamEnds`]).
+    ends: HashMap<u32, End>,
+    /// Of those, the ones whose last frame is queued, and being sent by the pump.
+    queued_ends: Vec<u32>,
+    sending_ends: Vec<u32>,
     /// File payloads go as ranges for `sendfile` (kernel plane), not as bytes.
     sendfile: bool,
     /// h2 shut its write side down, or dropped the transport: nothing more will come.
@@ -183,11 +243,18 @@ impl Outbox {
             inbound_at: 0,
             inbound_end: false,
             reader: None,
+            limits: Inbound::new(Instant::now()),
+            flood_watcher: None,
             pieces: VecDeque::new(),
             queued: 0,
             frames: Frames::default(),
             files: HashMap::new(),
             forgotten: VecDeque::new(),
+            dropped: VecDeque::new(),
+            refused: VecDeque::new(),
+            ends: HashMap::new(),
+            queued_ends: Vec::new(),
+            sending_ends: Vec::new(),
             sendfile,
             shut: false,
             broken: false,
@@ -212,7 +279,7 @@ impl Outbox {
         let rest = match f.header_len {
             0 => 0,
             n if n < FRAME_HEADER => FRAME_HEADER - n,
-            _ if f.file_stream.is_some() => f.payload_left,
+            _ if matches!(f.payload, Payload::File(_)) => f.payload_left,
             _ => 0,
         };
         free.max(rest)
@@ -241,7 +308,14 @@ impl Outbox {
         v
     }
 
-    /// Takes `n` bytes of the file body of `stream` in place of `n` placeholder bytes.
+    /// File bytes registered for `stream` and not sent yet.
+    fn file_left(&self, stream: u32) -> Option<u64> {
+        let ranges = self.files.get(&stream)?;
+        Some(ranges.iter().map(|r| r.len).sum())
+    }
+
+    /// Takes `n` bytes of the file body of `stream` in place of `n` placeholder bytes (the
+    /// frame's header checked there are as many).
     fn push_file(&mut self, stream: u32, mut n: usize) -> io::Result<()> {
         let ranges = self.files.get_mut(&stream).ok_or_else(|| missing(stream))?;
         while n > 0 {
@@ -298,14 +372,11 @@ impl Outbox {
             }
             self.queued += take;
         }
-        if ranges.is_empty() {
-            self.files.remove(&stream);
-        }
         Ok(())
     }
 
     /// Takes bytes h2 wrote, following its frames; returns how many were taken (all of
-    /// `buf` unless the frame sequence makes no sense, which is an error).
+    /// `buf`, unless a file could not be read: an error).
     fn take(&mut self, mut buf: &[u8]) -> io::Result<usize> {
         let total = buf.len();
         if self.skipped < self.skip.len() {
@@ -328,58 +399,218 @@ impl Outbox {
                 let n = (FRAME_HEADER - f.header_len).min(buf.len());
                 f.header[f.header_len..f.header_len + n].copy_from_slice(&buf[..n]);
                 f.header_len += n;
-                let h = f.header;
-                let done = f.header_len == FRAME_HEADER;
-                self.push_bytes(&buf[..n]);
                 buf = &buf[n..];
-                if done {
-                    let len = u32::from_be_bytes([0, h[0], h[1], h[2]]) as usize;
-                    let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
-                    let f = &mut self.frames;
-                    f.payload_left = len;
-                    f.file_stream = None;
-                    f.file_read = false;
-                    if h[3] == DATA && self.files.contains_key(&stream) {
-                        if h[4] & PADDED != 0 {
-                            // h2 never pads; the payload would not be the body alone.
-                            return Err(io::Error::other("padded DATA on a file stream"));
-                        }
-                        f.file_stream = Some(stream);
-                        if !self.sendfile
-                            && len > 0
-                            && len <= SMALL_FILE_FRAME
-                            && self.queued + len <= OUTBOX
-                        {
-                            // One read for the whole payload: h2 writes a frame's first bytes
-                            // with the bytes before them and the rest on their own, which
-                            // was two reads of the file per frame. Not past OUTBOX: the pump's
-                            // batches stay cut where h2's writes stop for want of room, every
-                            // 64 KiB of a long body, which the record layer cuts into whole
-                            // records (65,572 bytes left a 36-byte record every 4).
-                            self.push_file(stream, len)?;
-                            self.frames.file_read = true;
-                        }
-                    }
-                    if len == 0 {
-                        self.frames.header_len = 0;
-                    }
+                if f.header_len == FRAME_HEADER {
+                    self.frame_begins()?;
                 }
                 continue;
             }
             let n = f.payload_left.min(buf.len());
-            match f.file_stream {
-                Some(_) if f.file_read => {}
-                Some(stream) => self.push_file(stream, n)?,
-                None => self.push_bytes(&buf[..n]),
+            match f.payload {
+                Payload::FileRead | Payload::Dropped => {}
+                Payload::File(stream) => self.push_file(stream, n)?,
+                Payload::Bytes => self.push_bytes(&buf[..n]),
             }
             buf = &buf[n..];
-            let f = &mut self.frames;
-            f.payload_left -= n;
-            if f.payload_left == 0 {
-                f.header_len = 0;
+            self.frames.payload_left -= n;
+            if self.frames.payload_left == 0 {
+                self.frame_ends();
             }
         }
         Ok(total)
+    }
+
+    /// The current frame's header is all in: what becomes of the frame.
+    fn frame_begins(&mut self) -> io::Result<()> {
+        let h = self.frames.header;
+        let len = u32::from_be_bytes([0, h[0], h[1], h[2]]) as usize;
+        let (kind, flags) = (h[3], h[4]);
+        let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+        let f = &mut self.frames;
+        f.payload_left = len;
+        f.payload = Payload::Bytes;
+        f.ends = match kind {
+            DATA if flags & END_STREAM != 0 => Some((stream, true)),
+            HEADERS if flags & END_STREAM != 0 && flags & END_HEADERS == 0 => {
+                f.block_ends = Some(stream);
+                None
+            }
+            HEADERS if flags & END_STREAM != 0 => Some((stream, true)),
+            CONTINUATION if flags & END_HEADERS != 0 && f.block_ends == Some(stream) => {
+                f.block_ends = None;
+                Some((stream, true))
+            }
+            RST_STREAM => Some((stream, false)),
+            _ => None,
+        };
+        if kind == DATA {
+            self.limits.data_frame_sent();
+        }
+        if self.refused.contains(&stream) {
+            self.frames.payload = Payload::Dropped;
+        } else if let Some(left) = self.file_left(stream) {
+            let ends = self.frames.ends.is_some_and(|(_, whole)| whole);
+            // What the stream's end would leave of the body unsent.
+            let short = if kind == DATA {
+                len as u64 != left
+            } else {
+                left > 0
+            };
+            if kind == DATA && flags & PADDED != 0 {
+                // h2 never pads; the payload would not be the body alone.
+                self.refuse(stream, "a padded DATA frame");
+            } else if kind == DATA && len as u64 > left {
+                self.refuse(stream, "DATA beyond its file body");
+            } else if ends && short {
+                // The client would take a short body for the whole file.
+                self.refuse(stream, "the stream ended before its file body");
+            } else {
+                self.push_bytes(&h);
+                if kind == DATA {
+                    self.frames.payload = Payload::File(stream);
+                    self.read_small_frame(stream, len)?;
+                }
+            }
+        } else if kind == DATA && len > 0 && self.dropped.contains(&stream) {
+            self.refuse(stream, "DATA on a stream whose file body was dropped");
+        } else {
+            self.push_bytes(&h);
+        }
+        if len == 0 {
+            self.frame_ends();
+        }
+        Ok(())
+    }
+
+    /// User plane: a small file DATA frame's payload is read in one piece when its header
+    /// comes. h2 writes a frame's first bytes with the bytes before them and the rest on their
+    /// own, which was two reads of the file per frame. Not past OUTBOX: the pump's batches
+    /// stay cut where h2's writes stop for want of room, every 64 KiB of a long body, which
+    /// the record layer cuts into whole records (65,572 bytes left a 36-byte record every 4).
+    fn read_small_frame(&mut self, stream: u32, len: usize) -> io::Result<()> {
+        if !self.sendfile && len > 0 && len <= SMALL_FILE_FRAME && self.queued + len <= OUTBOX {
+            self.push_file(stream, len)?;
+            self.frames.payload = Payload::FileRead;
+        }
+        Ok(())
+    }
+
+    /// The current frame's last byte is taken.
+    fn frame_ends(&mut self) {
+        self.frames.header_len = 0;
+        let Some((stream, whole)) = self.frames.ends.take() else {
+            return;
+        };
+        // h2 writes nothing more on the stream.
+        self.files.remove(&stream);
+        self.forgotten.retain(|&s| s != stream);
+        self.dropped.retain(|&s| s != stream);
+        if self.frames.payload == Payload::Dropped {
+            self.refused.retain(|&s| s != stream);
+        } else {
+            self.end_queued(stream, whole);
+        }
+    }
+
+    /// `stream`'s last frame is queued: its end is the pump's to send.
+    fn end_queued(&mut self, stream: u32, whole: bool) {
+        if let Some(end) = self.ends.get_mut(&stream) {
+            if let End::Waiting(waker) = end {
+                *end = End::Queued(whole, waker.take());
+                self.queued_ends.push(stream);
+            }
+        }
+    }
+
+    /// A watched stream's end is known without anything more to send: the client reset it,
+    /// or the pump is gone.
+    fn end_done(&mut self, stream: u32, whole: bool) {
+        if let Some(end) = self.ends.get_mut(&stream) {
+            let waker = match end {
+                End::Waiting(w) | End::Queued(_, w) => w.take(),
+                End::Done(_) => return,
+            };
+            *end = End::Done(whole);
+            if let Some(w) = waker {
+                w.wake();
+            }
+        }
+    }
+
+    /// The pump sent the batch with these streams' last frames.
+    fn ends_sent(&mut self, streams: &[u32]) {
+        for &stream in streams {
+            if let Some(End::Queued(whole, _)) = self.ends.get(&stream) {
+                let whole = *whole;
+                self.end_done(stream, whole);
+            }
+        }
+    }
+
+    /// h2's frames on `stream` do not match the file body registered for it (h2 changed how
+    /// it frames bodies): the stream is reset (RST_STREAM(INTERNAL_ERROR)) in place of the
+    /// current frame, and h2's later frames of it go nowhere, so that no byte that is not the
+    /// file's, and no short body, reaches the client as the file. Counted in
+    /// `h2_file_body_resets`.
+    fn refuse(&mut self, stream: u32, why: &str) {
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                stream,
+                "h2 framed a file body unlike the body registered ({why}): stream reset \
+                 (further ones are only counted, in h2_file_body_resets)"
+            );
+        }
+        let resets = &tlsplane::stats::global().h2_file_body_resets;
+        resets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.files.remove(&stream);
+        self.forgotten.retain(|&s| s != stream);
+        self.dropped.retain(|&s| s != stream);
+        let mut rst = [0u8; FRAME_HEADER + 4];
+        rst[..FRAME_HEADER].copy_from_slice(&[0, 0, 4, RST_STREAM, 0, 0, 0, 0, 0]);
+        rst[5..9].copy_from_slice(&stream.to_be_bytes());
+        rst[9..].copy_from_slice(&INTERNAL_ERROR.to_be_bytes());
+        self.push_bytes(&rst);
+        keep_last(&mut self.refused, stream, KEPT_STREAMS);
+        self.frames.payload = Payload::Dropped;
+        self.end_queued(stream, false);
+        // Its end is told; h2's later frames of the stream, should any come, go nowhere.
+        self.frames.ends = None;
+    }
+}
+
+impl Outbox {
+    /// Follows the client's bytes just read (`inbound`) through the control-frame caps: h2
+    /// gets those before a frame past its cap, and none after. Streams the client reset end
+    /// their watches. Returns whether a cap was passed (nothing more is to be read).
+    fn admit_inbound(&mut self) -> bool {
+        let n = self.limits.admit(&self.inbound, Instant::now);
+        for stream in std::mem::take(&mut self.limits.resets) {
+            self.end_done(stream, false);
+        }
+        let Some(flood) = self.limits.flooded() else {
+            return false;
+        };
+        self.inbound.truncate(n);
+        if self.inbound.is_empty() {
+            self.inbound = Vec::new();
+            self.inbound_at = 0;
+        }
+        tracing::debug!(frame = flood.name(), "h2 client past a control-frame cap");
+        if let Some(watcher) = self.flood_watcher.take() {
+            watcher.wake();
+        }
+        true
+    }
+}
+
+/// Appends `stream` to `ring`, which keeps the last `max`.
+fn keep_last(ring: &mut VecDeque<u32>, stream: u32, max: usize) {
+    if !ring.contains(&stream) {
+        ring.push_back(stream);
+        if ring.len() > max {
+            ring.pop_front();
+        }
     }
 }
 
@@ -411,6 +642,7 @@ impl FileBodies {
             outbox.forgotten.remove(at);
             outbox.files.remove(&stream);
         }
+        outbox.dropped.retain(|&s| s != stream);
         let ranges = outbox.files.entry(stream).or_default();
         ranges.push_back(FileRange { file, offset, len });
     }
@@ -423,7 +655,9 @@ impl FileBodies {
     /// between the two when the stream is given up. Its payload is placeholders, which must
     /// never reach the client. So the body's rest is kept for the [`FORGOTTEN`] streams given
     /// up last (h2 holds one DATA frame at a time), and such a frame still carries the file's
-    /// bytes; older ones are dropped.
+    /// bytes (so that h2's flow-control windows stay the client's). Older ones are dropped,
+    /// and a DATA frame of one that came all the same would reset its stream
+    /// (`Outbox::refuse`), never go with placeholders.
     pub fn forget(&self, stream: impl Into<u32>) {
         let mut outbox = lock(&self.0);
         let stream = stream.into();
@@ -434,8 +668,17 @@ impl FileBodies {
         if outbox.forgotten.len() > FORGOTTEN {
             if let Some(oldest) = outbox.forgotten.pop_front() {
                 outbox.files.remove(&oldest);
+                keep_last(&mut outbox.dropped, oldest, KEPT_STREAMS);
             }
         }
+    }
+
+    /// Whether `stream` was reset because h2's frames did not match its file body: its
+    /// sender should reset it in h2 too (`send_reset`), so that h2 stops framing a body the
+    /// client no longer gets and gives its window back.
+    pub fn refused(&self, stream: impl Into<u32>) -> bool {
+        let stream = stream.into();
+        lock(&self.0).refused.contains(&stream)
     }
 
     /// The most file bytes to give h2 at once (it makes one DATA frame of each such piece).
@@ -487,6 +730,84 @@ impl Flusher {
     }
 }
 
+/// Tells when a stream's last byte has gone to the client (for the access log's duration,
+/// which over HTTP/1.1 ends at the response's last byte too): see [`watch`](Self::watch).
+#[derive(Clone)]
+pub struct StreamEnds(Arc<Mutex<Outbox>>);
+
+impl StreamEnds {
+    /// Watches `stream` (an [`h2::StreamId`], or its number): call before its last frame can
+    /// be sent (before handing h2 its end). Dropping the watch forgets it.
+    pub fn watch(&self, stream: impl Into<u32>) -> EndWatch {
+        let stream = stream.into();
+        lock(&self.0).ends.insert(stream, End::Waiting(None));
+        EndWatch {
+            outbox: self.0.clone(),
+            stream,
+        }
+    }
+}
+
+/// A stream whose end is watched ([`StreamEnds::watch`]).
+pub struct EndWatch {
+    outbox: Arc<Mutex<Outbox>>,
+    stream: u32,
+}
+
+impl EndWatch {
+    /// Waits until the stream's last frame has been written to the client: true when it ended
+    /// the stream whole (END_STREAM), false when the stream was reset (by either side) or the
+    /// connection failed first.
+    pub async fn sent(&mut self) -> bool {
+        std::future::poll_fn(|cx| {
+            let mut outbox = lock(&self.outbox);
+            match outbox.ends.get_mut(&self.stream) {
+                Some(End::Done(whole)) => Poll::Ready(*whole),
+                Some(End::Waiting(w) | End::Queued(_, w)) => {
+                    *w = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+                None => Poll::Ready(false),
+            }
+        })
+        .await
+    }
+}
+
+impl Drop for EndWatch {
+    fn drop(&mut self) {
+        lock(&self.outbox).ends.remove(&self.stream);
+    }
+}
+
+/// Tells when the client passed a control-frame cap ([`crate::flood`]): the pump then gives h2
+/// nothing more of its bytes, and the product ends the connection with
+/// GOAWAY(ENHANCE_YOUR_CALM) (h2's `abrupt_shutdown`).
+#[derive(Clone)]
+pub struct Floods(Arc<Mutex<Outbox>>);
+
+impl Floods {
+    /// Waits until the client passes a cap: which one. Ready at once from then on.
+    pub async fn flooded(&self) -> Flood {
+        std::future::poll_fn(|cx| {
+            let mut outbox = lock(&self.0);
+            match outbox.limits.flooded() {
+                Some(flood) => Poll::Ready(flood),
+                None => {
+                    // Polled at every turn of the product's loop: the waker is cloned only
+                    // when it changed.
+                    let watcher = &mut outbox.flood_watcher;
+                    if !watcher.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                        *watcher = Some(cx.waker().clone());
+                    }
+                    Poll::Pending
+                }
+            }
+        })
+        .await
+    }
+}
+
 /// Where h2 starts on a connection whose opening the product kept without it
 /// ([`crate::greeting`]): the client's bytes so far, which h2 reads first, and the bytes h2
 /// will write first that the client already had (h2's SETTINGS and acknowledgements of the
@@ -528,6 +849,14 @@ impl H2Io {
 
     pub fn flusher(&self) -> Flusher {
         Flusher(self.outbox.clone())
+    }
+
+    pub fn stream_ends(&self) -> StreamEnds {
+        StreamEnds(self.outbox.clone())
+    }
+
+    pub fn floods(&self) -> Floods {
+        Floods(self.outbox.clone())
     }
 
     /// A transport in memory with no pump: h2 reads `inbound`, then waits for more; what it
@@ -730,6 +1059,7 @@ where
 {
     let mut outbox = Outbox::new(tls.sends_files());
     outbox.inbound = woken.replay;
+    outbox.admit_inbound();
     outbox.skip = woken.skip;
     let outbox = Arc::new(Mutex::new(outbox));
     let io = H2Io {
@@ -749,6 +1079,11 @@ impl Drop for PumpGone<'_> {
         outbox.inbound_end = true;
         outbox.pieces.clear();
         outbox.files.clear();
+        // Streams whose last frame was not sent never will be.
+        let watched: Vec<u32> = outbox.ends.keys().copied().collect();
+        for stream in watched {
+            outbox.end_done(stream, false);
+        }
         if let Some(writer) = outbox.writer.take() {
             writer.wake();
         }
@@ -767,8 +1102,8 @@ async fn pump<T: Transport>(
     stall: Duration,
 ) -> io::Result<()> {
     let _gone = PumpGone(outbox);
-    // The client's input ended.
-    let mut input_done = false;
+    // The client's input ended, or passed a control-frame cap: nothing more is read.
+    let mut input_done = lock(outbox).limits.flooded().is_some();
     loop {
         tokio::select! {
             read = read_for_h2(tls, outbox), if !input_done => {
@@ -779,6 +1114,7 @@ async fn pump<T: Transport>(
                     shared.inbound_end = true;
                 } else {
                     shared.inbound = read;
+                    input_done = shared.admit_inbound();
                 }
                 if let Some(reader) = shared.reader.take() {
                     reader.wake();
@@ -787,7 +1123,13 @@ async fn pump<T: Transport>(
             pieces = std::future::poll_fn(|cx| next_pieces(outbox, cx)) => {
                 let Some(pieces) = pieces else { return Ok(()) };
                 let sent = tokio::time::timeout(stall, send(tls, pieces)).await;
-                lock(outbox).sending = false;
+                let mut shared = lock(outbox);
+                shared.sending = false;
+                if matches!(sent, Ok(Ok(()))) {
+                    let ends = std::mem::take(&mut shared.sending_ends);
+                    shared.ends_sent(&ends);
+                }
+                drop(shared);
                 match sent {
                     Ok(sent) => sent?,
                     Err(_) => {
@@ -835,6 +1177,7 @@ fn next_pieces(outbox: &Mutex<Outbox>, cx: &mut Context<'_>) -> Poll<Option<VecD
     }
     outbox.queued = 0;
     outbox.sending = true;
+    outbox.sending_ends = std::mem::take(&mut outbox.queued_ends);
     let pieces = std::mem::take(&mut outbox.pieces);
     if let Some(writer) = outbox.writer.take() {
         writer.wake();
@@ -861,6 +1204,7 @@ async fn send<T: Transport>(tls: &mut T, mut pieces: VecDeque<Piece>) -> io::Res
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::Ordering::Relaxed;
 
     fn frame(typ: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
         let len = payload.len() as u32;
@@ -981,7 +1325,7 @@ mod tests {
             FRAME_HEADER + 3000,
             "the payload is queued with its header"
         );
-        assert!(ob.files.is_empty(), "the body was taken whole");
+        assert_eq!(ob.file_left(1), Some(0), "the body was taken whole");
         for part in data[FRAME_HEADER..].chunks(700) {
             assert_eq!(ob.take(part).expect("placeholders"), part.len());
         }
@@ -1057,28 +1401,191 @@ mod tests {
         assert_eq!(writes[1].len(), FRAME_HEADER + 8);
     }
 
-    /// A DATA frame longer than the file body registered, or padded, is refused rather than
-    /// sent with bytes that are not the body's.
+    /// Registers `len` bytes of `file` as stream `stream`'s body.
+    fn register(ob: &mut Outbox, stream: u32, file: &Arc<File>, len: u64) {
+        ob.files.entry(stream).or_default().push_back(FileRange {
+            file: file.clone(),
+            offset: 0,
+            len,
+        });
+    }
+
+    /// Frames of a file stream that do not match its body (h2 framing it unlike today's h2:
+    /// padded, longer than the body's rest, ending the stream short of it, or on a body that
+    /// was given up and dropped) reset the stream in the offending frame's place, and h2's
+    /// later frames of it are dropped, on both planes and however the writes are cut. The
+    /// client gets no byte in place of the file's but the file's, the other stream's frames
+    /// whole, the reset counted.
     #[test]
-    fn data_beyond_the_file_body_or_padded_is_an_error() {
-        let mut ob = outbox(true);
-        ob.files.entry(1).or_default().push_back(FileRange {
-            file: temp_file(b"0123456789"),
-            offset: 0,
-            len: 10,
+    fn frames_unlike_the_file_body_reset_its_stream_and_send_no_other_bytes() {
+        let content = b"0123456789";
+        let headers = |stream| frame(HEADERS, END_HEADERS, stream, b"\x88");
+        let rst = frame(RST_STREAM, 0, 1, &INTERNAL_ERROR.to_be_bytes());
+        // (case, the frames of stream 1 h2 writes, what the client gets of them before the
+        // reset, streams given up before)
+        let cases: [(&str, Vec<u8>, Vec<u8>, bool); 5] = [
+            ("padded", frame(DATA, PADDED, 1, &[0; 5]), vec![], false),
+            ("too long", frame(DATA, 0, 1, &[0; 11]), vec![], false),
+            (
+                "short end",
+                frame(DATA, END_STREAM, 1, &[0; 4]),
+                vec![],
+                false,
+            ),
+            (
+                "trailers before the body's end",
+                [
+                    frame(DATA, 0, 1, &[0; 4]),
+                    frame(HEADERS, END_STREAM | END_HEADERS, 1, b"\x88"),
+                ]
+                .concat(),
+                frame(DATA, 0, 1, b"0123"),
+                false,
+            ),
+            ("a dropped body", frame(DATA, 0, 1, &[0; 4]), vec![], true),
+        ];
+        for (case, theirs, before_reset, dropped) in cases {
+            let mut written = [headers(1), headers(3)].concat();
+            written.extend(&theirs);
+            // h2 goes on with the stream it thinks open, then another's, then resets it.
+            written.extend(frame(DATA, 0, 1, &[0; 3]));
+            written.extend(frame(DATA, END_STREAM, 3, b"abc"));
+            written.extend(frame(RST_STREAM, 0, 1, &8u32.to_be_bytes()));
+            written.extend(frame(0x6, 0, 0, &[1; 8]));
+            let mut expected = [headers(1), headers(3)].concat();
+            expected.extend(&before_reset);
+            expected.extend(&rst);
+            expected.extend(frame(DATA, END_STREAM, 3, b"abc"));
+            expected.extend(frame(0x6, 0, 0, &[1; 8]));
+            for sendfile in [false, true] {
+                for cut in [1, 4, 9, 10, 13, written.len()] {
+                    let mut ob = outbox(sendfile);
+                    let file = temp_file(content);
+                    if dropped {
+                        let bodies = FileBodies(Arc::new(Mutex::new(outbox(sendfile))));
+                        // Stream 1's, then as many given up after it as are kept.
+                        for stream in [1u32].into_iter().chain((101..).step_by(2).take(FORGOTTEN)) {
+                            bodies.carry(stream, file.clone(), 0, 10);
+                            bodies.forget(stream);
+                        }
+                        let mut registry = lock(&bodies.0);
+                        std::mem::swap(&mut ob.files, &mut registry.files);
+                        std::mem::swap(&mut ob.forgotten, &mut registry.forgotten);
+                        std::mem::swap(&mut ob.dropped, &mut registry.dropped);
+                    } else {
+                        register(&mut ob, 1, &file, content.len() as u64);
+                    }
+                    ob.ends.insert(1, End::Waiting(None));
+                    let counted = tlsplane::stats::global().h2_file_body_resets.load(Relaxed);
+                    for chunk in written.chunks(cut) {
+                        assert_eq!(ob.take(chunk).expect("taken"), chunk.len(), "{case}");
+                    }
+                    let got = sent(&mut ob);
+                    assert!(got == expected, "{case}, sendfile {sendfile}, cut {cut}");
+                    assert!(
+                        tlsplane::stats::global().h2_file_body_resets.load(Relaxed) > counted,
+                        "{case}: not counted"
+                    );
+                    assert!(
+                        matches!(ob.ends.get(&1), Some(End::Queued(false, _))),
+                        "{case}"
+                    );
+                    assert!(!ob.files.contains_key(&1), "{case}");
+                    assert!(ob.refused.is_empty(), "{case}: h2's reset ends the refusal");
+                }
+            }
+        }
+    }
+
+    /// A Transport over an in-memory pipe, its other end a real h2 client's.
+    struct Pipe(tokio::io::DuplexStream);
+
+    impl Transport for Pipe {
+        fn sends_files(&self) -> bool {
+            false
+        }
+        async fn readable(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+        async fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            tokio::io::AsyncReadExt::read(&mut self.0, buf).await
+        }
+        async fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
+            tokio::io::AsyncWriteExt::write_all(&mut self.0, data).await
+        }
+        async fn write_file(&mut self, _: &[u8], _: &File, _: u64, _: u64) -> io::Result<()> {
+            unreachable!("the user plane sends no file ranges")
+        }
+    }
+
+    /// With the `h2` this crate is built with (pinned in Cargo.toml): a product that hands h2
+    /// more placeholders than the file body it registered, or fewer, as an h2 framing
+    /// bodies otherwise than today's would, gets its stream reset (INTERNAL_ERROR), counted,
+    /// and the client receives not one byte in the file's place; the connection's other
+    /// streams, before and after, are whole.
+    #[tokio::test]
+    async fn a_body_h2_frames_unlike_its_file_resets_its_stream_only() {
+        let content: Vec<u8> = (0..100u32).map(|i| (i % 250) as u8 + 1).collect();
+        let file = temp_file(&content);
+        let (client_io, server_io) = tokio::io::duplex(1 << 20);
+        let server = tokio::spawn(async move {
+            let mut pipe = Pipe(server_io);
+            let (served, _) = run(&mut pipe, Woken::fresh(), Duration::from_secs(5), |io| {
+                let files = io.file_bodies();
+                async move {
+                    let handshake = crate::settings::server(1 << 20).handshake::<_, H2Body>(io);
+                    let mut conn = handshake.await?;
+                    while let Some(accepted) = conn.accept().await {
+                        let (req, mut send) = accepted?;
+                        // (bytes registered, placeholders handed to h2)
+                        let (registered, handed) = match req.uri().path() {
+                            "/more" => (10, 20),
+                            "/fewer" => (30, 20),
+                            _ => (20, 20),
+                        };
+                        let mut stream = send.send_response(http::Response::new(()), false)?;
+                        files.carry(stream.stream_id(), file.clone(), 0, registered);
+                        stream.send_data(H2Body::file(handed), true)?;
+                    }
+                    Ok::<_, h2::Error>(())
+                }
+            })
+            .await;
+            served
         });
-        let err = ob.take(&frame(DATA, 0, 1, &[0; 11])).expect_err("too long");
-        assert!(err.to_string().contains("beyond its file body"), "{err}");
-        let mut ob = outbox(true);
-        ob.files.entry(1).or_default().push_back(FileRange {
-            file: temp_file(b"0123456789"),
-            offset: 0,
-            len: 10,
-        });
-        let err = ob
-            .take(&frame(DATA, PADDED, 1, &[0; 5]))
-            .expect_err("padded");
-        assert!(err.to_string().contains("padded"), "{err}");
+        let counted = tlsplane::stats::global().h2_file_body_resets.load(Relaxed);
+        let (mut client, conn) = h2::client::handshake(client_io).await.expect("handshake");
+        let driver = tokio::spawn(conn);
+        let mut got = Vec::new();
+        for path in ["/", "/more", "/fewer", "/"] {
+            let req = http::Request::get(format!("https://localhost{path}"))
+                .body(())
+                .expect("request");
+            let (response, _) = client.send_request(req, true).expect("sent");
+            let mut body = response.await.expect("response head").into_body();
+            let (mut bytes, mut reset) = (Vec::new(), None);
+            while let Some(data) = body.data().await {
+                match data {
+                    Ok(d) => {
+                        let _ = body.flow_control().release_capacity(d.len());
+                        bytes.extend_from_slice(&d);
+                    }
+                    Err(e) => {
+                        reset = e.reason();
+                        break;
+                    }
+                }
+            }
+            got.push((bytes, reset));
+        }
+        drop(client);
+        let _ = driver.await;
+        server.await.expect("server task").expect("server's h2");
+        let whole = (content[..20].to_vec(), None);
+        let refused = (Vec::new(), Some(h2::Reason::INTERNAL_ERROR));
+        assert_eq!(got, [whole.clone(), refused.clone(), refused, whole]);
+        let counted_now = tlsplane::stats::global().h2_file_body_resets.load(Relaxed);
+        assert!(counted_now >= counted + 2, "{counted} -> {counted_now}");
     }
 
     /// A file that shrank after its length was announced ends the connection on the user

@@ -173,6 +173,11 @@ counters! {
     /// bodies, over HTTP/1.1 or h2): the copy the kernel plane's `sendfile` saves. Stays 0 on
     /// the kernel plane.
     file_bytes_copied,
+    /// HTTP/2 streams reset because h2 framed a file body unlike the body registered for it
+    /// (a DATA frame longer than the body's rest, padded, or on a body given up; the stream
+    /// ending short of it): never expected with the `h2` version pinned, and never sent with
+    /// bytes that are not the file's (tlsplane-h2's transport).
+    h2_file_body_resets,
     /// Connections that spoke plain HTTP to the TLS port (answered as the product chose).
     plain_http_requests,
     /// ClientHellos whose server name (or lack of one) matched no site, with no default site:

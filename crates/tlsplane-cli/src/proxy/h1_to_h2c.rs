@@ -56,7 +56,7 @@ use super::http::{
     answer, failed, unavailable, Buf, Fail, Log, Next, Progress, MAX_RESPONSE_FIELDS,
     MAX_RESPONSE_HEAD,
 };
-use super::{Ended, Proxy};
+use super::{Ended, Proxy, Responses};
 
 /// Forwards one HTTP/1.1 request (its head as encoded for an HTTP/1.1 backend, `encoded`;
 /// `Expect` already answered) to an h2c backend, and relays the response.
@@ -70,12 +70,13 @@ pub(super) async fn exchange(
     client: &mut Buf,
     keep_alive: bool,
     log: &Log<'_>,
+    responses: &Responses<'_>,
 ) -> Next {
     let has_body = request.framing != Framing::Empty;
     if !h2_can_carry(encoded) {
         // The body is not read: close after.
         proxy.stats.http_refused.fetch_add(1, Relaxed);
-        let _ = answer(tls, 501, false).await;
+        let _ = answer(tls, responses, 501, false).await;
         log(tls, 501, "-", None);
         return Next::End(Ended::ClientError);
     }
@@ -105,23 +106,23 @@ pub(super) async fn exchange(
         Ok(s) => s,
         Err(NotOpened::Refused) => {
             proxy.stats.http_refused.fetch_add(1, Relaxed);
-            let _ = answer(tls, 400, false).await;
+            let _ = answer(tls, responses, 400, false).await;
             log(tls, 400, "-", None);
             return Next::End(Ended::ClientError);
         }
         Err(NotOpened::Unavailable(why)) => {
-            return unavailable(proxy, tls, why, keep_alive && !has_body, log).await
+            return unavailable(proxy, tls, responses, why, keep_alive && !has_body, log).await
         }
         Err(NotOpened::Failed(fail, label)) => {
             if matches!(fail, Fail::Timeout) {
                 log(tls, 504, &label, None);
             }
-            return failed(proxy, tls, peer, fail, log).await;
+            return failed(proxy, tls, responses, peer, fail, log).await;
         }
     };
     let progress = Step::new(Progress::Waiting);
     let relayed = relay(
-        proxy, tls, request, client, upstream, response, keep_alive, &progress,
+        proxy, tls, request, client, upstream, response, keep_alive, &progress, responses,
     );
     let outcome = within(deadline, &progress, relayed).await;
     // The stream is over either way (a stream not ended is reset as its handles go).
@@ -148,7 +149,7 @@ pub(super) async fn exchange(
                 Fail::Midway(why) => Fail::Midway(format!("{label}: {why}")),
                 other => other,
             };
-            failed(proxy, tls, peer, fail, log).await
+            failed(proxy, tls, responses, peer, fail, log).await
         }
     }
 }
@@ -176,12 +177,13 @@ async fn relay(
     mut response: h2::client::ResponseFuture,
     keep_alive: bool,
     progress: &Step,
+    responses: &Responses<'_>,
 ) -> Result<Done, Fail> {
     let stats = &proxy.stats;
     let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
     let idle = Duration::from_secs(proxy.args.server.idle_timeout);
     let stall = Duration::from_secs(proxy.args.backend_timeout.max(1));
-    let mut interim = Interim::new(request);
+    let mut interim = Interim::new(request, responses);
     let mut answered = None;
     let mut body_sent = request.framing == Framing::Empty;
     if !body_sent {
@@ -295,6 +297,7 @@ async fn relay(
     let mut out = Vec::with_capacity(512);
     response.encode(request.minor_version, keep, &mut out);
     progress.set(Progress::Responding);
+    responses.begin(response.status);
     tls.write_all(&out).await.map_err(|_| Fail::Client)?;
     stats
         .bytes_to_client_copied
@@ -363,17 +366,19 @@ impl InterimBudget {
 /// them), as HTTP/1.1 heads: 103 Early Hints, 102, and those not yet defined. Never to an
 /// HTTP/1.0 client, which does not expect them; never a 100, whose expectation the proxy
 /// answered itself (`Expect` is not forwarded), nor a 101, which h2 has no use for.
-struct Interim {
+struct Interim<'a> {
     /// The client reads them (HTTP/1.1).
     wanted: bool,
     budget: InterimBudget,
+    responses: &'a Responses<'a>,
 }
 
-impl Interim {
-    fn new(request: &RequestHead) -> Self {
+impl<'a> Interim<'a> {
+    fn new(request: &RequestHead, responses: &'a Responses<'a>) -> Self {
         Self {
             wanted: request.minor_version == 1,
             budget: InterimBudget::default(),
+            responses,
         }
     }
 
@@ -386,6 +391,7 @@ impl Interim {
         if !self.wanted || !self.budget.admits(head.status().as_u16()) {
             return Ok(());
         }
+        self.responses.begin(head.status().as_u16());
         let out = interim_head(head);
         tls.write_all(&out).await.map_err(|_| Fail::Client)?;
         proxy

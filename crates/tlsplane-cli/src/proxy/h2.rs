@@ -34,9 +34,9 @@ use tokio::time::{timeout, timeout_at, Instant};
 use super::h1_to_h2c::{last_chunk, next_answer, relayable_trailers, Answer, InterimBudget};
 use super::http::MAX_RESPONSE_HEAD;
 use super::http::{error_body_len, host_name, read_response_head, Buf, Fail, Progress};
-use super::{BackendProtocol, Ended, Proxy, Unavailable};
+use super::{BackendProtocol, Ended, Proxy, Responses, Unavailable};
 use crate::h2_connection;
-use tlsplane_h2::transport::{self, H2Io, Woken};
+use tlsplane_h2::transport::{self, H2Io, StreamEnds, Woken};
 use tlsplane_server::access_log::{Entry, RequestLine};
 use tlsplane_server::runtime::{ConnContext, Idle};
 
@@ -112,6 +112,8 @@ async fn connection(
     // The client's preface and SETTINGS are its first request head: the header timeout.
     let header_timeout = Duration::from_secs(args.header_timeout);
     let flush = io.flusher();
+    let floods = io.floods();
+    let ends = io.stream_ends();
     let handshake =
         tlsplane_h2::settings::server(tlsplane_h2::settings::SEND_BUFFER).handshake::<_, Bytes>(io);
     let mut conn = match timeout(header_timeout, handshake).await {
@@ -121,11 +123,14 @@ async fn connection(
             return Ok(());
         }
     };
+    let responses = Responses::new(proxy, info);
     let shared = Shared {
         proxy,
         info,
         plane,
         peer,
+        responses: &responses,
+        ends: &ends,
     };
     let life = h2_connection::Lifetime {
         idle_timeout: Duration::from_secs(args.server.idle_timeout),
@@ -134,6 +139,7 @@ async fn connection(
         stats: &proxy.stats.h2,
         timeouts: &proxy.stats.idle_timeouts,
         flush,
+        floods,
     };
     h2_connection::run(&mut conn, life, |request, send| {
         shared.stream(request, send)
@@ -148,6 +154,10 @@ struct Shared<'a> {
     info: &'a ConnectionInfo,
     plane: &'static str,
     peer: SocketAddr,
+    /// The connection's responses, counted as they begin.
+    responses: &'a Responses<'a>,
+    /// When a stream's last byte went to the client (the access log's duration ends there).
+    ends: &'a StreamEnds,
 }
 
 /// How a stream ended, for the access log.
@@ -161,6 +171,15 @@ struct Outcome {
 }
 
 impl Outcome {
+    /// No response went whole: none began, or it was cut (a reset).
+    fn cut() -> Self {
+        Self {
+            status: None,
+            bytes: 0,
+            backend: None,
+        }
+    }
+
     /// The proxy answered `status` itself.
     fn own(status: u16, sent: bool) -> Self {
         Self {
@@ -175,25 +194,51 @@ impl Shared<'_> {
     async fn stream(self, req: http::Request<RecvStream>, mut send: SendResponse<Bytes>) {
         let proxy = self.proxy;
         proxy.stats.http_requests.fetch_add(1, Relaxed);
-        // Only with the access log: no clock read per request otherwise.
+        // Only with the access log: no clock read per request otherwise. The stream is then
+        // served until its last byte has gone to the client, where the logged duration ends,
+        // as over HTTP/1.1.
         let started = proxy.access_log.as_ref().map(|_| Instant::now());
+        let mut end = started.map(|_| self.ends.watch(send.stream_id()));
         let (parts, body) = req.into_parts();
-        let head = http1_head(&parts, !body.is_end_stream());
+        let (request, outcome) = self.answer_stream(&parts, body, &mut send).await;
+        if let Some(end) = &mut end {
+            if outcome.status.is_some() && !end.sent().await {
+                // Reset before its end reached the client: not a whole response.
+                return self.log(&parts, request.as_ref(), started, Outcome::cut());
+            }
+        }
+        self.log(&parts, request.as_ref(), started, outcome);
+    }
+
+    /// Answers one stream: the request as the HTTP/1.1 rules read it (when they do), and how
+    /// its answer went.
+    async fn answer_stream(
+        &self,
+        parts: &http::request::Parts,
+        body: RecvStream,
+        send: &mut SendResponse<Bytes>,
+    ) -> (Option<RequestHead>, Outcome) {
+        let proxy = self.proxy;
+        if parts.method == http::Method::CONNECT {
+            // A tunnel (RFC 9113 §8.5): the proxy has none to offer, and forwarded as a
+            // request it would ask an HTTP/1.1 backend for one. Refused as nginx refuses it.
+            proxy.stats.http_refused.fetch_add(1, Relaxed);
+            proxy.stats.connect_refused.fetch_add(1, Relaxed);
+            return (None, Outcome::own(405, answer(send, self.responses, 405)));
+        }
+        let head = http1_head(parts, !body.is_end_stream());
         let request = match forward::parse_request_head(&head, &Limits::default(), proxy.forwarded)
         {
             Ok(Head::Complete(request, _)) => request,
             // Not reached: the head ends with its empty line, or is too large (an error).
             Ok(Head::Incomplete) => {
                 proxy.stats.http_refused.fetch_add(1, Relaxed);
-                let sent = answer(&mut send, 400);
-                self.log(&parts, None, started, Outcome::own(400, sent));
-                return;
+                return (None, Outcome::own(400, answer(send, self.responses, 400)));
             }
             Err(e) => {
                 proxy.stats.http_refused.fetch_add(1, Relaxed);
-                let sent = answer(&mut send, e.status());
-                self.log(&parts, None, started, Outcome::own(e.status(), sent));
-                return;
+                let sent = answer(send, self.responses, e.status());
+                return (None, Outcome::own(e.status(), sent));
             }
         };
         let site = self.info.site;
@@ -205,7 +250,7 @@ impl Shared<'_> {
             // The authority belongs to another site than the one the TLS connection was set
             // up for (RFC 9110 §15.5.20).
             proxy.stats.http_refused.fetch_add(1, Relaxed);
-            Outcome::own(421, answer(&mut send, 421))
+            Outcome::own(421, answer(send, self.responses, 421))
         } else {
             if request.expect_continue && request.framing != Framing::Empty {
                 // The proxy answers the expectation itself, as over HTTP/1.1.
@@ -219,11 +264,11 @@ impl Shared<'_> {
                 .iter()
                 .any(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
             match proxy.protocols[self.info.site] {
-                BackendProtocol::Http1 => self.via_http1(&request, body, &mut send).await,
-                BackendProtocol::H2c => self.via_h2c(&request, te_trailers, body, &mut send).await,
+                BackendProtocol::Http1 => self.via_http1(&request, body, send).await,
+                BackendProtocol::H2c => self.via_h2c(&request, te_trailers, body, send).await,
             }
         };
-        self.log(&parts, Some(&request), started, outcome);
+        (Some(request), outcome)
     }
 
     fn log(
@@ -374,7 +419,7 @@ impl Shared<'_> {
                 502
             }
         };
-        Outcome::own(status, answer(send, status))
+        Outcome::own(status, answer(send, self.responses, status))
     }
 
     /// Answers a failed exchange on its stream only, and counts it by its side, as the
@@ -396,19 +441,19 @@ impl Shared<'_> {
                 tracing::warn!(%peer, error = %why, "bad gateway");
                 stats.backend_errors.fetch_add(1, Relaxed);
                 stats.http_502.fetch_add(1, Relaxed);
-                Outcome::own(502, answer(send, 502))
+                Outcome::own(502, answer(send, self.responses, 502))
             }
             Fail::Timeout | Fail::Deadline(Progress::Waiting) => {
                 stats.http_504.fetch_add(1, Relaxed);
-                Outcome::own(504, answer(send, 504))
+                Outcome::own(504, answer(send, self.responses, 504))
             }
             Fail::BadBody => {
                 stats.http_refused.fetch_add(1, Relaxed);
-                Outcome::own(400, answer(send, 400))
+                Outcome::own(400, answer(send, self.responses, 400))
             }
             Fail::Deadline(Progress::Receiving) => {
                 stats.http_refused.fetch_add(1, Relaxed);
-                Outcome::own(408, answer(send, 408))
+                Outcome::own(408, answer(send, self.responses, 408))
             }
             Fail::Midway(why) => {
                 tracing::warn!(%peer, error = %why, "backend failed in the middle of a response");
@@ -492,6 +537,7 @@ impl Shared<'_> {
                     // 103 Early Hints and the like, as HEADERS without END_STREAM (as from
                     // h2c backends, and to HTTP/1.1 clients).
                     if interim.admits(r.status) {
+                        self.responses.begin(r.status);
                         let mut encoded = Vec::with_capacity(256);
                         r.encode(1, true, &mut encoded);
                         send.send_informational(response_head(r.status, &encoded))
@@ -553,6 +599,7 @@ impl Shared<'_> {
         response.encode(1, true, &mut encoded);
         let h2_head = response_head(response.status, &encoded);
         let end = response.framing == Framing::Empty;
+        self.responses.begin(response.status);
         let mut stream = send.send_response(h2_head, end).map_err(|_| Fail::Client)?;
         progress.set(Progress::Responding);
         let stall = Duration::from_secs(proxy.args.server.idle_timeout.max(1));
@@ -703,7 +750,7 @@ impl Shared<'_> {
             Ok(s) => s,
             Err(NotOpened::Refused) => {
                 proxy.stats.http_refused.fetch_add(1, Relaxed);
-                return Outcome::own(400, answer(send, 400));
+                return Outcome::own(400, answer(send, self.responses, 400));
             }
             Err(NotOpened::Unavailable(why)) => return self.unavailable(why, send),
             Err(NotOpened::Failed(fail, label)) => return self.failed(fail, Some(label), send),
@@ -756,6 +803,7 @@ impl Shared<'_> {
                     // 103 Early Hints and the like, as for HTTP/1.1 clients.
                     Answer::Interim(head) => {
                         if interim.admits(head.status().as_u16()) {
+                            self.responses.begin(head.status().as_u16());
                             send.send_informational(head).map_err(|_| Fail::Client)?;
                         }
                     }
@@ -767,6 +815,7 @@ impl Shared<'_> {
             // h2 has refused any connection-specific field from the backend already.
             let head = http::Response::from_parts(parts, ());
             let end = from.is_end_stream();
+            self.responses.begin(status);
             let mut to = send.send_response(head, end).map_err(|_| Fail::Client)?;
             progress.set(Progress::Responding);
             let mut bytes = 0u64;
@@ -1268,7 +1317,8 @@ fn response_head(status: u16, encoded: &[u8]) -> http::Response<()> {
 }
 
 /// Sends a response the proxy makes itself (an error page) on the stream; whether it went.
-pub(super) fn answer(send: &mut SendResponse<Bytes>, status: u16) -> bool {
+pub(super) fn answer(send: &mut SendResponse<Bytes>, responses: &Responses, status: u16) -> bool {
+    responses.begin(status);
     let r = error_response(status, true);
     let mut head = http::Response::new(());
     *head.status_mut() =

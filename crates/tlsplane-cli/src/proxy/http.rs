@@ -25,7 +25,7 @@ use tokio::time::{timeout, timeout_at, Instant};
 use super::backend::BackendConn;
 use super::h1_to_h2c::InterimBudget;
 use super::tcp::relay;
-use super::{reset, Ended, Proxy, Unavailable};
+use super::{reset, Ended, Proxy, Responses, Unavailable};
 use tlsplane_server::access_log::{Entry, RequestLine};
 use tlsplane_server::runtime::ConnContext;
 
@@ -161,8 +161,9 @@ pub(super) async fn serve(
     let capacity = (proxy.args.buffer as usize).max(Limits::default().max_head_bytes);
     let mut client = Buf::new(2048, capacity);
     let mut backend = Buf::new(capacity, capacity.max(MAX_RESPONSE_HEAD));
+    let responses = Responses::new(proxy, tls.info());
     loop {
-        let request = match read_request(proxy, tls, peer, &mut client, ctx).await {
+        let request = match read_request(proxy, tls, peer, &mut client, ctx, &responses).await {
             Ok(r) => r,
             Err(ended) => return ended,
         };
@@ -180,6 +181,7 @@ pub(super) async fn serve(
             &mut client,
             &mut backend,
             ctx,
+            &responses,
         ))
         .await
         {
@@ -197,6 +199,7 @@ async fn read_request(
     peer: SocketAddr,
     client: &mut Buf,
     ctx: &mut ConnContext,
+    responses: &Responses<'_>,
 ) -> Result<RequestHead, Ended> {
     let limits = Limits::default();
     let mut deadline: Option<(bool, Instant)> = None;
@@ -220,7 +223,7 @@ async fn read_request(
             Err(e) => {
                 proxy.stats.http_refused.fetch_add(1, Relaxed);
                 let started = proxy.access_log.as_ref().map(|_| Instant::now());
-                let sent = Box::pin(answer(tls, e.status(), false)).await;
+                let sent = Box::pin(answer(tls, responses, e.status(), false)).await;
                 if let (Some(log), Some(started)) = (&proxy.access_log, started) {
                     // Refused unparsed: no request fields, the reason instead.
                     let why = e.to_string();
@@ -291,7 +294,7 @@ async fn read_request(
             Some(Ok(Err(_))) => return Err(Ended::ClientError),
             Some(Err(_)) if in_head => {
                 proxy.stats.http_refused.fetch_add(1, Relaxed);
-                let _ = Box::pin(answer(tls, 408, false)).await;
+                let _ = Box::pin(answer(tls, responses, 408, false)).await;
                 return Err(Ended::ClientError);
             }
             Some(Err(_)) => {
@@ -307,9 +310,11 @@ async fn read_request(
 /// (lingering: the request's body, or more requests, may still be coming).
 pub(super) async fn answer(
     tls: &mut TlsStream,
+    responses: &Responses<'_>,
     status: u16,
     keep_alive: bool,
 ) -> std::io::Result<()> {
+    responses.begin(status);
     let r = error_response(status, keep_alive);
     let mut out = r.head;
     if let Body::Bytes(b) = r.body {
@@ -333,6 +338,7 @@ async fn exchange(
     client: &mut Buf,
     backend: &mut Buf,
     ctx: &ConnContext,
+    responses: &Responses<'_>,
 ) -> Next {
     let site = tls.info().site;
     let keep_alive = request.keep_alive && !*ctx.stop.borrow();
@@ -360,6 +366,16 @@ async fn exchange(
             });
         }
     };
+    if request.method == "CONNECT" {
+        // A tunnel to the target (RFC 9110 §9.3.6), which the proxy does not make: forwarded,
+        // the backend would be asked for one. Refused as nginx refuses it; what the client
+        // sends next would be the tunnel's bytes, not a request: close after.
+        proxy.stats.http_refused.fetch_add(1, Relaxed);
+        proxy.stats.connect_refused.fetch_add(1, Relaxed);
+        let _ = answer(tls, responses, 405, false).await;
+        log(tls, 405, "-", None);
+        return Next::End(Ended::Closed);
+    }
     let misdirected = request.host.as_deref().is_some_and(|h| {
         let name = host_name(h);
         proxy.names.lookup(name) != Some(site)
@@ -368,7 +384,7 @@ async fn exchange(
         // The Host belongs to another site than the one the TLS connection was set up for
         // (RFC 9110 §15.5.20). The body, if any, was not read: close after.
         proxy.stats.http_refused.fetch_add(1, Relaxed);
-        let sent = answer(tls, 421, keep_alive && !has_body).await;
+        let sent = answer(tls, responses, 421, keep_alive && !has_body).await;
         log(tls, 421, "-", None);
         return match sent {
             Ok(()) if keep_alive && !has_body => Next::KeepAlive,
@@ -395,7 +411,7 @@ async fn exchange(
     if proxy.protocols[site] == super::BackendProtocol::H2c {
         // The request becomes a stream to an h2c backend (docs/HTTP2.md, "Proxy").
         return Box::pin(super::h1_to_h2c::exchange(
-            proxy, tls, peer, request, &head, client, keep_alive, &log,
+            proxy, tls, peer, request, &head, client, keep_alive, &log, responses,
         ))
         .await;
     }
@@ -405,7 +421,10 @@ async fn exchange(
     let fail = loop {
         let (conn, which, reused) = match proxy.backend_for(site, !retried).await {
             Ok(c) => c,
-            Err(why) => return unavailable(proxy, tls, why, keep_alive && !has_body, &log).await,
+            Err(why) => {
+                let keep = keep_alive && !has_body;
+                return unavailable(proxy, tls, responses, why, keep, &log).await;
+            }
         };
         proxy.stats.forwarded.fetch_add(1, Relaxed);
         if reused {
@@ -424,6 +443,7 @@ async fn exchange(
             &conn,
             keep_alive,
             &mut progress,
+            responses,
         );
         // A deadline over the whole exchange, and not only over its waits: a backend that
         // trickles its response, or a client its body, is still cut off.
@@ -501,7 +521,7 @@ async fn exchange(
             }
         }
     };
-    failed(proxy, tls, peer, fail, &log).await
+    failed(proxy, tls, responses, peer, fail, &log).await
 }
 
 /// What `exchange` logs a request with: its status, the backend (`-`: none), the body bytes
@@ -514,6 +534,7 @@ pub(super) type Log<'a> = dyn Fn(&TlsStream, u16, &str, Option<u64>) + Sync + 'a
 pub(super) async fn unavailable(
     proxy: &Proxy,
     tls: &mut TlsStream,
+    responses: &Responses<'_>,
     why: Unavailable,
     keep: bool,
     log: &Log<'_>,
@@ -526,7 +547,7 @@ pub(super) async fn unavailable(
             502
         }
     };
-    let sent = answer(tls, status, keep).await;
+    let sent = answer(tls, responses, status, keep).await;
     log(tls, status, "-", None);
     match sent {
         Ok(()) if keep => Next::KeepAlive,
@@ -540,6 +561,7 @@ pub(super) async fn unavailable(
 pub(super) async fn failed(
     proxy: &Proxy,
     tls: &mut TlsStream,
+    responses: &Responses<'_>,
     peer: SocketAddr,
     fail: Fail,
     log: &Log<'_>,
@@ -553,18 +575,18 @@ pub(super) async fn failed(
             tracing::warn!(%peer, error = %why, "bad gateway");
             proxy.stats.backend_errors.fetch_add(1, Relaxed);
             proxy.stats.http_502.fetch_add(1, Relaxed);
-            let _ = answer(tls, 502, false).await;
+            let _ = answer(tls, responses, 502, false).await;
             log(tls, 502, "-", None);
             Next::End(Ended::BackendError)
         }
         Fail::Timeout | Fail::Deadline(Progress::Waiting) => {
             proxy.stats.http_504.fetch_add(1, Relaxed);
-            let _ = answer(tls, 504, false).await;
+            let _ = answer(tls, responses, 504, false).await;
             Next::End(Ended::BackendError)
         }
         Fail::BadBody => {
             proxy.stats.http_refused.fetch_add(1, Relaxed);
-            let _ = answer(tls, 400, false).await;
+            let _ = answer(tls, responses, 400, false).await;
             log(tls, 400, "-", None);
             Next::End(Ended::ClientError)
         }
@@ -580,7 +602,7 @@ pub(super) async fn failed(
         }
         Fail::Deadline(Progress::Receiving) => {
             proxy.stats.http_refused.fetch_add(1, Relaxed);
-            let _ = answer(tls, 408, false).await;
+            let _ = answer(tls, responses, 408, false).await;
             Next::End(Ended::ClientError)
         }
         Fail::Deadline(Progress::Responding) => {
@@ -637,6 +659,7 @@ async fn forward_one(
     conn: &BackendConn,
     keep_alive: bool,
     progress: &mut Progress,
+    responses: &Responses<'_>,
 ) -> Result<Forwarded, Fail> {
     let backend_timeout = Duration::from_secs(proxy.args.backend_timeout);
     let stats = &proxy.stats;
@@ -691,6 +714,7 @@ async fn forward_one(
         // 100 Continue was the proxy's to send; others (103 Early Hints) go to 1.1 clients.
         if request.minor_version == 1 && interim.admits(response.status) {
             *progress = Progress::Responding;
+            responses.begin(response.status);
             let mut out = Vec::new();
             response.encode(1, true, &mut out);
             tls.write_all(&out).await.map_err(|_| Fail::Client)?;
@@ -713,6 +737,7 @@ async fn forward_one(
             ));
         }
         *progress = Progress::Responding;
+        responses.begin(response.status);
         let mut out = Vec::new();
         response.encode(1, true, &mut out);
         tls.write_all(&out).await.map_err(|_| Fail::Client)?;
@@ -720,6 +745,7 @@ async fn forward_one(
     }
     let keep = keep_alive && !answered_early && response.framing != Framing::UntilClose;
     *progress = Progress::Responding;
+    responses.begin(response.status);
     let bytes = relay_response(proxy, tls, &response, backend, conn, keep, backend_timeout).await?;
     Ok(Forwarded::Done {
         bytes,

@@ -15,7 +15,7 @@ pub mod proxy_protocol;
 pub(crate) mod tcp;
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -185,6 +185,58 @@ pub struct ProxyStats {
     h2_streams_reset: Counter,
     /// h2c backend connections opened (each carries many streams).
     h2c_connections: Counter,
+    /// HTTP mode: CONNECT requests refused with 405, from HTTP/1.1 and h2 clients (the proxy
+    /// tunnels nothing but a websocket after its backend's 101; counted in `http_refused`
+    /// too).
+    connect_refused: Counter,
+    /// HTTP mode: responses sent to clients (the backends' and the proxy's own), by status
+    /// class, as serve counts its own (`tlsplane_http_responses_total{class}`).
+    responses_2xx: Counter,
+    responses_3xx: Counter,
+    responses_4xx: Counter,
+    responses_5xx: Counter,
+}
+
+impl ProxyStats {
+    fn count_status(&self, status: u16) {
+        let class = match status {
+            200..=299 => &self.responses_2xx,
+            300..=399 => &self.responses_3xx,
+            400..=499 => &self.responses_4xx,
+            500..=599 => &self.responses_5xx,
+            _ => return,
+        };
+        class.fetch_add(1, Relaxed);
+    }
+}
+
+/// A client connection's responses as they begin (HTTP mode): counted by status class, and
+/// the first one's time from accept observed as the connection's time to first byte
+/// (`tlsplane_time_to_first_byte_seconds`), as serve observes it.
+pub(crate) struct Responses<'a> {
+    proxy: &'a Proxy,
+    accepted_at: std::time::Instant,
+    /// The connection has had a response (its time to first byte is recorded).
+    responded: AtomicBool,
+}
+
+impl<'a> Responses<'a> {
+    pub(crate) fn new(proxy: &'a Proxy, info: &tlsplane::ConnectionInfo) -> Self {
+        Responses {
+            proxy,
+            accepted_at: info.accepted_at,
+            responded: AtomicBool::new(false),
+        }
+    }
+
+    /// A response with `status` begins to go to the client (its head, or an interim one's).
+    pub(crate) fn begin(&self, status: u16) {
+        if !self.responded.swap(true, Relaxed) {
+            let waited = self.accepted_at.elapsed().as_secs_f64();
+            self.proxy.ttfb.observe(waited);
+        }
+        self.proxy.stats.count_status(status);
+    }
 }
 
 /// The `proxy` product under one configuration.
@@ -199,6 +251,8 @@ pub struct Proxy {
     stats: Arc<ProxyStats>,
     /// Opened again with each generation (a reload re-opens the file).
     access_log: Option<tlsplane_server::access_log::AccessLog>,
+    /// Time to the first byte of a connection's first response (shared with /metrics).
+    ttfb: prometheus_client::metrics::histogram::Histogram,
 }
 
 impl Product for Proxy {
@@ -259,7 +313,7 @@ impl Product for Proxy {
         args: &ProxyArgs,
         sites: Sites,
         stats: &Arc<ProxyStats>,
-        _runtime: &Arc<RuntimeStats>,
+        runtime: &Arc<RuntimeStats>,
     ) -> anyhow::Result<Self> {
         let mut pools = Vec::new();
         let mut protocols = Vec::new();
@@ -285,6 +339,7 @@ impl Product for Proxy {
             args: args.clone(),
             stats: stats.clone(),
             access_log: args.server.access_log()?,
+            ttfb: runtime.histograms.first_response.clone(),
         })
     }
 
@@ -348,6 +403,12 @@ impl Product for Proxy {
             ("proxy_upgrades", p.upgrades.load(Relaxed)),
             ("proxy_h2_streams_reset", p.h2_streams_reset.load(Relaxed)),
             ("proxy_h2c_connections", p.h2c_connections.load(Relaxed)),
+            ("proxy_connect_refused", p.connect_refused.load(Relaxed)),
+            // serve's names: one `tlsplane_http_responses_total{class}` for either product.
+            ("http_responses_2xx", p.responses_2xx.load(Relaxed)),
+            ("http_responses_3xx", p.responses_3xx.load(Relaxed)),
+            ("http_responses_4xx", p.responses_4xx.load(Relaxed)),
+            ("http_responses_5xx", p.responses_5xx.load(Relaxed)),
         ]
         .into_iter()
         .chain(p.h2.counters(&crate::h2_connection::H2Stats::PROXY))

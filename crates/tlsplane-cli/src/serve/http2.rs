@@ -20,7 +20,7 @@ use h2::RecvStream;
 use tlsplane::{ConnectionInfo, TlsStream};
 use tlsplane_h2::serve::{drain, field, refused, request, send_response, FILE_SEND_BUFFER};
 use tlsplane_h2::settings;
-use tlsplane_h2::transport::{self, FileBodies, H2Body, H2Io, Woken};
+use tlsplane_h2::transport::{self, FileBodies, H2Body, H2Io, StreamEnds, Woken};
 use tlsplane_http::{error_response, respond};
 use tokio::sync::watch;
 
@@ -74,7 +74,9 @@ async fn connection(
     // The client's preface and SETTINGS are its first request head: the header timeout.
     let header_timeout = Duration::from_secs(args.header_timeout);
     let files = io.file_bodies();
+    let ends = io.stream_ends();
     let flush = io.flusher();
+    let floods = io.floods();
     let handshake = settings::server(FILE_SEND_BUFFER).handshake::<_, H2Body>(io);
     let mut conn = match tokio::time::timeout(header_timeout, handshake).await {
         Ok(c) => c.inspect_err(|e| shared.stats.h2.count_end(e))?,
@@ -91,8 +93,9 @@ async fn connection(
         stats: &shared.stats.h2,
         timeouts: &shared.stats.timeouts,
         flush,
+        floods,
     };
-    let (files, responded) = (&files, &responded);
+    let (files, ends, responded) = (&files, &ends, &responded);
     h2_connection::run(&mut conn, life, |request, send| {
         let stream = Stream {
             info,
@@ -100,6 +103,7 @@ async fn connection(
             peer,
             shared,
             files,
+            ends,
             responded,
         };
         stream.serve(request, send)
@@ -114,6 +118,8 @@ struct Stream<'a> {
     peer: SocketAddr,
     shared: &'a Serve,
     files: &'a FileBodies,
+    /// When a response's last byte went out (the access log's duration ends there).
+    ends: &'a StreamEnds,
     /// The connection has had a response (its time to first byte is recorded).
     responded: &'a AtomicBool,
 }
@@ -132,6 +138,10 @@ impl Stream<'_> {
             .access_log
             .as_ref()
             .map(|_| tokio::time::Instant::now());
+        // With the access log the stream is served until its last byte has gone to the
+        // client, as over HTTP/1.1: a duration that stopped when the body was handed to h2
+        // said nothing of the transfer.
+        let mut end = started.map(|_| self.ends.watch(send.stream_id()));
         let request = request(&req);
         let site = self.info.site;
         let resp = if let Some(refusal) = refused(&request, had_body) {
@@ -153,7 +163,7 @@ impl Stream<'_> {
                 .observe(self.info.accepted_at.elapsed().as_secs_f64());
         }
         let (status, len) = (resp.status, body_len(&resp));
-        let sent = send_response(&mut send, resp, self.files, stall).await;
+        let sent = send_response(&mut send, resp, self.files, stall, end.as_mut()).await;
         if sent.is_err() {
             shared.stats.h2.stalls.fetch_add(1, Relaxed);
         }

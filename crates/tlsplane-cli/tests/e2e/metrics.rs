@@ -22,7 +22,7 @@ print(json.dumps(out))
 "#;
 
 /// A Python that has prometheus_client: the one in PATH, or Debian's (python3-prometheus-client).
-fn python_with_parser() -> Option<&'static str> {
+pub(crate) fn python_with_parser() -> Option<&'static str> {
     ["python3", "/usr/bin/python3"].into_iter().find(|py| {
         Command::new(py)
             .args(["-c", "import prometheus_client"])
@@ -31,7 +31,7 @@ fn python_with_parser() -> Option<&'static str> {
     })
 }
 
-fn scrape(py: &str, url: &str) -> serde_json::Map<String, serde_json::Value> {
+pub(crate) fn scrape(py: &str, url: &str) -> serde_json::Map<String, serde_json::Value> {
     let mut cmd = Command::new(py);
     cmd.args(["-c", SCRAPE, url]);
     let out = tools::run(cmd, b"", Duration::from_secs(30));
@@ -42,7 +42,7 @@ fn scrape(py: &str, url: &str) -> serde_json::Map<String, serde_json::Value> {
     }
 }
 
-fn value(m: &serde_json::Map<String, serde_json::Value>, key: &str) -> f64 {
+pub(crate) fn value(m: &serde_json::Map<String, serde_json::Value>, key: &str) -> f64 {
     m.get(key)
         .and_then(|v| v.as_f64())
         .unwrap_or_else(|| panic!("no sample {key} in /metrics: {:?}", m.keys()))
