@@ -502,7 +502,8 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(socket) = &args.socket {
-        check_socket_dir(socket)?;
+        // Before the token file is written beside it.
+        crate::unix_socket::check_dir("--socket", socket)?;
     }
     let mut token = zeroize::Zeroizing::new([0u8; TOKEN_LEN]);
     if args.parent.is_some() {
@@ -550,7 +551,12 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
         None => None,
     };
     let listener = match &args.socket {
-        Some(socket) => Some(unix_listener(socket, args.socket_mode)?),
+        Some(socket) => Some(crate::unix_socket::bind_as(
+            "--socket",
+            socket,
+            args.socket_mode,
+            Type::SEQPACKET,
+        )?),
         None => None,
     };
     let mut allowed = vec![tlsplane_sys::current_uid(), 0];
@@ -827,53 +833,6 @@ fn listen_tcp(addr: &str) -> std::io::Result<std::net::TcpListener> {
     sock.bind(&addr.into())?;
     sock.listen(TCP_LISTEN_BACKLOG)?;
     Ok(sock.into())
-}
-
-/// The Unix socket, made with `mode` by the bind itself: never a chmod by path afterwards,
-/// which a symlink put in its place in between would turn on another file. The socket's
-/// mode (set on the unbound socket) is what the bind gives the file, less the umask, which is
-/// cleared for the bind; no other thread runs yet to create files meanwhile.
-fn unix_listener(socket: &Path, mode: u32) -> anyhow::Result<Socket> {
-    use std::os::unix::fs::PermissionsExt;
-    let _ = std::fs::remove_file(socket);
-    let sock = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)?;
-    let file = std::fs::File::from(std::os::fd::OwnedFd::from(sock));
-    file.set_permissions(std::fs::Permissions::from_mode(mode))?;
-    let sock = Socket::from(std::os::fd::OwnedFd::from(file));
-    let umask = tlsplane_sys::set_umask(0);
-    let bound = sock.bind(&SockAddr::unix(socket)?);
-    tlsplane_sys::set_umask(umask);
-    bound.map_err(|e| anyhow::anyhow!("--socket {}: {e}", socket.display()))?;
-    sock.listen(128)?;
-    Ok(sock)
-}
-
-/// A `--socket`'s directory must be writable by no one but its owner, this daemon's user or
-/// root: whoever else could write it could put their own socket in the daemon's place.
-/// (A sticky directory such as /tmp would do, its entries being their owners' alone.)
-fn check_socket_dir(socket: &Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let dir = match socket.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let meta = std::fs::metadata(dir)
-        .map_err(|e| anyhow::anyhow!("--socket {}: {}: {e}", socket.display(), dir.display()))?;
-    let me = tlsplane_sys::current_uid();
-    let sticky = meta.mode() & 0o1000 != 0;
-    if (meta.uid() != me && meta.uid() != 0) || (meta.mode() & 0o022 != 0 && !sticky) {
-        anyhow::bail!(
-            "--socket {}: its directory {} (mode {:o}, owner {}) may be written by others than \
-             its owner, or is not this user's or root's: whoever can write it could put a \
-             socket of theirs in the daemon's place; use a private directory (e.g. \
-             $RUNTIME_DIRECTORY or /run/tlsplane, mode 0700 or 0755)",
-            socket.display(),
-            dir.display(),
-            meta.mode() & 0o7777,
-            meta.uid()
-        );
-    }
-    Ok(())
 }
 
 fn parse_seconds(s: &str) -> Result<f64, String> {

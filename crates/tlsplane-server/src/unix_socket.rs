@@ -12,20 +12,30 @@
 //! replaced in one step.
 
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
+use socket2::{Domain, SockAddr, Socket, Type};
 
 /// The mode a missing socket directory is created with: anyone may reach the socket in it
 /// (who is served is the server's decision, e.g. `SO_PEERCRED`), only its owner may write.
 pub const DIR_MODE: u32 = 0o755;
 
-/// Binds a listening socket at `path` with file mode `mode`, creating its directory
+/// Connections the kernel queues before the server accepts them.
+const BACKLOG: i32 = 1024;
+
+/// Binds a listening stream socket at `path` with file mode `mode`, creating its directory
 /// ([`DIR_MODE`]) when missing. Refuses a directory that another user could write, a path
 /// that is something else than a socket, and a socket that a live server listens on.
 /// `what` names the socket in errors ("hand-off socket").
 pub fn bind(what: &str, path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
+    let socket = bind_as(what, path, mode, Type::STREAM)?;
+    Ok(UnixListener::from(std::os::fd::OwnedFd::from(socket)))
+}
+
+/// [`bind`] for a listening socket of type `ty` (the key daemon's is `SOCK_SEQPACKET`).
+pub fn bind_as(what: &str, path: &Path, mode: u32, ty: Type) -> anyhow::Result<Socket> {
     let name = path
         .file_name()
         .with_context(|| format!("{what} {}: no file name", path.display()))?;
@@ -41,6 +51,45 @@ pub fn bind(what: &str, path: &Path, mode: u32) -> anyhow::Result<UnixListener> 
             .create(dir)
             .with_context(|| format!("{what} {}: creating {}", path.display(), dir.display()))?;
     }
+    let dir = check_dir(what, path)?;
+    if created {
+        // Its own mode, whatever the umask took away (checked above: ours, in a safe parent).
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(DIR_MODE))
+            .with_context(|| format!("{what} {}: {}", path.display(), dir.display()))?;
+    }
+    let path = dir.join(name);
+    refuse_taken(what, &path, ty)?;
+    let temporary = dir.join(format!(
+        ".{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&temporary);
+    let listen = || -> std::io::Result<Socket> {
+        let socket = Socket::new(Domain::UNIX, ty.cloexec(), None)?;
+        socket.bind(&SockAddr::unix(&temporary)?)?;
+        socket.listen(BACKLOG)?;
+        Ok(socket)
+    };
+    let socket = listen().with_context(|| format!("{what} {}", path.display()))?;
+    // By path, in a directory only root and this user can write: nothing can be swapped in.
+    let placed = std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(mode))
+        .and_then(|()| std::fs::rename(&temporary, &path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(e).with_context(|| format!("{what} {}", path.display()));
+    }
+    Ok(socket)
+}
+
+/// The canonical directory of the socket at `path`, if no user but root and this one could
+/// write it or an ancestor (see [`bind`]); else an error that names the fix. For a server
+/// that writes files beside its socket before binding it.
+pub fn check_dir(what: &str, path: &Path) -> anyhow::Result<PathBuf> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
     let dir = dir
         .canonicalize()
         .with_context(|| format!("{what} {}: its directory", path.display()))?;
@@ -53,29 +102,7 @@ pub fn bind(what: &str, path: &Path, mode: u32) -> anyhow::Result<UnixListener> 
             tlsplane_sys::effective_uid()
         )
     })?;
-    if created {
-        // Its own mode, whatever the umask took away (checked above: ours, in a safe parent).
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(DIR_MODE))
-            .with_context(|| format!("{what} {}: {}", path.display(), dir.display()))?;
-    }
-    let path = dir.join(name);
-    refuse_taken(what, &path)?;
-    let temporary = dir.join(format!(
-        ".{}.{}.tmp",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_file(&temporary);
-    let listener =
-        UnixListener::bind(&temporary).with_context(|| format!("{what} {}", path.display()))?;
-    // By path, in a directory only root and this user can write: nothing can be swapped in.
-    let placed = std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(mode))
-        .and_then(|()| std::fs::rename(&temporary, &path));
-    if let Err(e) = placed {
-        let _ = std::fs::remove_file(&temporary);
-        return Err(e).with_context(|| format!("{what} {}", path.display()));
-    }
-    Ok(listener)
+    Ok(dir)
 }
 
 /// Why `dir` (canonical) could be written by a user other than root and this one, if it
@@ -111,7 +138,7 @@ fn owned_by_us(dir: &Path) -> Result<(), String> {
 }
 
 /// Refuses a path that is not a socket, or that a live server listens on.
-fn refuse_taken(what: &str, path: &Path) -> anyhow::Result<()> {
+fn refuse_taken(what: &str, path: &Path, ty: Type) -> anyhow::Result<()> {
     use std::os::unix::fs::FileTypeExt;
     let Ok(meta) = std::fs::symlink_metadata(path) else {
         return Ok(());
@@ -122,7 +149,10 @@ fn refuse_taken(what: &str, path: &Path) -> anyhow::Result<()> {
             path.display()
         );
     }
-    if UnixStream::connect(path).is_ok() {
+    let live = Socket::new(Domain::UNIX, ty.cloexec(), None)
+        .and_then(|probe| probe.connect(&SockAddr::unix(path)?))
+        .is_ok();
+    if live {
         bail!("{what}: something already listens on {}", path.display());
     }
     Ok(())
@@ -144,6 +174,7 @@ pub fn default_dir() -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::net::UnixStream;
 
     fn scratch(what: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!(

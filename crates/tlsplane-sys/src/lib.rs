@@ -413,13 +413,6 @@ pub fn current_uid() -> u32 {
     unsafe { libc::getuid() }
 }
 
-/// Sets the process's file mode creation mask; returns the one it replaces. The mask is the
-/// whole process's: change it only while no other thread creates files.
-pub fn set_umask(mask: u32) -> u32 {
-    // SAFETY: umask takes a plain integer and cannot fail.
-    unsafe { libc::umask(mask as libc::mode_t) as u32 }
-}
-
 /// A user's id and primary group id, from the password database (`getpwnam_r`).
 pub fn lookup_user(name: &str) -> io::Result<Option<(u32, u32)>> {
     let cname = std::ffi::CString::new(name)
