@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The project's test command (README): everything that can run on this machine, then the
-# kernel-plane suite inside QEMU guests whose kernels have kTLS.
+# The project's test command (README): installs what the tests need (scripts/setup-tests.sh),
+# runs everything that can run on this machine, then the kernel-plane suite inside QEMU
+# guests whose kernels have kTLS.
 #
 #   scripts/test.sh            all of it
 #   SKIP_VM=1 scripts/test.sh  only the native suite (user plane) and the fuzzing run
@@ -8,6 +9,10 @@
 #                      (default 30, three targets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# What the tests need, installed when missing (apt as root or with sudo; h2spec built with Go).
+# shellcheck source=scripts/setup-tests.sh
+. scripts/setup-tests.sh
 
 # The build profile of the tests (Cargo.toml: release without LTO, much quicker to build);
 # vm/ktls-suite takes the same, so nothing is compiled twice.

@@ -1,10 +1,10 @@
-//! HTTP/2 conformance: h2spec (github.com/summerwind/h2spec, installed by `.ci/run`) against
+//! HTTP/2 conformance: h2spec (github.com/summerwind/h2spec, installed by `scripts/setup-tests.sh`, which the test command runs) against
 //! `serve --alpn h2,http/1.1`, every case including the strict ones (`-S`). Each case must
 //! pass, except those listed in [`EXPECTED_FAILURES`] (docs/HTTP2.md, "Conformance and
 //! abuse", says why for each; today there are none).
 //!
 //! h2spec is a Go program, not a Debian package: without it the test is skipped with a notice,
-//! except in CI (`CI=true`), where `.ci/run` has installed it and its absence is a failure.
+//! except in CI (`CI=true`), where the test command has installed it and its absence is a failure.
 
 use std::time::Duration;
 
@@ -47,9 +47,9 @@ fn attr<'a>(tag: &'a str, name: &str) -> Option<&'a str> {
 pub(crate) fn h2spec() -> Option<std::path::PathBuf> {
     let Some(h2spec) = tools::find_in_path("h2spec") else {
         if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("CI=true and h2spec is not installed: .ci/run installs it (go install); see its h2spec step");
+            panic!("CI=true and h2spec is not installed: scripts/setup-tests.sh builds it with Go");
         }
-        eprintln!("SKIPPED: h2spec is not installed (.ci/run installs it; by hand: GOBIN=~/go/bin go install github.com/summerwind/h2spec/cmd/h2spec@v2.2.1+incompatible)");
+        eprintln!("SKIPPED: h2spec is not installed (scripts/setup-tests.sh builds it; by hand: GOBIN=~/go/bin go install github.com/summerwind/h2spec/cmd/h2spec@v2.2.1+incompatible)");
         return None;
     };
     Some(h2spec)

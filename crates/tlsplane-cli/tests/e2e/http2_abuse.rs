@@ -4,7 +4,7 @@
 //! PRIORITY floods have caps of their own: `http2_control_flood.rs`.
 //!
 //! The attacker writes raw frames over TLS with ALPN h2 (Python's `hyperframe` and `hpack`,
-//! Debian `python3-h2`, which `.ci/run` installs): no HTTP/2 library would send these. For each
+//! Debian `python3-h2`, which scripts/setup-tests.sh installs): no HTTP/2 library would send these. For each
 //! case, against `serve --alpn h2,http/1.1 --idle-timeout 2` and against `proxy --mode http`
 //! with the same flags in front of an HTTP/1.1 backend (each test runs for both: [`Kind`]):
 //! (a) the attacker's connection ends with GOAWAY and the error code h2 gives for the attack,

@@ -39,7 +39,7 @@ fn chromium() -> Option<PathBuf> {
     if found.is_none() {
         assert!(
             std::env::var("CI").as_deref() != Ok("true"),
-            "CI=true and Chromium is not installed (Debian package `chromium`; .ci/run installs it)"
+            "CI=true and Chromium is not installed (Debian package `chromium`; scripts/setup-tests.sh installs it)"
         );
         eprintln!("SKIPPED: Chromium is not installed (Debian package `chromium`)");
     }
