@@ -102,6 +102,11 @@ pub struct LimitArgs {
     #[arg(long, default_value_t = tlsplane::config::DEFAULT_MAX_CLIENT_HELLO_RECORDS,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_client_hello_records: usize,
+    /// Session tickets (PSK identities) a ClientHello may offer; one with more gets an
+    /// illegal_parameter alert before any is tried (clients offer one).
+    #[arg(long, default_value_t = tlsplane::config::DEFAULT_MAX_PSK_IDENTITIES,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_psk_identities: usize,
     /// KeyUpdate messages a connection may send per second on the kernel plane (burst as
     /// many); beyond it the connection ends with unexpected_message (0: unlimited). On the
     /// user plane rustls allows 32 in a row without application data.
@@ -216,6 +221,7 @@ pub enum Refusal {
     ClientResumedRate,
     ClientHelloSize,
     ClientHelloRecords,
+    PskIdentities,
 }
 
 /// One counter per [`Refusal`].
@@ -230,6 +236,7 @@ pub struct LimitStats {
     pub client_resumed_rate: Counter,
     pub client_hello_size: Counter,
     pub client_hello_records: Counter,
+    pub psk_identities: Counter,
     /// Times a client address was put on the listeners' drop filter (--client-block).
     pub client_blocks: Counter,
     /// The per-client table's counters, shared with the table.
@@ -262,6 +269,7 @@ impl LimitStats {
             Refusal::ClientResumedRate => &self.client_resumed_rate,
             Refusal::ClientHelloSize => &self.client_hello_size,
             Refusal::ClientHelloRecords => &self.client_hello_records,
+            Refusal::PskIdentities => &self.psk_identities,
         };
         c.fetch_add(1, Relaxed);
     }
@@ -275,7 +283,7 @@ impl LimitStats {
         )]
     }
 
-    pub fn snapshot(&self) -> [(&'static str, u64); 13] {
+    pub fn snapshot(&self) -> [(&'static str, u64); 14] {
         [
             ("limit_max_connections", self.max_connections.load(Relaxed)),
             (
@@ -309,6 +317,10 @@ impl LimitStats {
             (
                 "limit_max_client_hello_records",
                 self.client_hello_records.load(Relaxed),
+            ),
+            (
+                "limit_max_psk_identities",
+                self.psk_identities.load(Relaxed),
             ),
             ("client_blocks", self.client_blocks.load(Relaxed)),
             (
@@ -1092,6 +1104,7 @@ mod tests {
             client_resumed_rate: Rate::ZERO,
             max_client_hello: 16384,
             max_client_hello_records: 16,
+            max_psk_identities: 4,
             first_byte_timeout: 0.0,
             handshake_evict_after: 0.0,
             key_updates_per_second: 8,

@@ -1149,6 +1149,11 @@ async fn handshake<H: Handler>(
             tracing::debug!(%peer, error = %e, "ClientHello refused");
             return None;
         }
+        Ok(Err(e @ tlsplane::Error::ClientHelloTooManyPskIdentities(_))) => {
+            shared.stats.limits.count(limits::Refusal::PskIdentities);
+            tracing::debug!(%peer, error = %e, "ClientHello refused");
+            return None;
+        }
         Ok(Err(e @ tlsplane::Error::ClientHelloTooManyRecords(_))) => {
             shared
                 .stats

@@ -1,6 +1,7 @@
 //! A file server must never hand out the server's own secrets: a TLS private key, the fleet's
-//! ticket keys or key-encryption key, the key daemon's socket and token, the directory where
-//! the generated localhost key is kept. A configuration that puts one under a served root is
+//! ticket keys or key-encryption key, the ticket store's password and client key, the key
+//! daemon's socket and token, the directory where the generated localhost key is kept, and
+//! its access log. A configuration that puts one under a served root is
 //! refused (at start, at each reload, and by `check-config`), and every document root withholds
 //! them by identity, so that a symlink or hard link inside a root that leads to one is
 //! answered 404 as well.
@@ -53,6 +54,15 @@ impl ServedSecrets {
         }
         if let Some(p) = &server.keyd_tls_key {
             add("--keyd-tls-key", p);
+        }
+        if let Some(p) = &server.store.ticket_store_tls_key {
+            add("--ticket-store-tls-key", p);
+        }
+        if let Some(p) = &server.store.ticket_store_password_file {
+            add("--ticket-store-password-file", p);
+        }
+        if let Some(p) = &server.access_log_file {
+            add("--access-log-file (clients' addresses and requests)", p);
         }
         if let KeydMode::Unix(socket) = &server.keyd {
             add("the key daemon's socket (--keyd unix:)", socket);

@@ -818,6 +818,7 @@ fn server_options(
         plain_http_response: Some(plain_http_response().into()),
         max_client_hello: args.limits.max_client_hello,
         max_client_hello_records: args.limits.max_client_hello_records,
+        max_psk_identities: args.limits.max_psk_identities,
         key_updates_per_second: args.limits.key_updates_per_second,
         linger: tlsplane::Linger {
             timeout: Duration::from_secs_f64(args.linger_timeout),

@@ -64,17 +64,29 @@ const MAGIC: &[u8; 4] = b"TPK1";
 const HEADER_LEN: usize = 4 + 8 + 8;
 const TAG_LEN: usize = 16;
 const KEK_INFO: &[u8] = b"tlsplane ticket store kek v1";
+/// The longest value a server reads from the store (put in `CURRENT` for its name): a sealed
+/// generation is at most `HEADER_LEN + 1 + KEY_LEN * KEYS_KEPT + TAG_LEN` bytes. A longer one
+/// is not a server's; it is never sent to one, whose memory it would fill at every poll.
+const MAX_VALUE_LEN: usize = 1024;
 /// The value as the scripts below see it: its bytes; "" when there is none; `type:T` when the
-/// key holds a Redis type other than a string (which no server writes: it is replaced like
-/// any value that does not open, instead of failing every read with WRONGTYPE).
+/// key holds a Redis type other than a string, `size:N` when it holds a string longer than
+/// `MAX_VALUE_LEN` (which no server writes: either is replaced like any value that does not
+/// open, instead of failing every read with WRONGTYPE or sending megabytes at every poll).
 const CURRENT: &str = r"
 local function current(key)
   local t = redis.call('TYPE', key)['ok']
-  if t == 'string' then return redis.call('GET', key) end
+  if t == 'string' then
+    local n = redis.call('STRLEN', key)
+    if n > MAX_VALUE_LEN then return 'size:' .. n end
+    return redis.call('GET', key)
+  end
   if t == 'none' then return '' end
   return 'type:' .. t
 end
 ";
+fn current() -> String {
+    CURRENT.replace("MAX_VALUE_LEN", &MAX_VALUE_LEN.to_string())
+}
 const READ: &str = "return current(KEYS[1])";
 /// Sets the value only if it is still what the caller read: a rotation, a write-back or a
 /// repair never replaces one another server made meanwhile.
@@ -706,8 +718,8 @@ struct Scripts {
 impl Default for Scripts {
     fn default() -> Self {
         Scripts {
-            read: redis::Script::new(&[CURRENT, READ].concat()),
-            compare_and_set: redis::Script::new(&[CURRENT, COMPARE_AND_SET].concat()),
+            read: redis::Script::new(&[&current(), READ].concat()),
+            compare_and_set: redis::Script::new(&[&current(), COMPARE_AND_SET].concat()),
             take_lease: redis::Script::new(TAKE_LEASE),
         }
     }
@@ -1150,6 +1162,9 @@ mod tests {
         }
         assert!(sealer.open(&value[..value.len() - 1]).is_err());
         assert!(sealer.open(b"").is_err());
+        // The longest value a server writes is one the scripts read back whole.
+        assert!(value.len() <= MAX_VALUE_LEN, "{}", value.len());
+        assert!(current().contains(&format!("if n > {MAX_VALUE_LEN} then")));
     }
 
     #[test]

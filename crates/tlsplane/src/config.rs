@@ -100,6 +100,10 @@ pub struct ServerOptions {
     /// unexpected_message alert. Each record costs a read when a client sends them apart, and
     /// a real client needs one (two for a very large post-quantum hello).
     pub max_client_hello_records: usize,
+    /// Session tickets (TLS 1.3 PSK identities) a ClientHello may offer; one offering more is
+    /// refused with an illegal_parameter alert before rustls tries them, since it tries to
+    /// open each in turn.
+    pub max_psk_identities: usize,
     /// KeyUpdate messages a peer may send per second on the kernel plane (burst: as many),
     /// where each costs two setsockopt calls and a key schedule step; beyond it the
     /// connection ends with an unexpected_message alert (a KeyUpdate storm crashed HAProxy
@@ -138,6 +142,12 @@ pub const DEFAULT_MAX_CLIENT_HELLO: usize = 16384;
 /// 1.6x, up to 2.5x on a loaded machine), where 16,000 of them cost hundreds.
 pub const DEFAULT_MAX_CLIENT_HELLO_RECORDS: usize = 16;
 
+/// Browsers and TLS libraries offer one session ticket (OpenSSL may add an external PSK):
+/// rustls tries to open every identity offered until one resumes, each a key derivation and
+/// an AEAD attempt, so a ClientHello of hundreds of made-up identities would cost many times
+/// a full handshake.
+pub const DEFAULT_MAX_PSK_IDENTITIES: usize = 4;
+
 impl ServerOptions {
     /// One site, the default for every name, with this certificate.
     pub fn new(cert: Arc<CertifiedKey>) -> Self {
@@ -151,6 +161,7 @@ impl ServerOptions {
             plain_http_response: None,
             max_client_hello: DEFAULT_MAX_CLIENT_HELLO,
             max_client_hello_records: DEFAULT_MAX_CLIENT_HELLO_RECORDS,
+            max_psk_identities: DEFAULT_MAX_PSK_IDENTITIES,
             key_updates_per_second: DEFAULT_KEY_UPDATES_PER_SECOND,
             linger: crate::linger::DEFAULT_LINGER,
             exact_handshake_reads: false,
@@ -245,6 +256,7 @@ pub struct Acceptor {
     pub(crate) plain_http_response: Option<Arc<[u8]>>,
     pub(crate) max_client_hello: usize,
     pub(crate) max_client_hello_records: usize,
+    pub(crate) max_psk_identities: usize,
     pub(crate) key_updates_per_second: u32,
     /// Shared: every connection keeps a reference for its close (a copy would make each
     /// `TlsStream` larger).
@@ -344,6 +356,7 @@ impl Acceptor {
             plain_http_response: opts.plain_http_response,
             max_client_hello: opts.max_client_hello,
             max_client_hello_records: opts.max_client_hello_records,
+            max_psk_identities: opts.max_psk_identities,
             key_updates_per_second: opts.key_updates_per_second,
             linger: Arc::new(opts.linger),
             exact_handshake_reads: opts.exact_handshake_reads,

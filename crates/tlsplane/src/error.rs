@@ -30,6 +30,9 @@ pub enum Error {
     /// The ClientHello was still incomplete after the configured number of records (this
     /// many) and went on in another; it was answered with an unexpected_message alert.
     ClientHelloTooManyRecords(usize),
+    /// The ClientHello offered more session tickets (PSK identities: this many) than the
+    /// configured cap; it was answered with an illegal_parameter alert before any was tried.
+    ClientHelloTooManyPskIdentities(usize),
     /// The caller's admission check refused the ClientHello (a limit); the connection was
     /// reset without a reply.
     Refused,
@@ -53,6 +56,7 @@ impl Error {
                 | Error::PlainHttp
                 | Error::ClientHelloTooLarge(_)
                 | Error::ClientHelloTooManyRecords(_)
+                | Error::ClientHelloTooManyPskIdentities(_)
                 | Error::UnknownServerName(_)
         ) || matches!(self, Error::Io(e) if matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::UnexpectedEof | io::ErrorKind::TimedOut))
     }
@@ -77,6 +81,9 @@ impl fmt::Display for Error {
             }
             Error::ClientHelloTooManyRecords(n) => {
                 write!(f, "ClientHello still incomplete after {n} records")
+            }
+            Error::ClientHelloTooManyPskIdentities(n) => {
+                write!(f, "ClientHello offers {n} session tickets, over the cap")
             }
             Error::Refused => f.write_str("refused by an admission limit at the ClientHello"),
             Error::UnknownServerName(Some(n)) => write!(f, "no site for server name {n:?}"),

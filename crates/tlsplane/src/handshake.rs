@@ -417,6 +417,8 @@ pub(crate) struct Gate<'a> {
     pub(crate) max_client_hello: usize,
     /// See `ServerOptions::max_client_hello_records`.
     pub(crate) max_client_hello_records: usize,
+    /// See `ServerOptions::max_psk_identities`.
+    pub(crate) max_psk_identities: usize,
     pub(crate) ticketer: hello::Ticketer<'a>,
     /// The caller's admission decision on the ClientHello (true: go ahead).
     pub(crate) admit: &'a mut (dyn FnMut(&HelloInfo) -> bool + Send),
@@ -485,6 +487,10 @@ async fn admit_hello(
                 // As OpenSSL answers a flood of empty records.
                 plaintext_alert(sock, ALERT_UNEXPECTED_MESSAGE).await;
                 return Err(Error::ClientHelloTooManyRecords(records));
+            }
+            Peek::Hello(info) if info.psk_identities > gate.max_psk_identities => {
+                plaintext_alert(sock, ALERT_ILLEGAL_PARAMETER).await;
+                return Err(Error::ClientHelloTooManyPskIdentities(info.psk_identities));
             }
             Peek::Hello(info) => {
                 if !(gate.admit)(&info) {

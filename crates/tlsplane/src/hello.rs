@@ -24,6 +24,8 @@ pub struct HelloInfo {
     pub server_name: Option<String>,
     /// Who issued the ticket, when it is one of the shared keys (`ServerOptions::ticket_keys`).
     pub ticket_issuer: Option<crate::tickets::TicketIssuer>,
+    /// TLS 1.3 PSK identities offered (rustls tries each until one resumes).
+    pub psk_identities: usize,
 }
 
 /// What the buffered bytes are, so far.
@@ -169,6 +171,7 @@ fn info(body: &[u8], ticketer: Ticketer<'_>) -> HelloInfo {
         resumption: opened.is_some(),
         server_name: ext.server_name.and_then(host_name),
         ticket_issuer: opened.flatten(),
+        psk_identities: ext.psk_identities,
     }
 }
 
@@ -216,6 +219,8 @@ struct Extensions<'a> {
     ticket: Option<&'a [u8]>,
     /// The first host_name of the server_name extension.
     server_name: Option<&'a [u8]>,
+    /// The PSK identities offered (TLS 1.3).
+    psk_identities: usize,
 }
 
 impl<'a> Extensions<'a> {
@@ -249,6 +254,13 @@ impl<'a> Extensions<'a> {
                     let mut identities = Reader(Reader(data).vec16()?);
                     let identity = identities.vec16()?;
                     found.ticket = (!identity.is_empty()).then_some(identity);
+                    identities.take(4)?; // obfuscated_ticket_age
+                    found.psk_identities = 1;
+                    while !identities.0.is_empty() {
+                        identities.vec16()?;
+                        identities.take(4)?;
+                        found.psk_identities += 1;
+                    }
                     return Some(found);
                 }
                 EXT_SESSION_TICKET if !data.is_empty() => tls12_ticket = Some(data),
@@ -358,24 +370,56 @@ mod tests {
     }
 
     #[test]
+    fn every_psk_identity_is_counted() {
+        // Five identities, the first ours: counted whole, the first still opened.
+        let mut ids = Vec::new();
+        for id in [OURS, b"b", b"c", b"d", b"e"] {
+            ids.extend_from_slice(&(id.len() as u16).to_be_bytes());
+            ids.extend_from_slice(id);
+            ids.extend_from_slice(&[0, 0, 0, 1]);
+        }
+        let mut data = (ids.len() as u16).to_be_bytes().to_vec();
+        data.extend_from_slice(&ids);
+        data.extend_from_slice(&[0, 33, 32]);
+        data.extend_from_slice(&[0u8; 32]);
+        let Peek::Hello(info) =
+            peek_all(&records(&hello(&[ext(EXT_PRE_SHARED_KEY, &data)]), 16384))
+        else {
+            panic!("not a hello");
+        };
+        assert_eq!((info.psk_identities, info.resumption), (5, true));
+        // A list cut inside an identity is malformed: counted as no ticket at all.
+        let cut = &ids[..ids.len() - 3];
+        let mut data = (cut.len() as u16).to_be_bytes().to_vec();
+        data.extend_from_slice(cut);
+        let Peek::Hello(info) =
+            peek_all(&records(&hello(&[ext(EXT_PRE_SHARED_KEY, &data)]), 16384))
+        else {
+            panic!("not a hello");
+        };
+        assert_eq!((info.psk_identities, info.resumption), (0, false));
+    }
+
+    #[test]
     fn full_and_resumed_hellos_are_told_apart() {
         let full = hello(&[ext(0, b"\0\0")]);
         let ours = hello(&[ext(0, b"\0\0"), ext(EXT_PRE_SHARED_KEY, &psk(OURS))]);
         let foreign = hello(&[ext(EXT_PRE_SHARED_KEY, &psk(b"someone-elses"))]);
         let tls12 = hello(&[ext(EXT_SESSION_TICKET, OURS)]);
         let tls12_empty = hello(&[ext(EXT_SESSION_TICKET, b"")]);
-        for (msg, resumption) in [
-            (&full, false),
-            (&ours, true),
-            (&foreign, false),
-            (&tls12, true),
-            (&tls12_empty, false),
+        for (msg, resumption, psk_identities) in [
+            (&full, false, 0),
+            (&ours, true, 1),
+            (&foreign, false, 1),
+            (&tls12, true, 0),
+            (&tls12_empty, false, 0),
         ] {
             let want = Peek::Hello(HelloInfo {
                 len: msg.len() - 4,
                 resumption,
                 server_name: None,
                 ticket_issuer: None,
+                psk_identities,
             });
             assert_eq!(peek_all(&records(msg, 16384)), want);
             // The same, fragmented over many records.

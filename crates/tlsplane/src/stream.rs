@@ -120,6 +120,7 @@ impl Acceptor {
             plain_http_response: self.plain_http_response.as_deref(),
             max_client_hello: self.max_client_hello,
             max_client_hello_records: self.max_client_hello_records,
+            max_psk_identities: self.max_psk_identities,
             ticketer: (self.ticketer.as_ref(), self.ticket_ring.as_deref()),
             admit,
         };
@@ -310,6 +311,7 @@ impl Acceptor {
                 | Error::PlainHttp
                 | Error::ClientHelloTooLarge(_)
                 | Error::ClientHelloTooManyRecords(_)
+                | Error::ClientHelloTooManyPskIdentities(_)
                 | Error::UnknownServerName(_)
         );
         if told {

@@ -74,6 +74,11 @@ fn serve_refuses_to_start_with_a_secret_under_its_root() {
     fs::copy(&leaf.key_pem, &key_inside).unwrap();
     fs::write(www.join("ticket.keys"), random_line(80)).unwrap();
     fs::write(www.join("ticket.kek"), random_line(32)).unwrap();
+    fs::write(www.join("redis.pw"), "a password\n").unwrap();
+    fs::copy(&leaf.key_pem, www.join("store-client.key")).unwrap();
+    let kek_outside = dir.join("ticket.kek");
+    fs::write(&kek_outside, random_line(32)).unwrap();
+    let kek_outside = kek_outside.to_str().unwrap().to_string();
     let (w, cert, key) = (
         www.to_str().unwrap(),
         leaf.cert_pem.to_str().unwrap(),
@@ -110,6 +115,43 @@ fn serve_refuses_to_start_with_a_secret_under_its_root() {
                 format!("unix:{}", in_www("keyd.sock")),
             ],
             "the key daemon's socket",
+        ),
+        (
+            vec![
+                "--key".into(),
+                key.into(),
+                "--ticket-store".into(),
+                "redis://fleet@127.0.0.1:1".into(),
+                "--ticket-store-kek".into(),
+                kek_outside.clone(),
+                "--ticket-store-password-file".into(),
+                in_www("redis.pw"),
+            ],
+            "--ticket-store-password-file",
+        ),
+        (
+            vec![
+                "--key".into(),
+                key.into(),
+                "--ticket-store".into(),
+                "rediss://127.0.0.1:1".into(),
+                "--ticket-store-kek".into(),
+                kek_outside.clone(),
+                "--ticket-store-tls-cert".into(),
+                cert.into(),
+                "--ticket-store-tls-key".into(),
+                in_www("store-client.key"),
+            ],
+            "--ticket-store-tls-key",
+        ),
+        (
+            vec![
+                "--key".into(),
+                key.into(),
+                "--access-log-file".into(),
+                in_www("access.log"),
+            ],
+            "--access-log-file",
         ),
     ];
     for (extra, what) in &cases {
