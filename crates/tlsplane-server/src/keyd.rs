@@ -85,17 +85,37 @@ pub struct KeydArgs {
     /// Seconds from the accept within which a client over TLS must complete its handshake.
     #[arg(long, value_name = "S", default_value_t = 10.0, value_parser = parse_seconds)]
     pub tls_handshake_timeout: f64,
-    /// TLS handshakes in progress at once; past it a new connection makes the oldest
-    /// handshake of the address with the most give way.
+    /// Seconds from the accept during which a TLS handshake gives way (--max-tls-handshakes)
+    /// only to a new connection from a host that holds an established one, or for its
+    /// address having more handshakes than the new one's would.
+    #[arg(long, value_name = "S", default_value_t = 2.0, value_parser = parse_seconds)]
+    pub tls_handshake_grace: f64,
+    /// TLS handshakes in progress at once. Past it a new connection takes the place of one:
+    /// if its host holds an established connection, any one of a host that holds none; else
+    /// one of the address with the most, if it has more than the new one's would; else one
+    /// older than --tls-handshake-grace; else it is closed.
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tls_handshakes: u32,
     /// Established TLS connections at once (each a thread); more are closed.
     #[arg(long, value_name = "N", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tls_connections: u32,
+    /// Established TLS connections of one client (its name in counts: the CLIENT of the
+    /// --authorize rule that names it, or its certificate's first name) at once; more are
+    /// closed.
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_tls_connections_per_client: u32,
+    /// Seconds an established TLS connection may go without a request; then it is closed (a
+    /// server opens another when it needs one).
+    #[arg(long, value_name = "S", default_value_t = 600.0, value_parser = parse_seconds)]
+    pub tls_idle_timeout: f64,
     /// TLS connections, handshakes included, from one address at once; more are closed at
     /// the accept.
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tls_connections_per_address: u32,
+    /// An IPv6 peer's "address" for --max-tls-connections-per-address and
+    /// --max-tls-handshakes: its first BITS bits (an IPv4 peer's is its address).
+    #[arg(long, value_name = "BITS", default_value_t = 64, value_parser = clap::value_parser!(u8).range(1..=128))]
+    pub tls_ipv6_prefix: u8,
     /// Configuration file: the daemon loads every key its [[site.cert]] entries name.
     #[arg(long, value_name = "FILE", conflicts_with = "key")]
     pub config: Option<PathBuf>,
@@ -645,9 +665,13 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
             sign_rate: args.client_sign_rate,
             limits: remote::Limits {
                 handshake_timeout: std::time::Duration::from_secs_f64(args.tls_handshake_timeout),
+                handshake_grace: std::time::Duration::from_secs_f64(args.tls_handshake_grace),
                 max_handshakes: args.max_tls_handshakes as usize,
                 max_connections: args.max_tls_connections as usize,
                 max_per_address: args.max_tls_connections_per_address as usize,
+                max_per_client: args.max_tls_connections_per_client as usize,
+                ipv6_prefix: args.tls_ipv6_prefix,
+                idle_timeout: std::time::Duration::from_secs_f64(args.tls_idle_timeout),
             },
         });
         std::thread::Builder::new()
