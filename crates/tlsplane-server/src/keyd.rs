@@ -24,7 +24,7 @@
 //! `crate::keys`). A daemon hands its keys only to a process of its own user whose parent is
 //! its own parent and that is a key daemon started with `--copy-from`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsString;
 use std::io::{BufRead, Read, Write};
 use std::os::unix::ffi::OsStrExt;
@@ -85,17 +85,37 @@ pub struct KeydArgs {
     /// Seconds from the accept within which a client over TLS must complete its handshake.
     #[arg(long, value_name = "S", default_value_t = 10.0, value_parser = parse_seconds)]
     pub tls_handshake_timeout: f64,
-    /// TLS handshakes in progress at once; past it a new connection makes the oldest
-    /// handshake of the address with the most give way.
+    /// Seconds from the accept during which a TLS handshake gives way (--max-tls-handshakes)
+    /// only to a new connection from a host that holds an established one, or for its
+    /// address having more handshakes than the new one's would.
+    #[arg(long, value_name = "S", default_value_t = 2.0, value_parser = parse_seconds)]
+    pub tls_handshake_grace: f64,
+    /// TLS handshakes in progress at once. Past it a new connection takes the place of one:
+    /// if its host holds an established connection, any one of a host that holds none; else
+    /// one of the address with the most, if it has more than the new one's would; else one
+    /// older than --tls-handshake-grace; else it is closed.
     #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tls_handshakes: u32,
     /// Established TLS connections at once (each a thread); more are closed.
     #[arg(long, value_name = "N", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tls_connections: u32,
+    /// Established TLS connections of one client (its name in counts: the CLIENT of the
+    /// --authorize rule that names it, or its certificate's first name) at once; more are
+    /// closed.
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_tls_connections_per_client: u32,
+    /// Seconds an established TLS connection may go without a request; then it is closed (a
+    /// server opens another when it needs one).
+    #[arg(long, value_name = "S", default_value_t = 600.0, value_parser = parse_seconds)]
+    pub tls_idle_timeout: f64,
     /// TLS connections, handshakes included, from one address at once; more are closed at
     /// the accept.
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tls_connections_per_address: u32,
+    /// An IPv6 peer's "address" for --max-tls-connections-per-address and
+    /// --max-tls-handshakes: its first BITS bits (an IPv4 peer's is its address).
+    #[arg(long, value_name = "BITS", default_value_t = 64, value_parser = clap::value_parser!(u8).range(1..=128))]
+    pub tls_ipv6_prefix: u8,
     /// Configuration file: the daemon loads every key its [[site.cert]] entries name.
     #[arg(long, value_name = "FILE", conflicts_with = "key")]
     pub config: Option<PathBuf>,
@@ -126,7 +146,16 @@ enum Source {
 }
 
 /// Key files by site: each name of a site, and the key files of its certificates.
-type SiteKeys = HashMap<String, std::collections::HashSet<PathBuf>>;
+type SiteKeys = HashMap<String, HashSet<PathBuf>>;
+
+/// The names of the sites whose certificates name the key file `path`.
+fn sites_of(sites: &SiteKeys, path: &Path) -> HashSet<String> {
+    sites
+        .iter()
+        .filter(|(_, keys)| keys.contains(path))
+        .map(|(name, _)| name.clone())
+        .collect()
+}
 
 impl Source {
     /// The key files it names, and which belong to each site.
@@ -182,6 +211,10 @@ struct Held {
     public_key: Vec<u8>,
     /// The latest generation that has it.
     generation: u32,
+    /// The sites it was loaded for in that generation, for `--authorize ...=site:NAME`: a
+    /// reload that gives its file to another site, with another key in it, leaves this key to
+    /// the sites it was the key of.
+    sites: HashSet<String>,
 }
 
 impl Store {
@@ -206,9 +239,11 @@ impl Store {
                         .keys
                         .iter_mut()
                         .find(|(_, h)| h.path == p && h.public_key == public_key);
+                    let key_sites = sites_of(&sites, &p);
                     match same {
                         Some((&handle, held)) => {
                             held.generation = g;
+                            held.sites = key_sites;
                             Ok(handle)
                         }
                         None => {
@@ -227,6 +262,7 @@ impl Store {
                                     path: p.clone(),
                                     public_key,
                                     generation: g,
+                                    sites: key_sites,
                                 },
                             );
                             Ok(self.next_handle)
@@ -324,6 +360,11 @@ impl Store {
             m.push(held.der.format);
             put_bytes(&mut m, held.path.as_os_str().as_bytes());
             put_bytes(&mut m, &held.der.der);
+            // Last, so that a daemon that does not know it reads the rest as before.
+            m.extend_from_slice(&(held.sites.len() as u32).to_be_bytes());
+            for site in &held.sites {
+                put_bytes(&mut m, site.as_bytes());
+            }
             out.push(m);
         }
         for (path, r) in &self.by_path {
@@ -382,6 +423,21 @@ impl Store {
                 .public_key()
                 .map(|k| k.as_ref().to_vec())
                 .unwrap_or_default();
+            let mut sites = HashSet::new();
+            if !f.0.is_empty() {
+                for _ in 0..f.u32()? {
+                    sites.insert(String::from_utf8_lossy(f.bytes()?).into_owned());
+                }
+            }
+            if generation == store.generation {
+                for site in &sites {
+                    store
+                        .sites
+                        .entry(site.clone())
+                        .or_default()
+                        .insert(path.clone());
+                }
+            }
             store.keys.insert(
                 handle,
                 Held {
@@ -390,6 +446,7 @@ impl Store {
                     path,
                     public_key,
                     generation,
+                    sites,
                 },
             );
         }
@@ -645,9 +702,13 @@ pub fn run(args: KeydArgs) -> anyhow::Result<()> {
             sign_rate: args.client_sign_rate,
             limits: remote::Limits {
                 handshake_timeout: std::time::Duration::from_secs_f64(args.tls_handshake_timeout),
+                handshake_grace: std::time::Duration::from_secs_f64(args.tls_handshake_grace),
                 max_handshakes: args.max_tls_handshakes as usize,
                 max_connections: args.max_tls_connections as usize,
                 max_per_address: args.max_tls_connections_per_address as usize,
+                max_per_client: args.max_tls_connections_per_client as usize,
+                ipv6_prefix: args.tls_ipv6_prefix,
+                idle_timeout: std::time::Duration::from_secs_f64(args.tls_idle_timeout),
             },
         });
         std::thread::Builder::new()
@@ -865,6 +926,12 @@ enum Caller<'a> {
 impl Caller<'_> {
     /// A refusal for a client over TLS: counted, and logged at most once a second.
     fn refuse(&self, why: String) -> Vec<u8> {
+        self.log_refusal(&why);
+        err(why)
+    }
+
+    /// Counts and logs (at most once a second) a refusal of a client over TLS.
+    fn log_refusal(&self, why: &str) {
         if let Caller::Remote { grant, client, .. } = self {
             static LOG: LogLimit = LogLimit::new();
             client.refused.fetch_add(1, Relaxed);
@@ -872,13 +939,12 @@ impl Caller<'_> {
                 tracing::warn!("keyd: client {}: {why}{}", grant.client, more(n));
             }
         }
-        err(why)
     }
 
-    /// Why it may not use the key loaded from `path`, if it may not.
-    fn may_not_use(&self, path: &Path, store: &Store) -> Option<String> {
+    /// Why it may not use the key loaded from `path` for the sites `key_sites`, if it may not.
+    fn may_not_use(&self, path: &Path, key_sites: &HashSet<String>) -> Option<String> {
         match self {
-            Caller::Remote { grant, .. } if !grant.allows(path, &store.sites) => Some(format!(
+            Caller::Remote { grant, .. } if !grant.allows(path, key_sites) => Some(format!(
                 "client {} may not use the key {} (see keyd --authorize)",
                 grant.client,
                 path.display()
@@ -930,19 +996,24 @@ fn sign(payload: &[u8], store: &RwLock<Store>, caller: &Caller<'_>) -> Vec<u8> {
     let Some((handle, scheme, message)) = proto::parse_sign(payload) else {
         return err("malformed SIGN");
     };
+    let no_key = || err(format!("no key {handle} for {scheme:?}"));
     let (key, refusal) = {
         let s = store.read().unwrap_or_else(|e| e.into_inner());
         match s.keys.get(&handle) {
-            Some(h) => (Some(h.key.clone()), caller.may_not_use(&h.path, &s)),
+            // Checked against the sites the key was loaded for, not those its file has now.
+            Some(h) => (Some(h.key.clone()), caller.may_not_use(&h.path, &h.sites)),
             None => (None, None),
         }
     };
     if let Some(why) = refusal {
+        // The daemon's log says why; the client is told what a handle never made tells it,
+        // so that walking the handles tells it nothing of other sites' keys.
         counters().tls_requests_refused.fetch_add(1, Relaxed);
-        return caller.refuse(why);
+        caller.log_refusal(&why);
+        return no_key();
     }
     let Some(signer) = key.and_then(|k| k.choose_scheme(&[scheme])) else {
-        return err(format!("no key {handle} for {scheme:?}"));
+        return no_key();
     };
     if let Caller::Remote {
         client, sign_rate, ..
@@ -972,7 +1043,7 @@ fn sign(payload: &[u8], store: &RwLock<Store>, caller: &Caller<'_>) -> Vec<u8> {
 fn key(payload: &[u8], store: &RwLock<Store>, caller: &Caller<'_>) -> Vec<u8> {
     let path = Path::new(std::ffi::OsStr::from_bytes(payload));
     let s = store.read().unwrap_or_else(|e| e.into_inner());
-    if let Some(why) = caller.may_not_use(path, &s) {
+    if let Some(why) = caller.may_not_use(path, &sites_of(&s.sites, path)) {
         counters().tls_requests_refused.fetch_add(1, Relaxed);
         return caller.refuse(why);
     }
@@ -1194,6 +1265,89 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         assert!(e.contains("no key handle left"), "{e}");
         assert_eq!((store.keys.len(), store.generation), (keys_before, g3));
+    }
+
+    /// A configuration file in `dir`: each site's name and key file.
+    fn sites_config(dir: &Path, sites: &[(&str, &str)]) -> Source {
+        let mut toml = String::new();
+        for (name, key) in sites {
+            toml += &format!(
+                "[[site]]\nname = {name:?}\n[[site.cert]]\nchain = \"c.pem\"\nkey = {key:?}\n"
+            );
+        }
+        let path = dir.join("sites.toml");
+        std::fs::write(&path, toml).unwrap();
+        Source::Config(path)
+    }
+
+    /// Signs with `handle` as the client `name`, whom `rules` grant keys.
+    fn sign_as(store: &RwLock<Store>, rules: &[grants::Rule], name: &str, handle: u32) -> String {
+        let cert = rcgen::generate_simple_self_signed(vec![name.to_string()]).unwrap();
+        let grant = grants::Grant::for_names(rules, &grants::CertNames::of(cert.cert.der()));
+        let client = grants::Clients::default().get(name, 0);
+        let caller = Caller::Remote {
+            grant: &grant,
+            client: &client,
+            sign_rate: 0,
+        };
+        let mut payload = handle.to_be_bytes().to_vec();
+        payload.extend_from_slice(
+            &u16::from(rustls::SignatureScheme::ECDSA_NISTP256_SHA256).to_be_bytes(),
+        );
+        payload.extend_from_slice(b"message");
+        let reply = sign(&payload, store, &caller);
+        match reply.split_first() {
+            Some((&proto::OK, _)) => "signed".into(),
+            _ => String::from_utf8_lossy(&reply[1..]).into_owned(),
+        }
+    }
+
+    #[test]
+    fn a_key_is_for_the_sites_it_was_loaded_for_not_those_its_file_is_given_to_later() {
+        let dir = std::env::temp_dir().join(format!("tlsplane-key-sites-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (p, a2, b) = (dir.join("p.pem"), dir.join("a2.pem"), dir.join("b.pem"));
+        for k in [&p, &a2, &b] {
+            new_key(k);
+        }
+        let rules: Vec<grants::Rule> = ["a.example=site:a", "b.example=site:b"]
+            .iter()
+            .map(|r| r.parse().unwrap())
+            .collect();
+        let mut store = Store::default();
+        let (g1, _) = store
+            .load(&sites_config(&dir, &[("a", "p.pem"), ("b", "b.pem")]))
+            .unwrap();
+        store.commit(g1).unwrap();
+        let old = *store.by_path[&p].as_ref().unwrap();
+        // The reload gives p.pem, with a new key in it, to site b; site a gets another file.
+        new_key(&p);
+        let (g2, _) = store
+            .load(&sites_config(
+                &dir,
+                &[("a", "a2.pem"), ("b", "b.pem"), ("b", "p.pem")],
+            ))
+            .unwrap();
+        store.commit(g2).unwrap();
+        let new = *store.by_path[&p].as_ref().unwrap();
+        assert_ne!(old, new);
+        // The copy a HANDOFF makes decides the same.
+        let mut messages = store.handoff_messages().into_iter();
+        let copy = Store::from_handoff(|| messages.next().ok_or("no more".into())).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        for store in [RwLock::new(store), RwLock::new(copy)] {
+            // Site a's previous key, kept while its handshakes may still sign: a's, not b's.
+            assert_eq!(sign_as(&store, &rules, "a.example", old), "signed");
+            let refused = sign_as(&store, &rules, "b.example", old);
+            // Told as of a handle never made: no path of another site's key.
+            assert_eq!(refused, format!("no key {old} for ECDSA_NISTP256_SHA256"));
+            // The key p.pem holds now: b's, not a's.
+            assert_eq!(sign_as(&store, &rules, "b.example", new), "signed");
+            assert!(sign_as(&store, &rules, "a.example", new).starts_with("no key"));
+            let s = store.read().unwrap();
+            let b_keys: HashSet<PathBuf> = [b.clone(), p.clone()].into();
+            assert_eq!(s.sites["b"], b_keys);
+        }
     }
 
     #[test]

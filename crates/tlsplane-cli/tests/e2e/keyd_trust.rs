@@ -8,7 +8,7 @@ use std::ffi::OsString;
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::keyd::{
     index, keyd_exchange, keyd_pki, keyd_tls_client, send_signal, try_handshake, ExternalKeyd,
-    TlsKeyd,
+    KeydPki, TlsKeyd,
 };
 use crate::support::client::tcp_connect_from;
 use crate::support::fixtures::{self, CertKind};
@@ -160,8 +160,15 @@ fn a_client_certificate_signs_only_with_its_own_keys_and_no_remote_client_drops_
     let port = keyd.port;
     let mut a = keyd_tls_client(port, &pki.ca_pem, Some(&a_client));
     let mut b = keyd_tls_client(port, &pki.ca_pem, Some(&b_client));
-    // Not named by any rule: served (its certificate is the CA's), granted nothing.
+    // Not named by any rule: its certificate is the CA's, but it is told it may use no key,
+    // and closed, right after its handshake.
     let mut stranger = keyd_tls_client(port, &pki.ca_pem, Some(&pki.client));
+    let why = refusal(keyd_exchange(&mut stranger, &framed(PING, b"")));
+    assert!(
+        why.contains("client server.example may use no key"),
+        "{why}"
+    );
+    keyd_exchange(&mut stranger, &framed(PING, b"")).expect_err("a client with no grant kept");
 
     // Each client's own key: a handle, and signatures that verify.
     let (handle_a, spki_a) = ask_key(&mut a, key_a).expect("A's key for A");
@@ -171,19 +178,20 @@ fn a_client_certificate_signs_only_with_its_own_keys_and_no_remote_client_drops_
     let sig = sign(&mut b, handle_b, b"by b").expect("B signs with B's key");
     assert!(verifies(&spki_b, b"by b", &sig));
 
-    // Another site's key, by path or by handle: refused.
+    // Another site's key, by path or by handle: refused. By handle, as if there were none:
+    // walking the handles tells a client no other site's key file.
     let e = ask_key(&mut a, key_b).expect_err("A got B's key");
     assert!(e.contains("may not use"), "{e}");
-    let e = sign(&mut a, handle_b, b"by a").expect_err("A signed with B's key");
-    assert!(e.contains("may not use"), "{e}");
-    let e = sign(&mut b, handle_a, b"by b").expect_err("B signed with A's key");
-    assert!(e.contains("may not use"), "{e}");
-    assert_eq!(
-        keyd_exchange(&mut stranger, &framed(PING, b"")),
-        Ok(vec![0])
-    );
-    let e = ask_key(&mut stranger, key_a).expect_err("a client no rule names got a key");
-    assert!(e.contains("may not use"), "{e}");
+    let never_made = sign(&mut a, 1_000_000, b"by a").expect_err("a handle never made");
+    for (c, handle, other_key) in [(&mut a, handle_b, key_b), (&mut b, handle_a, key_a)] {
+        let e = sign(c, handle, b"by another").expect_err("signed with another site's key");
+        assert_eq!(
+            e,
+            never_made.replace("1000000", &handle.to_string()),
+            "{} in it?",
+            other_key.display()
+        );
+    }
 
     // No remote client reloads or commits: no generation it names, however large, makes the
     // daemon drop (or stop retiring) keys.
@@ -229,19 +237,14 @@ fn a_client_certificate_signs_only_with_its_own_keys_and_no_remote_client_drops_
     assert!(sign(&mut b, handle_b2, b"b").is_ok());
 
     // Counted per client: signatures made, and refusals (keys not granted, RELOAD/COMMIT,
-    // past the rate).
-    let (refused, clients) = report(
-        &keyd,
-        1,
-        &["a-servers.example", "spiffe://fleet/b", "server.example"],
-    );
+    // past the rate); the client with no grant, once.
+    let (refused, clients) = report(&keyd, 1, &["a-servers.example", "spiffe://fleet/b"]);
     assert_eq!(field(&clients[0], "signatures"), 2 + made as u64);
     assert_eq!(field(&clients[0], "refused"), 5 + over as u64);
     assert_eq!(field(&clients[1], "signatures"), 4);
     assert_eq!(field(&clients[1], "refused"), 1);
-    assert_eq!(field(&clients[2], "signatures"), 0);
-    assert_eq!(field(&clients[2], "refused"), 1);
-    assert_eq!(field(&refused, "tls_requests_refused"), 7, "{refused}");
+    assert_eq!(field(&refused, "tls_requests_refused"), 6, "{refused}");
+    assert_eq!(field(&refused, "tls_refused_no_grant"), 1, "{refused}");
     assert_eq!(
         field(&refused, "tls_signatures_over_rate"),
         over as u64,
@@ -731,4 +734,179 @@ fn a_server_uses_only_a_keyd_of_a_user_it_trusts() {
     drop(daemon);
     let _ = fs::remove_dir_all(&dir);
     assert!(stats.get("keyd_signatures") >= 1, "{stats:?}");
+}
+
+/// A site `localhost` whose key is `site`'s, for a server that signs through `keyd`.
+fn site_through(dir: &Path, pki: &KeydPki, keyd: &TlsKeyd, site: &fixtures::CertFiles) -> PathBuf {
+    let server_lines = format!(
+        "keyd = {:?}\nkeyd-tls-cert = {:?}\nkeyd-tls-key = {:?}\nkeyd-ca = {:?}\n",
+        keyd.url(),
+        pki.client.cert_pem,
+        pki.client.key_pem,
+        pki.ca_pem
+    );
+    crate::sites::write_config(
+        dir,
+        &server_lines,
+        &[crate::sites::SiteSpec {
+            names: &["localhost"],
+            default: true,
+            certs: vec![fixtures::CertFiles {
+                cert_pem: site.cert_pem.clone(),
+                key_pem: site.key_pem.clone(),
+            }],
+            content: "a",
+        }],
+    )
+}
+
+#[test]
+fn a_keyd_over_tls_closes_idle_connections_caps_each_client_and_servers_reconnect_unharmed() {
+    let dir = crate::sites::scratch("keyd-trust-idle");
+    let pki = keyd_pki(&dir, "k");
+    let c_client = pki.issue("c", &["c.example"]);
+    let site = fixtures::pki().issue_in(&dir, "site", &["localhost", "127.0.0.1"], CertKind::P256);
+    let idle = Duration::from_millis(1500);
+    let arg = |s: &str| OsString::from(s);
+    let keyd = TlsKeyd::start_with(
+        &pki,
+        0,
+        &[
+            arg("--key"),
+            site.key_pem.clone().into(),
+            arg("--authorize"),
+            arg("server.example=*"),
+            arg("--authorize"),
+            arg("c.example=*"),
+            arg("--tls-idle-timeout"),
+            arg(&idle.as_secs_f64().to_string()),
+            arg("--max-tls-connections-per-client"),
+            arg("2"),
+        ],
+    );
+    let ping = framed(PING, b"");
+    // One client holds at most two connections: a third is closed after its handshake.
+    let mut c1 = keyd_tls_client(keyd.port, &pki.ca_pem, Some(&c_client));
+    let mut c2 = keyd_tls_client(keyd.port, &pki.ca_pem, Some(&c_client));
+    assert_eq!(keyd_exchange(&mut c1, &ping), Ok(vec![0]));
+    assert_eq!(keyd_exchange(&mut c2, &ping), Ok(vec![0]));
+    let mut c3 = keyd_tls_client(keyd.port, &pki.ca_pem, Some(&c_client));
+    keyd_exchange(&mut c3, &ping).expect_err("a third connection of c.example");
+
+    // Another client is not held back by it: a server signs through the daemon.
+    let config = site_through(&dir, &pki, &keyd, &site);
+    let server = Server::builder().workers(1).config_file(&config).start();
+    let port = server.port();
+    assert_eq!(index(port), "a");
+    // Idle past the timeout: the daemon closes every connection, the server's pooled ones too.
+    std::thread::sleep(idle + Duration::from_millis(500));
+    keyd_exchange(&mut c1, &ping).expect_err("an idle connection kept");
+    let (refused, _) = report(&keyd, 1, &[]);
+    assert_eq!(field(&refused, "tls_refused_per_client"), 1, "{refused}");
+    assert!(field(&refused, "tls_idle_closed") >= 3, "{refused}");
+    // The server's next signatures find its connection closed and are made on a new one: no
+    // handshake fails, and the daemon is not taken out of use.
+    for _ in 0..3 {
+        assert_eq!(index(port), "a");
+    }
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_sign_failures"), 0, "{stats:?}");
+    assert_eq!(stats.get("keyd_failovers"), 0, "{stats:?}");
+    assert!(stats.get("keyd_signatures") >= 4, "{stats:?}");
+    let lines = keyd.lines();
+    assert!(!lines.iter().any(|l| l.contains("panicked")), "{lines:#?}");
+}
+
+/// PING on a new connection of `pki`'s client to `port` whose handshake takes `pause` longer
+/// than it needs (its ClientHello, the pause, then the rest), as a server far away makes it.
+fn slow_handshake_ping(port: u16, pki: &KeydPki, pause: Duration) -> Result<Vec<u8>, String> {
+    let mut c = keyd_tls_client(port, &pki.ca_pem, Some(&pki.client));
+    c.conn
+        .write_tls(&mut c.sock)
+        .map_err(|e| format!("ClientHello: {e}"))?;
+    std::thread::sleep(pause);
+    keyd_exchange(&mut c, &framed(PING, b""))
+}
+
+#[test]
+fn a_flood_from_many_addresses_cuts_short_no_handshake_of_a_server_that_is_in() {
+    let dir = crate::sites::scratch("keyd-trust-churn");
+    let pki = keyd_pki(&dir, "k");
+    let site = fixtures::pki().issue_in(&dir, "site", &["localhost", "127.0.0.1"], CertKind::P256);
+    let keyd = TlsKeyd::start_with(
+        &pki,
+        0,
+        &[
+            "--key".into(),
+            site.key_pem.clone().into(),
+            "--authorize".into(),
+            "server.example=*".into(),
+            "--max-tls-handshakes".into(),
+            "16".into(),
+        ],
+    );
+    // A server that is in: its pool holds a connection to the daemon.
+    let config = site_through(&dir, &pki, &keyd, &site);
+    let server = Server::builder().workers(2).config_file(&config).start();
+    let port = server.port();
+    assert_eq!(index(port), "a");
+
+    // 40 addresses, one connection each, each new one as soon as the daemon closed the last:
+    // more than the 16 handshakes in progress, all from addresses with no more than a
+    // server's. Cutting short the oldest for each newcomer, the daemon cut short every
+    // handshake that took more than a few of the peers' rounds.
+    let flood_started = Instant::now();
+    let peers = SlowPeers::start(
+        keyd.port,
+        (1..=40).map(|i| Ipv4Addr::new(127, 0, 3, i)).collect(),
+        1,
+        Duration::from_millis(5),
+        Duration::ZERO,
+    );
+    peers.wait_opened(200);
+    // A handshake that takes half a second, from the server's host, and handshakes of the
+    // server on four threads at once (its pool opens more connections meanwhile).
+    let (slow, outcomes) = std::thread::scope(|scope| {
+        let slow = scope.spawn(|| slow_handshake_ping(keyd.port, &pki, Duration::from_millis(500)));
+        let outcomes: Vec<_> = (0..4)
+            .map(|_| scope.spawn(|| (0..5).map(|_| try_handshake(port)).collect::<Vec<_>>()))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .flat_map(|t| t.join().unwrap())
+            .collect();
+        (slow.join().unwrap(), outcomes)
+    });
+    let report_of_peers = peers.stop();
+    let flood = flood_started.elapsed();
+    assert_eq!(
+        slow,
+        Ok(vec![0]),
+        "the server's slow handshake was cut short"
+    );
+    let failed: Vec<_> = outcomes.iter().filter(|(r, _)| r.is_err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of 20 failed: {failed:?}",
+        failed.len()
+    );
+
+    let (refused, _) = report(&keyd, 1, &[]);
+    assert!(
+        field(&refused, "tls_refused_handshakes_full") > 0,
+        "{refused}"
+    );
+    let lines = keyd.lines();
+    let warnings = lines.iter().filter(|l| l.contains("WARN")).count();
+    assert!(
+        warnings as u64 <= 5 * (flood.as_secs() + 2),
+        "{warnings} warnings in {flood:?}: {lines:#?}"
+    );
+    assert!(!lines.iter().any(|l| l.contains("panicked")), "{lines:#?}");
+    eprintln!(
+        "flood of {flood:?}: {} connections opened; {refused}; {warnings} warnings",
+        report_of_peers.opened
+    );
+    let stats = server.stop();
+    assert_eq!(stats.get("keyd_sign_failures"), 0, "{stats:?}");
+    assert_eq!(stats.get("keyd_failovers"), 0, "{stats:?}");
 }

@@ -4,7 +4,8 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// The key daemon's counters of refusals (signatures are `tlsplane::stats`'s).
+/// The key daemon's counters of refusals, and of idle connections it closed (signatures are
+/// `tlsplane::stats`'s).
 #[derive(Debug, Default)]
 pub struct Counters {
     /// TLS connections closed at accept: their address had `--max-tls-connections-per-address`
@@ -13,8 +14,17 @@ pub struct Counters {
     /// TLS connections closed after their handshake: `--max-tls-connections` were
     /// established already.
     pub tls_refused_full: AtomicU64,
+    /// TLS connections closed after their handshake: their client had
+    /// `--max-tls-connections-per-client` established already.
+    pub tls_refused_per_client: AtomicU64,
+    /// TLS connections closed after their handshake: no `--authorize` rule names their
+    /// certificate.
+    pub tls_refused_no_grant: AtomicU64,
+    /// TLS connections closed at accept: `--max-tls-handshakes` were in progress and none
+    /// might give way to it.
+    pub tls_refused_handshakes_full: AtomicU64,
     /// TLS handshakes cut short to make room for a new connection (`--max-tls-handshakes` in
-    /// progress), the oldest of the address with the most.
+    /// progress).
     pub tls_handshakes_evicted: AtomicU64,
     /// TLS handshakes not done within `--tls-handshake-timeout` of the accept.
     pub tls_handshakes_timed_out: AtomicU64,
@@ -24,6 +34,8 @@ pub struct Counters {
     pub tls_requests_refused: AtomicU64,
     /// Signatures refused to a client past `--client-sign-rate`.
     pub tls_signatures_over_rate: AtomicU64,
+    /// Established TLS connections closed after `--tls-idle-timeout` without a request.
+    pub tls_idle_closed: AtomicU64,
     /// Connections to the Unix socket refused: a user or token it does not take.
     pub unix_refused: AtomicU64,
 }
@@ -34,11 +46,18 @@ impl Counters {
         [
             ("tls_refused_per_address", &self.tls_refused_per_address),
             ("tls_refused_full", &self.tls_refused_full),
+            ("tls_refused_per_client", &self.tls_refused_per_client),
+            ("tls_refused_no_grant", &self.tls_refused_no_grant),
+            (
+                "tls_refused_handshakes_full",
+                &self.tls_refused_handshakes_full,
+            ),
             ("tls_handshakes_evicted", &self.tls_handshakes_evicted),
             ("tls_handshakes_timed_out", &self.tls_handshakes_timed_out),
             ("tls_handshakes_failed", &self.tls_handshakes_failed),
             ("tls_requests_refused", &self.tls_requests_refused),
             ("tls_signatures_over_rate", &self.tls_signatures_over_rate),
+            ("tls_idle_closed", &self.tls_idle_closed),
             ("unix_refused", &self.unix_refused),
         ]
         .iter()

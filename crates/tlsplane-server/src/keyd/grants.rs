@@ -196,12 +196,12 @@ impl Grant {
         self.keys.is_empty()
     }
 
-    /// Whether it may use the key loaded from `path`; `sites`: each site's key files.
-    pub fn allows(&self, path: &Path, sites: &HashMap<String, HashSet<PathBuf>>) -> bool {
+    /// Whether it may use the key loaded from `path` for the sites `key_sites`.
+    pub fn allows(&self, path: &Path, key_sites: &HashSet<String>) -> bool {
         self.keys.iter().any(|k| match k {
             Keys::All => true,
             Keys::File(p) => p == path,
-            Keys::Site(name) => sites.get(name).is_some_and(|keys| keys.contains(path)),
+            Keys::Site(name) => key_sites.contains(name),
         })
     }
 }
@@ -319,26 +319,27 @@ mod tests {
             "www.a.example".to_string(),
             HashSet::from([PathBuf::from("/k/a-site.pem")]),
         )]);
+        let of = |path: &str| super::super::sites_of(&sites, Path::new(path));
         let a = Grant::for_names(&rules, &names(&["a.example"], &[]));
         assert_eq!(a.client, "a.example");
-        assert!(a.allows(Path::new("/k/a.pem"), &sites));
-        assert!(a.allows(Path::new("/k/a-site.pem"), &sites));
-        assert!(!a.allows(Path::new("/k/b.pem"), &sites));
+        assert!(a.allows(Path::new("/k/a.pem"), &of("/k/a.pem")));
+        assert!(a.allows(Path::new("/k/a-site.pem"), &of("/k/a-site.pem")));
+        assert!(!a.allows(Path::new("/k/b.pem"), &of("/k/b.pem")));
         let b = Grant::for_names(&rules, &names(&["b.example"], &["spiffe://fleet/b"]));
-        assert!(b.allows(Path::new("/k/b2.pem"), &sites));
-        assert!(!b.allows(Path::new("/k/a.pem"), &sites));
+        assert!(b.allows(Path::new("/k/b2.pem"), &of("/k/b2.pem")));
+        assert!(!b.allows(Path::new("/k/a.pem"), &of("/k/a.pem")));
         let nobody = Grant::for_names(&rules, &names(&["c.example"], &[]));
         assert!(nobody.is_empty());
-        assert!(!nobody.allows(Path::new("/k/a.pem"), &sites));
+        assert!(!nobody.allows(Path::new("/k/a.pem"), &of("/k/a.pem")));
         let ops = Grant::for_names(&rules, &names(&["ops.example"], &[]));
-        assert!(ops.allows(Path::new("/anything.pem"), &sites));
+        assert!(ops.allows(Path::new("/anything.pem"), &of("/anything.pem")));
         // A name is a whole name: no suffix, no prefix.
         let near = Grant::for_names(&rules, &names(&["x.a.example", "a.example.net"], &[]));
         assert!(near.is_empty());
         let any: Rule = "*=/k/shared.pem".parse().unwrap();
         let g = Grant::for_names(&[any], &names(&["z.example"], &[]));
         assert_eq!(g.client, "z.example");
-        assert!(g.allows(Path::new("/k/shared.pem"), &sites));
+        assert!(g.allows(Path::new("/k/shared.pem"), &of("/k/shared.pem")));
         for bad in ["a.example", "=/k", "a.example=", "a=site:", "a=/k,,/j"] {
             assert!(bad.parse::<Rule>().is_err(), "{bad}");
         }
