@@ -559,7 +559,7 @@ impl ReceiverHandle {
         match self.outbox.push_reply(reply, limit) {
             Ok(()) | Err(NotQueued::Gone) => true,
             Err(NotQueued::Full) => {
-                self.drop_it();
+                // Counted and logged before the receiver can see its end.
                 if let Some(stats) = self.stats.upgrade() {
                     stats.receivers_reply_overflow.fetch_add(1, Relaxed);
                 }
@@ -567,6 +567,7 @@ impl ReceiverHandle {
                     tracing::warn!(socket = %socket.path.display(), uid = self.peer.uid,
                         "hand-off receiver disconnected: it reads none of its replies");
                 }
+                self.drop_it();
                 false
             }
         }

@@ -324,7 +324,14 @@ fn a_receiver_that_reads_no_replies_never_stalls_the_server() {
         "the receiver's requests stalled after {sent} ({:?}): {end}",
         started.elapsed()
     );
-    let lines = server.stderr_lines();
+    // The log line reaches the test through a reader thread: wait for it, bounded.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut lines = server.stderr_lines();
+    while !lines.iter().any(|l| l.contains("reads none of its replies")) && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(20));
+        lines = server.stderr_lines();
+    }
     let stats = server.stop();
     assert_eq!(
         stats.get("handoff_receivers_reply_overflow"),
@@ -605,7 +612,14 @@ fn a_receiver_its_writing_thread_lost_still_has_its_queued_requests_served() {
     assert_eq!(got, b"whole");
     assert!(matches!(how, End::CloseNotify), "{how:?}");
     drop(rx);
-    let lines = server.stderr_lines();
+    // The log line reaches the test through a reader thread: wait for it, bounded.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut lines = server.stderr_lines();
+    while !lines.iter().any(|l| l.contains("reads none of its replies")) && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(20));
+        lines = server.stderr_lines();
+    }
     let stats = server.stop();
     assert_eq!(
         stats.get("handoff_receivers_reply_overflow"),
