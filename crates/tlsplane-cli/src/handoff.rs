@@ -666,7 +666,11 @@ impl HandoffSocket {
                 self.log_refusal(Some(&peer), "uid/gid not allowed");
                 continue;
             }
-            let connected = self.receivers.lock().unwrap_or_else(|e| e.into_inner()).len();
+            let connected = self
+                .receivers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .len();
             if connected >= self.max_receivers.load(Relaxed) {
                 drop(allowed);
                 stats.receivers_over_limit.fetch_add(1, Relaxed);

@@ -98,13 +98,13 @@ pub fn check_dir(what: &str, path: &Path) -> anyhow::Result<PathBuf> {
     owned_by_us(&canonical)
         .and_then(|()| walk_is_ours(dir))
         .map_err(|why| {
-        anyhow::anyhow!(
-            "{what} {}: {why}: another user could replace the socket. Use a directory that \
+            anyhow::anyhow!(
+                "{what} {}: {why}: another user could replace the socket. Use a directory that \
              only root or this user ({}) can write, e.g. $RUNTIME_DIRECTORY or /run/tlsplane \
              (created with mode {DIR_MODE:o} when missing)",
-            path.display(),
-            tlsplane_sys::effective_uid()
-        )
+                path.display(),
+                tlsplane_sys::effective_uid()
+            )
         })?;
     Ok(canonical)
 }
@@ -138,8 +138,8 @@ fn walk_is_ours(dir: &Path) -> Result<(), String> {
             }
             Some(Component::Normal(name)) => {
                 let next = at.join(name);
-                let meta =
-                    std::fs::symlink_metadata(&next).map_err(|e| format!("{}: {e}", next.display()))?;
+                let meta = std::fs::symlink_metadata(&next)
+                    .map_err(|e| format!("{}: {e}", next.display()))?;
                 if meta.file_type().is_symlink() {
                     if meta.uid() != 0 && meta.uid() != me {
                         return Err(format!(
@@ -152,8 +152,8 @@ fn walk_is_ours(dir: &Path) -> Result<(), String> {
                     if links > MAX_LINKS {
                         return Err(format!("{}: too many symlinks", dir.display()));
                     }
-                    let target =
-                        std::fs::read_link(&next).map_err(|e| format!("{}: {e}", next.display()))?;
+                    let target = std::fs::read_link(&next)
+                        .map_err(|e| format!("{}: {e}", next.display()))?;
                     push(&mut left, &target);
                 } else {
                     ancestor_is_ours(&next, meta.uid(), meta.mode())?;
@@ -174,7 +174,11 @@ fn ancestor_is_ours(d: &Path, uid: u32, mode: u32) -> Result<(), String> {
         return Err(format!("{} is owned by uid {uid}", d.display()));
     }
     if mode & 0o022 != 0 && mode & 0o1000 == 0 {
-        return Err(format!("{} is writable by others (mode {:o})", d.display(), mode & 0o7777));
+        return Err(format!(
+            "{} is writable by others (mode {:o})",
+            d.display(),
+            mode & 0o7777
+        ));
     }
     Ok(())
 }
@@ -322,7 +326,11 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let p = path.clone();
         std::thread::spawn(move || {
-            let _ = tx.send(bind("test socket", &p, 0o600).map(drop).map_err(|e| format!("{e:#}")));
+            let _ = tx.send(
+                bind("test socket", &p, 0o600)
+                    .map(drop)
+                    .map_err(|e| format!("{e:#}")),
+            );
         });
         let got = rx
             .recv_timeout(std::time::Duration::from_secs(5))

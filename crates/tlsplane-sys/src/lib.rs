@@ -431,7 +431,8 @@ pub fn peer_pidfd(sock: BorrowedFd<'_>) -> io::Result<OwnedFd> {
 /// process connected, it names that process unless the pid was reused in between; prefer
 /// [`peer_pidfd`] where the kernel has it.
 pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
-    let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let pid =
+        libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: pidfd_open takes a pid and flags (0), no pointer; a non-negative return is a new
     // descriptor (close-on-exec) that only this OwnedFd owns.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };

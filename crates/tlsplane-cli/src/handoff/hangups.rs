@@ -409,10 +409,7 @@ mod tests {
 
     #[test]
     fn a_process_is_alive_exiting_whatever_its_status_or_gone() {
-        assert_eq!(
-            Program::pid(std::process::id()).state(),
-            Process::Alive
-        );
+        assert_eq!(Program::pid(std::process::id()).state(), Process::Alive);
         let mut ok = std::process::Command::new("true").spawn().unwrap();
         let mut killed = std::process::Command::new("sleep")
             .arg("60")

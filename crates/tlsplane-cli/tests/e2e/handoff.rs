@@ -428,7 +428,11 @@ fn a_receiver_that_stops_receiving_gets_a_bounded_queue_then_refusals() {
         }
         clean
     });
-    assert!(clean >= 2, "{clean} of {} ended with close_notify", open.len());
+    assert!(
+        clean >= 2,
+        "{clean} of {} ended with close_notify",
+        open.len()
+    );
     let stats = server.stop();
     // (A refusal whose close_notify took over 50 ms counts among `before`.)
     let full = stats.get("handoff_refused_queue_full");

@@ -324,14 +324,7 @@ fn a_receiver_that_reads_no_replies_never_stalls_the_server() {
         "the receiver's requests stalled after {sent} ({:?}): {end}",
         started.elapsed()
     );
-    // The log line reaches the test through a reader thread: wait for it, bounded.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut lines = server.stderr_lines();
-    while !lines.iter().any(|l| l.contains("reads none of its replies")) && Instant::now() < deadline
-    {
-        std::thread::sleep(Duration::from_millis(20));
-        lines = server.stderr_lines();
-    }
+    let lines = server.wait_lines("reads none of its replies", 1, Duration::from_secs(10));
     let stats = server.stop();
     assert_eq!(
         stats.get("handoff_receivers_reply_overflow"),
@@ -358,7 +351,8 @@ impl RawReceiver {
     /// Connects; with `hello`, sends a HELLO with those flags first.
     fn connect(socket: &Path, hello: Option<u32>) -> Self {
         let sock = UnixStream::connect(socket).expect("connect to the hand-off socket");
-        sock.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
         let rx = Self(sock);
         if let Some(flags) = hello {
             rx.send(&Message::Hello { flags });
@@ -416,27 +410,13 @@ impl RawReceiver {
 /// Writes `bytes` to a handed descriptor (a kTLS socket or a relay's end alike).
 fn write_to(fd: OwnedFd, bytes: &[u8]) -> OwnedFd {
     let mut f = std::fs::File::from(fd);
-    f.write_all(bytes).expect("a write to the handed connection");
+    f.write_all(bytes)
+        .expect("a write to the handed connection");
     OwnedFd::from(f)
 }
 
 fn is_reset(end: &End) -> bool {
     matches!(end, End::Io(std::io::ErrorKind::ConnectionReset, _))
-}
-
-/// Waits until the server's log has `n` lines containing `text`.
-fn wait_lines(server: &Server, text: &str, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while server
-        .stderr_lines()
-        .iter()
-        .filter(|l| l.contains(text))
-        .count()
-        < n
-    {
-        assert!(Instant::now() < deadline, "no {n} lines {text:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]
@@ -471,7 +451,11 @@ fn a_receiver_that_ends_with_close_has_every_end_without_one_reset() {
     assert_eq!(ends[0].0, b"hi");
     assert!(matches!(ends[0].1, End::CloseNotify), "{:?}", ends[0]);
     assert!(is_reset(&ends[1].1), "a bare close: {:?}", ends[1]);
-    assert!(is_reset(&ends[2].1), "held past its receiver: {:?}", ends[2]);
+    assert!(
+        is_reset(&ends[2].1),
+        "held past its receiver: {:?}",
+        ends[2]
+    );
 
     // A HELLO after a receiver's first frame is a protocol error: it is disconnected.
     let late = RawReceiver::connect(&socket, None);
@@ -483,8 +467,16 @@ fn a_receiver_that_ends_with_close_has_every_end_without_one_reset() {
     assert!(late.ended(), "a late HELLO was taken");
     let lines = server.stderr_lines();
     let stats = server.stop();
-    assert_eq!(stats.get("handoff_receivers_ends_with_close"), 1, "{stats:?}");
-    assert_eq!(stats.get("handoff_receivers_protocol_errors"), 1, "{stats:?}");
+    assert_eq!(
+        stats.get("handoff_receivers_ends_with_close"),
+        1,
+        "{stats:?}"
+    );
+    assert_eq!(
+        stats.get("handoff_receivers_protocol_errors"),
+        1,
+        "{stats:?}"
+    );
     let reset = match mode() {
         Mode::User => stats.get("handoff_relay_reset_receiver_gone"),
         Mode::Kernel => stats.get("handoff_kernel_released_receiver_gone"),
@@ -612,21 +604,16 @@ fn a_receiver_its_writing_thread_lost_still_has_its_queued_requests_served() {
     assert_eq!(got, b"whole");
     assert!(matches!(how, End::CloseNotify), "{how:?}");
     drop(rx);
-    // The log line reaches the test through a reader thread: wait for it, bounded.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut lines = server.stderr_lines();
-    while !lines.iter().any(|l| l.contains("reads none of its replies")) && Instant::now() < deadline
-    {
-        std::thread::sleep(Duration::from_millis(20));
-        lines = server.stderr_lines();
-    }
+    let lines = server.stderr_lines();
     let stats = server.stop();
     assert_eq!(
         stats.get("handoff_receivers_reply_overflow"),
         0,
         "a lost receiver taken for one that reads no replies: {stats:?}"
     );
-    assert!(!lines.iter().any(|l| l.contains("reads none of its replies")));
+    assert!(!lines
+        .iter()
+        .any(|l| l.contains("reads none of its replies")));
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -645,20 +632,28 @@ fn receivers_and_kept_kernel_plane_sockets_are_capped() {
     let second = RawReceiver::connect(&socket, None);
     wait_receivers(&server, 2);
     let third = RawReceiver::connect(&socket, None);
-    assert!(third.ended(), "a receiver past --handoff-max-receivers was kept");
+    assert!(
+        third.ended(),
+        "a receiver past --handoff-max-receivers was kept"
+    );
     drop(second);
-    wait_lines(&server, "hand-off receiver gone", 1);
+    server.wait_lines("hand-off receiver gone", 1, Duration::from_secs(10));
     // Both go to `rx`: the first on the kernel plane (when there is one), the second
     // relayed, tlsplane keeping one kernel-plane socket at most.
     let mut clients = Vec::new();
     let mut planes = Vec::new();
+    let mut held = Vec::new();
     for _ in 0..2 {
         clients.push(TlsClient::connect_version(server.port(), Tls::V13));
         let (fd, info) = rx.accept();
+        planes.push(info.plane);
+        held.push((fd, info));
+    }
+    // Ended only once both are held: a duplicate let go at the first CLOSE frees its place.
+    for (fd, info) in held {
         rx.close(1, info.conn_id);
         drop(fd);
         assert_eq!(rx.reply().status, Status::Ok);
-        planes.push(info.plane);
     }
     let first = match mode() {
         Mode::User => Plane::UserRelay,
