@@ -22,7 +22,10 @@
  * fails with EPERM; while reconnecting, the connection is closed before a byte is read and the
  * shim tries again 200 ms later. Both say so on stderr ("tlsplane-preload: refusing the
  * hand-off socket PATH: it is served by uid N, not root ..."), while reconnecting once per
- * 10 s at most, with the number refused meanwhile.
+ * 10 s at most, with the number refused meanwhile. Once the check passes, the shim's first
+ * frame is a HELLO with ENDS_WITH_CLOSE (docs/HANDOFF.md): it promises a CLOSE before every
+ * connection it was handed ends, on both planes, so tlsplane resets a connection whose end
+ * comes without one (a process killed or crashed holding it): a cut answer never looks whole.
  *
  * listen(2) on a TCP socket bound to that address connects to the hand-off socket instead and
  * dup2s the connection onto the program's descriptor (keeping its O_NONBLOCK and
@@ -38,18 +41,20 @@
  * What the program then sees on an accepted descriptor: on the user relay plane (2) one end
  * of a socketpair carrying plaintext; end of stream is the client's close_notify or TCP close.
  * getpeername/getsockname on it report an AF_UNIX socket, and TCP socket options fail
- * (EOPNOTSUPP): the client's address is the one accept returned. The shim does nothing more
- * for it (no frame is sent when it is closed).
+ * (EOPNOTSUPP): the client's address is the one accept returned. The shim remembers it as
+ * below (kernel plane), to send its CLOSE: close, dup2/dup3 over it, or shutdown(SHUT_WR or
+ * SHUT_RDWR) sends a CLOSE (tlsplane then relays close_notify after everything the program
+ * wrote) before the descriptor goes or the socket is shut down. Reads are not intercepted.
  *
  * Kernel plane (1): the descriptor is the kTLS TCP socket, and tlsplane keeps a duplicate of
  * it and the traffic secrets. A plain read fails with EIO at a control record; the shim
  * handles those so that the program sees a plain byte stream:
- *   - accept/accept4 remember a plane-1 descriptor: its connection id, the hand-off
- *     connection it came from, the accepting pid and the socket's inode, in a static array
- *     indexed by descriptor (no allocation; lookups are lock-free atomic loads, and cost one
- *     load while no kernel-plane descriptor is open). Descriptors 65536 and above are still
+ *   - accept/accept4 remember a handed descriptor (both planes): its connection id, plane, the
+ *     hand-off connection it came from, the accepting pid and the socket's inode, in a static
+ *     array indexed by descriptor (no allocation; lookups are lock-free atomic loads, and cost
+ *     one load while no handed descriptor is open). Descriptors 65536 and above are still
  *     returned but not remembered: their control records reach the program as EIO and closing
- *     them sends no CLOSE (logged once).
+ *     them sends no CLOSE, so tlsplane resets them (logged once).
  *   - read, recv, recvfrom, readv (and __read_chk, __recv_chk, __recvfrom_chk, which
  *     _FORTIFY_SOURCE calls) on a remembered descriptor call the real function; on EIO the
  *     shim reads the control record alone with recvmsg(MSG_DONTWAIT) and a control buffer
@@ -79,37 +84,52 @@
  *   - close, and dup2/dup3 onto a remembered descriptor, send a CLOSE frame (tlsplane then
  *     sends close_notify on its duplicate after everything the program wrote, and does a
  *     lingering close), forget the descriptor, and really close it; the REPLY is not awaited.
+ *     The CLOSE is queued on the hand-off connection before the descriptor goes (tlsplane
+ *     reads the requests already queued before it judges an end): when the non-blocking send
+ *     finds no room, a private duplicate of the descriptor keeps the connection open and a
+ *     thread of the shim's (started then, signals blocked) sends the CLOSE, then closes the
+ *     duplicate; the program's close returns at once.
  *     shutdown(SHUT_WR or SHUT_RDWR) sends CLOSE at once and does not shut the socket's
  *     sending side (its TCP FIN would precede tlsplane's close_notify; SHUT_RDWR still shuts
  *     the receiving side); the later close sends no second CLOSE. What the program writes
  *     after that shutdown would follow the close_notify: don't. Copies made with dup(),
  *     fcntl(F_DUPFD) or received otherwise are not remembered: reads on them are not handled
- *     and closing them sends nothing. A process that exits without closing sends no CLOSE.
+ *     and closing them sends nothing. A process that exits (exit, _exit) holding a connection
+ *     it accepted sends no CLOSE for it: tlsplane resets it.
  *   - Frames (CLOSE: 20 bytes, KEY_UPDATE: 86 at most) go out in one non-blocking send(2)
  *     each, with MSG_NOSIGNAL: on a Unix stream socket a message that small is queued whole
  *     or not at all, so frames of several threads or processes never interleave, and no lock
- *     is held while sending. On EAGAIN (tlsplane is not reading) the sending thread alone
- *     waits for room, 2 s at most, then gives up: a close then just closes, a KeyUpdate fails
- *     the read with ECONNRESET. The same when the hand-off connection the descriptor came
+ *     is held while sending. On EAGAIN (tlsplane is not reading) the sending thread alone (the
+ *     shim's sender for a close, see above) waits for room, 2 s at most, then gives up: the
+ *     connection then ends without a CLOSE (a reset), a KeyUpdate fails the read with
+ *     ECONNRESET. The same when the hand-off connection the descriptor came
  *     from is gone (tlsplane stopped or restarted: accept saw it end, whether or not the shim
- *     has reconnected since; or the program closed its listening socket) or the send fails
- *     (EPIPE): nothing can be sent. If tlsplane restarts after a KEY_UPDATE went out, the
+ *     has reconnected since) or the send fails (EPIPE): nothing can be sent. A program that
+ *     closes its listening socket while connections it was handed remain open (a forked child
+ *     that closes it, then serves) keeps a duplicate of the hand-off connection for their
+ *     CLOSEs until the last of them goes. If tlsplane restarts after a KEY_UPDATE went out, the
  *     new one answers REPLY status 1 (unknown connection), which accept skips, and the read
  *     keeps getting EKEYEXPIRED until the 5 s bound -> ECONNRESET.
  *   - fork: a connection that several processes hold (accepted, then forked) gets its CLOSE
- *     when the last of them lets go, once. The shim wraps fork(2) to note each child (the
- *     last 64), and compares descriptors across processes with kcmp(2). When the accepting
- *     process closes a connection that a child still holds at the same descriptor, it sends
- *     nothing yet: a thread of its own (started at the first fork with a kernel-plane
- *     connection open) checks every 50 ms and sends the CLOSE once no child holds it, which
- *     covers a child that exits or execs without closing it (a subprocess). A child closing
- *     its copy sends the CLOSE itself when the accepting process no longer holds it. A set of
- *     connection ids in shared memory keeps the two from both sending. So an accept-then-fork
- *     server (socketserver.ForkingMixIn: the parent closes its copy at once, the child serves
- *     and closes) and a threaded server that forks subprocesses both get close_notify at the
- *     right time. Where kcmp cannot tell (a kernel without it; a child that may not inspect
- *     its parent under Yama; more than 64 forks since) a close sends CLOSE, as if no other
- *     process held it. A child forwards KeyUpdates on the inherited hand-off connection.
+ *     from the last of them to let go, once. Each has a count of the processes holding it, in
+ *     memory shared with every process forked after the shim loaded (4096 connections open
+ *     at once at most; past that a close sends CLOSE at once, logged once): accept counts 1; a
+ *     fork counts 1 more for each connection the parent holds, in the pthread_atfork prepare
+ *     handler, so before the child exists and before any close in the parent (the child
+ *     then corrects for a connection another thread accepted or closed during the fork);
+ *     close, dup2/dup3 over it, exec (execve, execv, execvp, execvpe, fexecve: the new
+ *     program cannot close what it does not know of), and a voluntary exit (exit, _exit,
+ *     _Exit) of a process that inherited it count 1 less. So an accept-then-fork server
+ *     (socketserver.ForkingMixIn: the parent closes its copy at once, the child serves and
+ *     closes) gets its close_notify at the child's close, and a threaded server whose
+ *     children exit or exec at its parent's. A child killed by a signal counts nothing
+ *     less: its connection gets no CLOSE, and its client a reset. No kcmp(2) is needed (it
+ *     fails with EPERM once a server drops root, and under seccomp), no bound on children,
+ *     no watcher thread. Not seen: children of vfork and posix_spawn (they share or copy no
+ *     count; their exec closes close-on-exec copies), and execl, execlp and execle (glibc
+ *     calls its own execve): a child that execs through them keeps its count, and the
+ *     connection gets no CLOSE once its parent closes it (a reset). A child forwards
+ *     KeyUpdates on the inherited hand-off connection.
  *   - The documented limit of the kernel plane: a client KeyUpdate with update_requested makes
  *     tlsplane send our KeyUpdate on its duplicate under the old TX key and install the next;
  *     the reading thread waits meanwhile, but a program writing from another thread during
@@ -121,9 +141,10 @@
  *     lock: the tables are read and changed with atomics, so these stay as safe in a signal
  *     handler as the calls they wrap, and a child forked while another thread was inside one
  *     inherits no held lock. close() of the taken-over socket waits only for another thread
- *     that is, that very moment, putting a connection on the descriptor or sending a frame on
- *     it (a dup3 or a non-blocking send, with signals blocked: never the thread the close
- *     interrupted).
+ *     that is, that very moment, putting a connection on the descriptor, reading a frame
+ *     already queued on it, or sending a frame on it (a dup3, recvmsg or a non-blocking
+ *     send, with signals blocked: never the thread the close interrupted), so that the
+ *     number never names another file while the shim uses it.
  *   - accept/accept4 read frames under a lock that every process forked after listen shares
  *     (a robust, process-shared mutex in shared memory), held only while reading a frame
  *     already queued: so a pre-fork server, whose processes accept on the shared socket
@@ -134,8 +155,10 @@
  *     in the middle of a frame leaves a stream that cannot be framed: the next holder shuts it
  *     down, and each process reconnects.
  *   - A child forked while tlsplane was away starts its own reconnecting thread (threads are
- *     not inherited). fork(2) is wrapped (see above); vfork, posix_spawn and clone are not,
- *     and need not be: their children exec.
+ *     not inherited). fork(2) (and any fork that runs pthread_atfork handlers, daemon(3)'s)
+ *     is counted (see above); vfork, posix_spawn and clone are not, and need not be: their
+ *     children exec. A vfork child shares the parent's memory, so its exec gives back
+ *     nothing (no fork handler ran in it: the shim sees the pid is not its own).
  *
  * Limits: one hand-off connection per taken-over socket and process (processes forked after
  * listen share it until tlsplane restarts; then each connects on its own). When tlsplane closes

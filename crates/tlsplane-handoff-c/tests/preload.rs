@@ -7,7 +7,7 @@
 //!
 //! Kernel plane (1): the fake hands over a plain TCP socket as plane 1 (tests/c/kernel_frames.c):
 //! reads and writes pass through, closing (or shutdown(SHUT_WR)) sends exactly one CLOSE,
-//! a relay connection none. No kTLS natively, so tests/c/fake_ktls.c, preloaded after the
+//! a relay connection too, all after the shim's HELLO (ENDS_WITH_CLOSE). No kTLS natively, so tests/c/fake_ktls.c, preloaded after the
 //! shim, plays a kTLS socket's records for tests/c/kernel_echo.c (the program the kTLS guest
 //! runs): a KeyUpdate goes to tlsplane as KEY_UPDATE, close_notify is end of stream, another
 //! alert ECONNRESET, a stray record EPROTO.
