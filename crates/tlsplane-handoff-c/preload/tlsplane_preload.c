@@ -217,7 +217,8 @@
 #define MAX_UIDS 16
 /* Connections whose holders (processes) are counted across fork, open at once. */
 #define HOLD_SLOTS 4096
-#define HOLD_SENT 0x80000000u
+#define HOLD_SENT 0x80000000ull
+#define HOLD_COUNT 0x7fffffffull
 #define KIND_HELLO 5
 #define ENDS_WITH_CLOSE 1
 /* The rest of a frame whose first bytes came: tlsplane sends each in one sendmsg. */
@@ -324,6 +325,7 @@ struct kconn {
     int kernel;    /* plane 1: reads handle control records */
     int fd;
     int hold;      /* its slot in `holders`, -1 if none was free */
+    uint32_t hold_gen; /* the slot's claim this connection is */
     unsigned prep; /* the fork whose prepare handler counted it */
     pid_t pid;     /* the process that accepted it */
     int slot;
@@ -347,6 +349,13 @@ static struct kconn *kfind(int fd) {
         !__atomic_load_n(&kconns[fd].state, __ATOMIC_ACQUIRE))
         return NULL;
     return &kconns[fd];
+}
+
+/* A vfork child (Python's subprocess, posix_spawn) shares this memory with its parent, whose
+ * tables these are: it runs no fork handler, so my_pid still names the parent. What it
+ * closes before its exec is its own copy, nothing to count. */
+static int in_vfork_child(void) {
+    return getpid() != __atomic_load_n(&my_pid, __ATOMIC_ACQUIRE);
 }
 
 /* A remembered kernel-plane descriptor: its reads handle control records. */
@@ -593,25 +602,45 @@ static void send_close(const struct kconn *k, int fd) {
  * dup2/dup3 over it, exec, or a voluntary exit counts 1 less. Whoever brings it to 0 sends
  * the CLOSE. A process killed by a signal counts nothing less: the connections it held get
  * no CLOSE, and tlsplane resets them (the receiver announced ENDS_WITH_CLOSE). */
-static uint32_t *holders; /* HOLD_SLOTS, shared; 0: free */
+/* A slot: the claim's generation << 32 | HOLD_SENT | the count (0: free). The generation
+ * keeps a late count (a fork counting a connection another thread just let go) off the next
+ * connection to claim the slot. */
+static uint64_t *holders; /* HOLD_SLOTS, shared */
 static unsigned next_hold; /* atomic: where the next claim starts looking */
 
-static int hold_claim(void) {
+/* Claims a free slot for a new connection (count 1): its index, or -1. */
+static int hold_claim(uint32_t *gen) {
     if (!holders)
         return -1;
     unsigned start = __atomic_fetch_add(&next_hold, 1, __ATOMIC_RELAXED);
     for (unsigned i = 0; i < HOLD_SLOTS; i++) {
-        uint32_t *h = &holders[(start + i) % HOLD_SLOTS];
-        uint32_t free_slot = 0;
-        if (__atomic_compare_exchange_n(h, &free_slot, 1, 0, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_RELAXED))
-            return (int)((start + i) % HOLD_SLOTS);
+        unsigned at = (start + i) % HOLD_SLOTS;
+        uint64_t v = __atomic_load_n(&holders[at], __ATOMIC_ACQUIRE);
+        if (v & HOLD_COUNT)
+            continue;
+        uint32_t g = (uint32_t)(v >> 32) + 1;
+        if (__atomic_compare_exchange_n(&holders[at], &v, (uint64_t)g << 32 | 1, 0,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+            *gen = g;
+            return (int)at;
+        }
     }
     if (!__atomic_exchange_n(&warned_holders, 1, __ATOMIC_RELAXED))
         note("more connections open than the shim counts holders of (4096): closing one of "
              "them sends its CLOSE at once, wherever else it is held (logged once)",
              0);
     return -1;
+}
+
+/* One more process holds connection k: 0 if it was let go meanwhile (nothing counted). */
+static int hold_more(const struct kconn *k) {
+    uint64_t *h = &holders[k->hold];
+    uint64_t v = __atomic_load_n(h, __ATOMIC_ACQUIRE);
+    do {
+        if ((uint32_t)(v >> 32) != k->hold_gen || !(v & HOLD_COUNT))
+            return 0;
+    } while (!__atomic_compare_exchange_n(h, &v, v + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    return 1;
 }
 
 /* CLOSE now (shutdown): unless it went out already, from any process. */
@@ -621,8 +650,14 @@ static void close_now(struct kconn *k) {
             send_close(k, -1);
         return;
     }
-    if (!(__atomic_fetch_or(&holders[k->hold], HOLD_SENT, __ATOMIC_ACQ_REL) & HOLD_SENT))
-        send_close(k, -1);
+    uint64_t *h = &holders[k->hold];
+    uint64_t v = __atomic_load_n(h, __ATOMIC_ACQUIRE);
+    do {
+        if ((uint32_t)(v >> 32) != k->hold_gen || !(v & HOLD_COUNT) || (v & HOLD_SENT))
+            return;
+    } while (!__atomic_compare_exchange_n(h, &v, v | HOLD_SENT, 0, __ATOMIC_ACQ_REL,
+                                          __ATOMIC_ACQUIRE));
+    send_close(k, -1);
 }
 
 /* This process lets go of connection k (a copy: its kconns entry is forgotten): the last
@@ -635,14 +670,14 @@ static void let_go(const struct kconn *k, int send, int fd) {
             send_close(k, fd);
         return;
     }
-    uint32_t *h = &holders[k->hold];
-    uint32_t old = __atomic_load_n(h, __ATOMIC_ACQUIRE), next;
+    uint64_t *h = &holders[k->hold];
+    uint64_t v = __atomic_load_n(h, __ATOMIC_ACQUIRE), next;
     do {
-        uint32_t n = (old & ~HOLD_SENT) - 1;
-        next = n == 0 ? 0 : (old & HOLD_SENT) | n;
-    } while (!__atomic_compare_exchange_n(h, &old, next, 0, __ATOMIC_ACQ_REL,
-                                          __ATOMIC_ACQUIRE));
-    if (next == 0 && send && !(old & HOLD_SENT))
+        if ((uint32_t)(v >> 32) != k->hold_gen || !(v & HOLD_COUNT))
+            return;
+        next = (v & HOLD_COUNT) == 1 ? v & ~(HOLD_COUNT | HOLD_SENT) : v - 1;
+    } while (!__atomic_compare_exchange_n(h, &v, next, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    if (!(next & HOLD_COUNT) && send && !(v & HOLD_SENT))
         send_close(k, fd);
 }
 
@@ -664,7 +699,7 @@ static int kforget(int fd, struct kconn *out) {
  * system calls: safe in a signal handler. */
 static int kclose(int fd, int (*op)(int, int, int), int a, int b, int c) {
     struct kconn k;
-    if (!kforget(fd, &k))
+    if (!kfind(fd) || in_vfork_child() || !kforget(fd, &k))
         return op(a, b, c);
     if (inode_of(fd) != k.ino) {
         /* Closed where the shim could not see, and the number reused: let go of it all the
@@ -716,7 +751,7 @@ static void kremember(int fd, struct taken *t, uint64_t conn_id, int plane) {
     k->kernel = plane == PLANE_KERNEL;
     k->fd = fd;
     k->ino = inode_of(fd);
-    k->hold = hold_claim();
+    k->hold = hold_claim(&k->hold_gen);
     k->prep = 0;
     __atomic_store_n(&k->end, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&k->closed, 0, __ATOMIC_RELAXED);
@@ -735,10 +770,7 @@ static void kremember(int fd, struct taken *t, uint64_t conn_id, int plane) {
  * accepted itself; 1 for those it inherited, which their owner may be done with). */
 static void let_go_all(int exec) {
     pid_t self = getpid();
-    /* A vfork child (Python's subprocess) shares this memory with its parent, whose
-     * connections these are: it runs no fork handler, so my_pid still names the parent. */
-    if (!__atomic_load_n(&n_kernel, __ATOMIC_ACQUIRE) ||
-        self != __atomic_load_n(&my_pid, __ATOMIC_ACQUIRE))
+    if (!__atomic_load_n(&n_kernel, __ATOMIC_ACQUIRE) || in_vfork_child())
         return;
     int hi = __atomic_load_n(&kfd_high, __ATOMIC_ACQUIRE);
     for (int fd = 0; fd < hi; fd++) {
@@ -915,13 +947,11 @@ static void fork_prepare(void) {
         struct kconn *k = &kconns[fd];
         if (!__atomic_load_n(&k->state, __ATOMIC_ACQUIRE))
             continue;
-        int hold = k->hold;
-        if (hold < 0)
+        struct kconn c = *k;
+        if (c.hold < 0 || !hold_more(&c))
             continue;
-        __atomic_add_fetch(&holders[hold], 1, __ATOMIC_ACQ_REL);
         k->prep = seq;
-        prepared[n_prepared] = *k;
-        prepared[n_prepared++].hold = hold;
+        prepared[n_prepared++] = c;
     }
 }
 
@@ -966,8 +996,11 @@ static void fork_child(void) {
     for (int fd = 0; fd < hi; fd++) {
         struct kconn *k = &kconns[fd];
         if (__atomic_load_n(&k->state, __ATOMIC_ACQUIRE) && k->hold >= 0 &&
-            k->prep != fork_seq)
-            __atomic_add_fetch(&holders[k->hold], 1, __ATOMIC_ACQ_REL);
+            k->prep != fork_seq && !hold_more(k)) {
+            /* Its CLOSE went out meanwhile: this copy is no longer the shim's. */
+            __atomic_store_n(&k->state, 0, __ATOMIC_RELEASE);
+            __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
+        }
     }
     /* Counted but closed before the fork: never this process's; if the parent's close left
      * the count to this process, the CLOSE is its to send. */
@@ -975,6 +1008,7 @@ static void fork_child(void) {
         const struct kconn *p = &prepared[i];
         const struct kconn *k = &kconns[p->fd];
         if (!__atomic_load_n(&k->state, __ATOMIC_ACQUIRE) || k->hold != p->hold ||
+            k->hold_gen != p->hold_gen ||
             k->prep != fork_seq)
             let_go(p, 1, -1);
     }
@@ -1195,7 +1229,7 @@ static void init(void) {
         cfg.fail = EINVAL;
         return;
     }
-    void *shared = mmap(NULL, sizeof(struct frame_lock) * MAX_TAKEN + 4 * HOLD_SLOTS,
+    void *shared = mmap(NULL, sizeof(struct frame_lock) * MAX_TAKEN + 8 * HOLD_SLOTS,
                         PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     pthread_mutexattr_t attr;
     if (shared == MAP_FAILED || pthread_mutexattr_init(&attr) != 0) {
@@ -1204,7 +1238,7 @@ static void init(void) {
         return;
     }
     frame_locks = shared;
-    holders = (uint32_t *)(frame_locks + MAX_TAKEN);
+    holders = (uint64_t *)(frame_locks + MAX_TAKEN);
     pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
     pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
     pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
@@ -1735,6 +1769,8 @@ static void release_taken(int fd) {
     for (int i = 0; i < MAX_TAKEN; i++) {
         if (__atomic_load_n(&taken[i].fd, __ATOMIC_ACQUIRE) != fd)
             continue;
+        if (in_vfork_child())
+            return; /* its own copy of the descriptor; the slot is the parent's */
         /* Connections it handed over are still open here: their CLOSEs need the hand-off
          * connection after the program's descriptor is gone (a forked child that closes
          * the listening socket, then serves). */
