@@ -650,6 +650,13 @@ fn a_fork_per_connection_server_that_drops_root_under_the_shim_serves_whole_answ
     let _ = prog.wait();
     assert_eq!(lines, ["listening", "served=4", "done"]);
     let stats = server.stop();
+    // Under the promise each close_notify above is a CLOSE the child sent after its parent
+    // had dropped root (without one the relay resets).
+    assert_eq!(
+        stats.get("handoff_receivers_ends_with_close"),
+        1,
+        "{stats:?}"
+    );
     assert_plane(&stats, 4, &tls0);
     if mode() == Mode::Kernel {
         assert_eq!(stats.get("handoff_kernel_closes"), 4, "{stats:?}");
