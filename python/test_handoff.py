@@ -70,6 +70,7 @@ def main():
     print("fuzz_accepted_some=%s" % (accepted > 100))
     print("control_records=%s" % control_records())
     print("queue_bound=%s" % queue_bound())
+    print("ends=%s" % ends())
     print("done")
 
 
@@ -101,6 +102,8 @@ def control_records():
                 return
             kind, length = th.decode_prefix(head)
             body = theirs.recv(length - 8, socket.MSG_WAITALL)
+            if kind == th.HELLO:
+                continue
             request_id, conn_id, plen = struct.unpack("!IQH", body[:14])
             asked.append((kind, conn_id, body[14:14 + plen]))
             theirs.sendall(th.MAGIC + struct.pack("!BBHIQH", 1, th.REPLY, 22, request_id, conn_id, 0))
@@ -128,6 +131,72 @@ def control_records():
     return "%s %s %s" % (reads == [b"one", b"two"], asked == [(th.KEY_UPDATE, 8, ku)], alert)
 
 
+def connection(conn_id, plane):
+    """A CONNECTION frame as tlsplane sends it."""
+    import struct
+    name = b"q.example"
+    body = struct.pack("!QBBHH", conn_id, plane, 0, 0x0304, 0x1301) + bytes(40)
+    body += bytes([len(name)]) + name + bytes([0])
+    return th.MAGIC + struct.pack("!BBH", 1, th.CONNECTION, 8 + len(body)) + body
+
+
+def ends():
+    """HELLO (ENDS_WITH_CLOSE) comes first; then each connection's CLOSE is queued by the
+    time its end reaches the relay, whether the connection is closed or its `with` block
+    left, and none when an exception leaves the block or the socket is closed directly."""
+    import socket
+    import struct
+    ours, theirs = socket.socketpair()
+    theirs.settimeout(5)
+    client = th.Client(ours)
+    hello = theirs.recv(64) == th.encode_hello()
+
+    def handed(conn_id):
+        peer, mine = socket.socketpair()
+        socket.send_fds(theirs, [connection(conn_id, th.PLANE_USER)], [mine.fileno()])
+        mine.close()
+        peer.settimeout(5)
+        return peer
+
+    def close_queued_at_end(peer):
+        while peer.recv(4096):
+            pass
+        theirs.setblocking(False)
+        try:
+            frame = theirs.recv(64)
+        except BlockingIOError:
+            frame = b""
+        theirs.settimeout(5)
+        if not frame:
+            return None
+        kind, _length = th.decode_prefix(frame)
+        return struct.unpack("!Q", frame[12:20])[0] if kind == th.CLOSE else "kind %d" % kind
+
+    got = []
+    peer = handed(1)
+    with client.accept() as (sock, info):
+        sock.sendall(b"answer")
+    got.append(close_queued_at_end(peer))
+    peer = handed(2)
+    sock, info = client.accept()
+    got.append(client.close(sock, info))
+    got.append(close_queued_at_end(peer))
+    peer = handed(3)
+    try:
+        with client.accept() as (sock, info):
+            raise ValueError("the handler failed")
+    except ValueError:
+        pass
+    got.append(close_queued_at_end(peer))
+    peer = handed(4)
+    sock, info = client.accept()
+    sock.close()
+    got.append(close_queued_at_end(peer))
+    client.disconnect()
+    theirs.close()
+    return "hello=%s %s" % (hello, got)
+
+
 def queue_bound():
     """Connections that arrive while a request waits are queued up to queue_limit; past it
     each is ended at once (a kernel-plane one with a CLOSE) and counted."""
@@ -137,12 +206,6 @@ def queue_bound():
     ours, theirs = socket.socketpair()
     closes = []
 
-    def connection(conn_id, plane):
-        name = b"q.example"
-        body = struct.pack("!QBBHH", conn_id, plane, 0, 0x0304, 0x1301) + bytes(40)
-        body += bytes([len(name)]) + name + bytes([0])
-        return th.MAGIC + struct.pack("!BBH", 1, th.CONNECTION, 8 + len(body)) + body
-
     def read_request():
         head = theirs.recv(8, socket.MSG_WAITALL)
         if len(head) < 8:
@@ -151,6 +214,7 @@ def queue_bound():
         return struct.unpack("!IQ", theirs.recv(length - 8, socket.MSG_WAITALL)[:12])
 
     def fake():
+        assert theirs.recv(12, socket.MSG_WAITALL) == th.encode_hello()
         request_id, conn_id = read_request()
         for n, plane in ((1, th.PLANE_USER), (2, th.PLANE_USER), (3, th.PLANE_KERNEL),
                          (4, th.PLANE_USER)):

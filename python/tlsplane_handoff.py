@@ -7,9 +7,17 @@ its hand-off Unix socket and receives each connection as a ready socket with a s
     import tlsplane_handoff
     client = tlsplane_handoff.connect("/run/tlsplane/app.sock")
     while True:
-        sock, info = client.accept()
-        print(info.server_name, info.alpn, info.peer)
-        ...  # sock.recv / sock.sendall plaintext; client.close(sock, info) at the end
+        with client.accept() as (sock, info):
+            print(info.server_name, info.alpn, info.peer)
+            ...  # sock.recv / sock.sendall plaintext
+
+Every connection must end through the module: ``client.close(sock, info)``, or leaving the
+``with`` block without an exception. Either sends tlsplane a CLOSE for it before closing the
+socket, so that tlsplane sends its client close_notify after the last byte: :func:`connect`
+announced (HELLO, ENDS_WITH_CLOSE) that this program ends its connections so. A socket that
+goes without one (``sock.close()`` directly, the socket object collected, an exception out of
+the ``with`` block, the process dying) was abandoned: tlsplane resets its connection (a TCP
+RST), and the client cannot take a cut-short response for a complete one.
 
 On the user plane (``PLANE_USER``) the socket is one end of a socketpair that tlsplane relays:
 read and write it as any socket. On the kernel plane (``PLANE_KERNEL``) it is the kTLS socket
@@ -43,7 +51,8 @@ PREFIX_LEN = 8
 MAX_FRAME_LEN = 16448
 MAX_RECORD_PLAINTEXT = 16384
 
-CONNECTION, REPLY, KEY_UPDATE, CLOSE = 1, 2, 3, 4
+CONNECTION, REPLY, KEY_UPDATE, CLOSE, HELLO = 1, 2, 3, 4, 5
+ENDS_WITH_CLOSE = 1
 PLANE_KERNEL, PLANE_USER, PLANE_RAW_TCP = 1, 2, 3
 
 STATUS_OK = 0
@@ -129,6 +138,11 @@ def decode_connection(frame: bytes) -> ConnInfo:
                     name.decode("ascii") if n else None, alpn if m else None)
 
 
+def encode_hello(flags: int = ENDS_WITH_CLOSE) -> bytes:
+    """The HELLO frame a receiver sends first."""
+    return MAGIC + struct.pack("!BBHI", VERSION, HELLO, PREFIX_LEN + 4, flags)
+
+
 def encode_request(kind: int, request_id: int, conn_id: int, plaintext: bytes = b"") -> bytes:
     """A KEY_UPDATE (with the record plaintext) or CLOSE frame."""
     if kind == KEY_UPDATE:
@@ -187,12 +201,35 @@ def check_server(sock: socket.socket, path: str, uids) -> None:
             "user ids tlsplane may run as)" % (path, uid, _describe(uids), SERVER_UID_ENV))
 
 
+class Accepted(tuple):
+    """``(sock, info)``, as :meth:`Client.accept` returns a connection; as a context manager,
+    ends it on leaving: :meth:`Client.close` when the block completes, a plain close (an
+    abandoned connection, reset) when an exception leaves it."""
+
+    def __new__(cls, client, sock: socket.socket, info: ConnInfo):
+        self = super().__new__(cls, (sock, info))
+        self._client = client
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self._client.close(*self)
+        else:
+            self[0].close()
+        return False
+
+
 class Client:
-    """One connection to tlsplane's hand-off socket.
+    """One connection to tlsplane's hand-off socket. Sends the HELLO at once: every
+    connection it hands out is to be ended through :meth:`close` (see the module's doc).
 
     Connections that arrive while a request waits for its reply are queued for
     :meth:`accept`, ``queue_limit`` at most; past it one is ended at once (its client gets
-    close_notify) and counted in ``dropped``."""
+    close_notify) and counted in ``dropped``. Also a context manager (:meth:`disconnect`
+    on leaving)."""
 
     def __init__(self, sock: socket.socket, queue_limit: int = DEFAULT_QUEUE_LIMIT):
         self.sock = sock
@@ -201,6 +238,14 @@ class Client:
         self._lock = threading.Lock()
         self.queue_limit = max(1, queue_limit)
         self.dropped = 0
+        sock.sendall(encode_hello())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.disconnect()
+        return False
 
     def _read_exact(self, n: int, fds: list) -> bytes:
         data = b""
@@ -242,7 +287,7 @@ class Client:
                 if fd is not None:
                     socket.close(fd)
                 return ("error", e)
-            return ("conn", (socket.socket(fileno=fd), info))
+            return ("conn", Accepted(self, socket.socket(fileno=fd), info))
         if fd is not None:
             socket.close(fd)
         if kind == REPLY:
@@ -253,9 +298,10 @@ class Client:
             raise ProtocolError("a request kind sent to the program")
         return None  # a kind from a later version: skipped
 
-    def accept(self) -> Tuple[socket.socket, ConnInfo]:
-        """Waits for the next connection. A header that does not decode raises ProtocolError
-        (its descriptor closed); the client stays usable."""
+    def accept(self) -> Accepted:
+        """Waits for the next connection: ``(sock, info)``, also a context manager that
+        ends it (:class:`Accepted`). A header that does not decode raises ProtocolError (its
+        descriptor closed); the client stays usable."""
         with self._lock:
             while True:
                 if self._conns:
@@ -295,15 +341,20 @@ class Client:
         self.dropped += 1
         if item[0] != "conn":
             return
-        sock, info = item[1]
+        self._end_unanswered(*item[1])
+
+    def _end_unanswered(self, sock: socket.socket, info: ConnInfo) -> None:
+        """Ends a connection with a CLOSE whose reply is not awaited (the reader skips it),
+        queued before the socket goes; a relayed one is also shut down for writing."""
         try:
-            if info.plane == PLANE_KERNEL:
+            if info.plane in (PLANE_KERNEL, PLANE_USER):
                 self.sock.sendall(encode_request(CLOSE, self._new_request_id(), info.conn_id))
-            elif info.plane == PLANE_USER:
+            if info.plane == PLANE_USER:
                 sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-        sock.close()
+        finally:
+            sock.close()
 
     def key_update(self, conn_id: int, record_plaintext: bytes) -> int:
         """Asks tlsplane to re-key after a handshake record; returns its STATUS_*."""
@@ -339,17 +390,17 @@ class Client:
             raise ProtocolError("unexpected TLS record type %d" % rtype)
 
     def close(self, sock: socket.socket, info: ConnInfo) -> int:
-        """Ends a connection (close_notify on the kernel plane, a write shutdown on the user
-        plane), then closes the socket. Returns tlsplane's STATUS_* (STATUS_OK if none)."""
-        try:
-            if info.plane == PLANE_KERNEL:
-                return self.close_notify(info.conn_id)
-            if info.plane == PLANE_USER:
-                try:
-                    sock.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
+        """Ends a connection: a CLOSE to tlsplane, then the socket closed. On the kernel
+        plane it waits for tlsplane's answer (close_notify sent after everything written) and
+        returns its STATUS_*; on the user plane the CLOSE is not waited for (it is queued
+        before the socket goes, which is all tlsplane needs), writing is shut down, and the
+        relay sends close_notify after the last byte: STATUS_OK."""
+        if info.plane != PLANE_KERNEL:
+            with self._lock:
+                self._end_unanswered(sock, info)
             return STATUS_OK
+        try:
+            return self.close_notify(info.conn_id)
         finally:
             sock.close()
 

@@ -14,11 +14,14 @@
 //! `shutdown(SHUT_WR)` or close becomes close_notify, the client's close_notify becomes EOF
 //! on the program's end).
 //!
-//! Per socket, one thread accepts receivers; per receiver, one thread writes its frames
-//! (CONNECTION frames and replies, from bounded queues: the event loops and the reading
-//! thread only queue) and one reads its requests and notices its end. When a receiver goes
-//! away, the connections it was given and did not end are reset (`hangups` tells, on the
-//! user relay, an end from an abandonment): a client must not take a cut for an end.
+//! Per socket, one thread accepts receivers (at most --handoff-max-receivers); per receiver,
+//! one thread writes its frames (CONNECTION frames and replies, from bounded queues: the
+//! event loops and the reading thread only queue) and one reads its requests and notices
+//! its end. Requests are read without waiting (one reader at a time, under a lock), so that
+//! the judge of a relay's end can serve those already queued first (`hangups`). A receiver
+//! that announced ENDS_WITH_CLOSE (HELLO) ends every connection with a CLOSE: one that ends
+//! without is reset. For one that did not, the connections it was given and did not end are
+//! reset when its program went holding them. A client must not take a cut for an end.
 
 mod hangups;
 mod keeper;
@@ -28,7 +31,7 @@ use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::Duration;
@@ -37,11 +40,12 @@ use anyhow::Context;
 use clap::Args;
 use tlsplane::stats::Counter;
 use tlsplane::{PlaneKind, TlsStream};
+use tlsplane_handoff::wire::{self, Prefix};
 use tlsplane_handoff::{ConnInfo, Message, Plane, Reply, Status};
 
 use crate::proxy::backend::{BackendConn, Io};
 use crate::proxy::{Ended, ProxyStats};
-use hangups::Hangups;
+use hangups::{Hangups, Program};
 use keeper::{Keeper, KeptSocket, KeptStats};
 use tlsplane_server::config::{HandoffTarget, Origin, SiteNeeds, Sites};
 use tlsplane_server::runtime::{ConnContext, Handler, Phase, RuntimeStats, Served, Throttled};
@@ -77,6 +81,18 @@ pub struct HandoffArgs {
     /// connections it holds are reset: tlsplane never waits for a receiver to read.
     #[arg(long, default_value_t = 1024, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1048576))]
     pub handoff_reply_queue: u32,
+    /// Receivers connected to one hand-off socket, at most (each costs tlsplane two
+    /// threads). Past it, an allowed receiver is closed at connect (counted, logged at most
+    /// once a second).
+    #[arg(long, default_value_t = 128, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub handoff_max_receivers: u32,
+    /// Kernel-plane connections whose socket duplicate (and keys) tlsplane keeps after the
+    /// hand-off, at most; past it, a kernel-plane connection is handed over the user relay
+    /// instead (counted). Each kept duplicate holds a descriptor after the connection has left
+    /// --max-connections' count. 0: a quarter of the open-files limit (--max-connections'
+    /// default then leaves a descriptor per connection for it).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub handoff_max_kept: u64,
     /// Bytes buffered per direction per relayed connection. (A relayed connection with no
     /// byte moving either way for --idle-timeout is closed, as in proxy.)
     #[arg(long, default_value_t = 16384, value_name = "BYTES", value_parser = clap::value_parser!(u32).range(1024..=1048576))]
@@ -85,10 +101,10 @@ pub struct HandoffArgs {
     pub server: ServerArgs,
 }
 
-/// How long a relay that read its program's end of stream waits for the hang-up watch to
-/// say whether that end came before the receiver's (it takes a thread's wake-up; past this,
-/// the connection is reset rather than risk a false clean end).
-const END_ORDER_WAIT: Duration = Duration::from_secs(1);
+/// Request bytes a receiver's reading thread serves per turn of its lock, at most: the
+/// judge of a relay's end waits for that lock, and a receiver that sends without pause must
+/// not hold it.
+const READ_TURN: usize = 65536;
 
 /// The ids allowed by default: the user tlsplane serves as.
 fn default_ids(args: &HandoffArgs) -> (Vec<u32>, Vec<u32>) {
@@ -144,6 +160,12 @@ pub struct HandoffStats {
     receivers_revoked: Counter,
     /// Receivers disconnected for --handoff-reply-queue replies unread.
     receivers_reply_overflow: Counter,
+    /// Allowed receivers closed at connect: --handoff-max-receivers were connected.
+    receivers_over_limit: Counter,
+    /// Receivers disconnected for a protocol error (a HELLO after their first frame).
+    receivers_protocol_errors: Counter,
+    /// Receivers that announced ENDS_WITH_CLOSE.
+    receivers_ends_with_close: Counter,
     /// Relayed connections reset because their receiver went without ending them.
     relay_reset_receiver_gone: Counter,
     /// Receivers that went away (closed, died, or could not be written to).
@@ -158,6 +180,9 @@ pub struct HandoffStats {
     /// Kernel-plane connections that went to the user relay: input was already buffered
     /// (the client's data arrived with its close, or rustls holds plaintext).
     kernel_relayed: Counter,
+    /// Kernel-plane connections that went to the user relay because --handoff-max-kept
+    /// duplicates were kept.
+    kernel_relayed_kept_full: Counter,
     kernel: Arc<KeptStats>,
     /// Kernel-plane hand-offs kept, started at the first one (`None`: epoll refused; those
     /// connections are relayed).
@@ -241,9 +266,11 @@ struct HandoffSocket {
     /// Replaced by a reload (receivers it no longer allows are disconnected); held while a
     /// receiver is checked and added, so that none slips in under ids a reload removed.
     allowed: Mutex<Allowed>,
-    /// --handoff-queue and --handoff-reply-queue, replaced by a reload.
+    /// --handoff-queue, --handoff-reply-queue and --handoff-max-receivers, replaced by a
+    /// reload (the reply queue's bound is shared with the receivers).
     queue: AtomicUsize,
-    reply_queue: AtomicUsize,
+    reply_queue: Arc<AtomicUsize>,
+    max_receivers: AtomicUsize,
     receivers: Mutex<Vec<Arc<ReceiverHandle>>>,
     /// Where the next tie among least pending receivers starts.
     turn: AtomicUsize,
@@ -323,16 +350,20 @@ impl Outbox {
         Ok(())
     }
 
-    /// False: the queue is full (the receiver reads nothing) or closed.
-    fn push_reply(&self, reply: Reply, limit: usize) -> bool {
+    /// Queues `reply`, or says why not: full (the receiver reads nothing), or gone (its
+    /// writing thread lost it: the requests still queued are served all the same).
+    fn push_reply(&self, reply: Reply, limit: usize) -> Result<(), NotQueued> {
         let mut q = self.queued();
-        if q.closed || q.replies.len() >= limit {
-            return false;
+        if q.closed {
+            return Err(NotQueued::Gone);
+        }
+        if q.replies.len() >= limit {
+            return Err(NotQueued::Full);
         }
         q.replies.push_back(reply);
         drop(q);
         self.ready.notify_one();
-        true
+        Ok(())
     }
 
     /// The next frame to write, waiting for one; `None` once closed.
@@ -367,26 +398,210 @@ impl Outbox {
 /// A connected receiver.
 struct ReceiverHandle {
     id: u64,
+    /// Itself, for answers given after a request was read.
+    me: Weak<ReceiverHandle>,
     peer: Peer,
+    /// The process that connected, for the judgement of a receiver that promised no CLOSE.
+    program: Arc<Program>,
     sock: UnixStream,
     /// Hand-offs queued or being written to it.
     pending: AtomicUsize,
     outbox: Outbox,
-    /// tlsplane disconnected it (revoked, or it read no replies): the connections it holds
-    /// are reset.
+    /// Its requests, read so far: one reader at a time (its reading thread, or the judge of
+    /// a relay's end serving what is queued).
+    inbound: Mutex<Inbound>,
+    /// It announced ENDS_WITH_CLOSE.
+    ends_with_close: AtomicBool,
+    /// tlsplane disconnected it (revoked, it read no replies, it broke the protocol): the
+    /// connections it holds are reset.
     dropped: AtomicBool,
+    socket: Weak<HandoffSocket>,
+    stats: Weak<HandoffStats>,
+}
+
+#[derive(Default)]
+struct Inbound {
+    /// Bytes read and not served yet: the start of a frame.
+    buf: Vec<u8>,
+    /// Frames served.
+    frames: u64,
+    /// Its end was read, or its stream broke: nothing more is read.
+    ended: bool,
+}
+
+/// What a turn of reading a receiver's requests came to.
+#[derive(PartialEq, Eq)]
+enum Turn {
+    /// Everything queued was served.
+    Idle,
+    /// The turn's bytes were served; more may be queued.
+    More,
+    /// Its end was read, its stream broke, or tlsplane disconnected it.
+    Ended,
 }
 
 impl ReceiverHandle {
     /// Ends its connection to us for good: the connections it holds are reset.
     fn drop_it(&self) {
-        self.dropped.store(true, Relaxed);
+        self.dropped.store(true, Release);
         self.disconnect();
+    }
+
+    /// Reads and serves its queued requests, `limit` bytes at most, never waiting.
+    fn read_queued(&self, limit: usize) -> Turn {
+        let mut inbound = self.inbound.lock().unwrap_or_else(|e| e.into_inner());
+        if inbound.ended {
+            return Turn::Ended;
+        }
+        let Some(stats) = self.stats.upgrade() else {
+            inbound.ended = true;
+            return Turn::Ended;
+        };
+        let mut read = 0;
+        let turn = loop {
+            if !self.serve_frames(&mut inbound, &stats) {
+                break Turn::Ended;
+            }
+            if read >= limit {
+                break Turn::More;
+            }
+            let buf = &mut inbound.buf;
+            let old = buf.len();
+            buf.resize(old + 16384, 0);
+            let got = tlsplane_sys::recv_nonblocking(self.sock.as_fd(), &mut buf[old..]);
+            buf.truncate(old + *got.as_ref().unwrap_or(&0));
+            match got {
+                Ok(0) => break Turn::Ended,
+                Ok(n) => read += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break Turn::Idle,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "hand-off receiver: unreadable request");
+                    break Turn::Ended;
+                }
+            }
+        };
+        if turn == Turn::Ended {
+            inbound.ended = true;
+        }
+        turn
+    }
+
+    /// Serves the whole frames read. False: the stream cannot be framed any more, or the
+    /// receiver was disconnected.
+    fn serve_frames(&self, inbound: &mut Inbound, stats: &HandoffStats) -> bool {
+        let mut at = 0;
+        let mut going = true;
+        while going {
+            let rest = &inbound.buf[at..];
+            if rest.len() < wire::PREFIX_LEN {
+                break;
+            }
+            let len = match Prefix::decode(rest) {
+                Ok(p) if rest.len() >= p.len => p.len,
+                Ok(_) => break,
+                Err(e) => {
+                    tracing::debug!(error = %e, "hand-off receiver: unreadable request");
+                    going = false;
+                    break;
+                }
+            };
+            going = self.serve(&rest[..len], inbound.frames == 0, stats);
+            inbound.frames += 1;
+            at += len;
+        }
+        inbound.buf.drain(..at);
+        going
+    }
+
+    /// Serves one request frame. False: the receiver was disconnected.
+    fn serve(&self, frame: &[u8], first: bool, stats: &HandoffStats) -> bool {
+        if let Ok(Some(Message::Hello { flags })) = Message::decode(frame) {
+            return self.hello(flags, first, stats);
+        }
+        let Some(reply) = self.answer(frame, stats) else {
+            return true;
+        };
+        stats.requests.fetch_add(1, Relaxed);
+        self.reply(reply)
+    }
+
+    /// Its HELLO: at most one, as its first frame; else a protocol error that disconnects it.
+    fn hello(&self, flags: u32, first: bool, stats: &HandoffStats) -> bool {
+        if !first {
+            stats.receivers_protocol_errors.fetch_add(1, Relaxed);
+            if let Some(socket) = self.socket.upgrade() {
+                socket.log_refusal(
+                    Some(&self.peer),
+                    "a HELLO after its first frame; disconnected",
+                );
+            }
+            self.drop_it();
+            return false;
+        }
+        if flags & wire::ENDS_WITH_CLOSE != 0 {
+            self.ends_with_close.store(true, Release);
+            stats.receivers_ends_with_close.fetch_add(1, Relaxed);
+            if let Some(h) = stats.hangups.get() {
+                h.ends_with_close(self.id);
+            }
+        }
+        true
+    }
+
+    /// Queues `reply`. False: its replies pile up unread, and it was disconnected. (A
+    /// receiver its writing thread lost has its requests served all the same, unanswered.)
+    fn reply(&self, reply: Reply) -> bool {
+        let limit = self
+            .socket
+            .upgrade()
+            .map_or(usize::MAX, |s| s.reply_queue.load(Relaxed));
+        match self.outbox.push_reply(reply, limit) {
+            Ok(()) | Err(NotQueued::Gone) => true,
+            Err(NotQueued::Full) => {
+                // Counted and logged before the receiver can see its end.
+                if let Some(stats) = self.stats.upgrade() {
+                    stats.receivers_reply_overflow.fetch_add(1, Relaxed);
+                }
+                if let Some(socket) = self.socket.upgrade() {
+                    tracing::warn!(socket = %socket.path.display(), uid = self.peer.uid,
+                        "hand-off receiver disconnected: it reads none of its replies");
+                }
+                self.drop_it();
+                false
+            }
+        }
     }
 
     /// Ends its connection to us; its threads then forget it.
     fn disconnect(&self) {
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl hangups::Requests for ReceiverHandle {
+    fn serve_queued(&self) {
+        // What is queued now, whole: everything the program sent before the end being
+        // judged. (Not more: a receiver that keeps sending must not hold the judge.)
+        let queued = tlsplane_sys::queued_bytes(self.sock.as_fd()).unwrap_or(0);
+        let _ = self.read_queued(queued.max(1));
+    }
+}
+
+/// The bounds a socket's receivers live under (the flags; a reload replaces them).
+struct Bounds {
+    queue: usize,
+    reply_queue: usize,
+    max_receivers: usize,
+}
+
+impl Bounds {
+    fn of(args: &HandoffArgs) -> Self {
+        Self {
+            queue: args.handoff_queue as usize,
+            reply_queue: args.handoff_reply_queue as usize,
+            max_receivers: args.handoff_max_receivers as usize,
+        }
     }
 }
 
@@ -396,7 +611,7 @@ impl HandoffSocket {
     fn open(
         path: &Path,
         allowed: Allowed,
-        queues: (usize, usize),
+        bounds: &Bounds,
         stats: &Arc<HandoffStats>,
     ) -> anyhow::Result<Arc<Self>> {
         // Anyone may connect: SO_PEERCRED decides who is served, and says so in the log.
@@ -404,8 +619,9 @@ impl HandoffSocket {
         let socket = Arc::new(Self {
             path: path.to_path_buf(),
             allowed: Mutex::new(allowed),
-            queue: AtomicUsize::new(queues.0),
-            reply_queue: AtomicUsize::new(queues.1),
+            queue: AtomicUsize::new(bounds.queue),
+            reply_queue: Arc::new(AtomicUsize::new(bounds.reply_queue)),
+            max_receivers: AtomicUsize::new(bounds.max_receivers),
             receivers: Mutex::new(Vec::new()),
             turn: AtomicUsize::new(0),
             refusals: Mutex::new(Throttled::default()),
@@ -448,6 +664,20 @@ impl HandoffSocket {
                 drop(allowed);
                 stats.receivers_refused.fetch_add(1, Relaxed);
                 self.log_refusal(Some(&peer), "uid/gid not allowed");
+                continue;
+            }
+            let connected = self
+                .receivers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .len();
+            if connected >= self.max_receivers.load(Relaxed) {
+                drop(allowed);
+                stats.receivers_over_limit.fetch_add(1, Relaxed);
+                self.log_refusal(
+                    Some(&peer),
+                    "--handoff-max-receivers receivers are connected to this socket",
+                );
                 continue;
             }
             stats.receivers_accepted.fetch_add(1, Relaxed);
@@ -510,16 +740,25 @@ impl HandoffSocket {
         peer: Peer,
         stats: &Arc<HandoffStats>,
     ) -> std::io::Result<()> {
-        let handle = Arc::new(ReceiverHandle {
+        // Now, while it is surely connected: a pidfd names it however long it takes to end.
+        let program = Arc::new(Program::of(sock.as_fd(), peer.pid));
+        let handle = Arc::new_cyclic(|me| ReceiverHandle {
             id: stats.next_receiver.fetch_add(1, Relaxed),
+            me: me.clone(),
             peer,
+            program,
             sock,
             pending: AtomicUsize::new(0),
             outbox: Outbox::default(),
+            inbound: Mutex::default(),
+            ends_with_close: AtomicBool::new(false),
             dropped: AtomicBool::new(false),
+            socket: Arc::downgrade(self),
+            stats: Arc::downgrade(stats),
         });
         if let Some(h) = stats.hangups.get() {
-            h.receiver_reading(handle.id);
+            let requests: Weak<dyn hangups::Requests> = handle.me.clone();
+            h.receiver_reading(handle.id, requests, handle.program.clone());
         }
         self.receivers
             .lock()
@@ -530,21 +769,21 @@ impl HandoffSocket {
         let sending = std::thread::Builder::new()
             .name("handoff-send".into())
             .spawn(move || {
-                write_loop(&h.sock, &h);
-                socket.lose(&h, &w);
+                let unsent = write_loop(&h.sock, &h);
+                socket.lose(&h, unsent, &w);
             });
         let (socket, h, w) = (self.clone(), handle.clone(), weak.clone());
         let receiving = sending.and_then(|_| {
             std::thread::Builder::new()
                 .name("handoff-recv".into())
                 .spawn(move || {
-                    socket.read_loop(&h, &w);
-                    socket.lose(&h, &w);
+                    read_loop(&h);
+                    socket.lose(&h, None, &w);
                     finished(&h, &w);
                 })
         });
         if let Err(e) = receiving {
-            self.lose(&handle, &weak);
+            self.lose(&handle, None, &weak);
             finished(&handle, &weak);
             return Err(e);
         }
@@ -552,19 +791,25 @@ impl HandoffSocket {
     }
 
     /// Forgets a receiver (once, from whichever of its threads sees it go first): its socket
-    /// is shut down (the other thread wakes), its queued hand-offs are dropped, and the
-    /// connections it was given and did not end are reset.
-    fn lose(&self, receiver: &ReceiverHandle, stats: &Weak<HandoffStats>) {
+    /// is shut down (the other thread wakes; requests already queued are still read), and
+    /// the hand-offs never written to it (`unsent`, those still queued) end as a refused
+    /// connection does, with close_notify: nothing was sent on them.
+    fn lose(&self, receiver: &ReceiverHandle, unsent: Option<Job>, stats: &Weak<HandoffStats>) {
         let removed = {
             let mut list = self.receivers.lock().unwrap_or_else(|e| e.into_inner());
             let before = list.len();
             list.retain(|r| r.id != receiver.id);
             before != list.len()
         };
-        // The receiver's end first: the relays of the hand-offs dropped next end after it.
         receiver.disconnect();
-        drop(receiver.outbox.close());
-        if let (true, Some(stats)) = (removed, stats.upgrade()) {
+        let stats = stats.upgrade();
+        let jobs = unsent.into_iter().chain(receiver.outbox.close());
+        for job in jobs {
+            if let Some(stats) = &stats {
+                not_handed(stats, receiver.id, &job);
+            }
+        }
+        if let (true, Some(stats)) = (removed, stats) {
             stats.receivers_lost.fetch_add(1, Relaxed);
             tracing::info!(socket = %self.path.display(), "hand-off receiver gone");
         }
@@ -582,134 +827,160 @@ impl HandoffSocket {
             .min_by_key(|r| r.pending.load(Relaxed))
             .cloned()
     }
+}
 
-    /// Reads the receiver's requests until it closes its connection (or breaks the framing,
-    /// or lets its replies pile up unread).
-    fn read_loop(&self, receiver: &ReceiverHandle, stats: &Weak<HandoffStats>) {
-        let mut frame = Vec::new();
-        loop {
-            let (_prefix, fd) = match tlsplane_handoff::read_frame(&receiver.sock, &mut frame) {
-                Ok(Some(f)) => f,
-                Ok(None) => return,
-                Err(e) => {
-                    tracing::debug!(error = %e, "hand-off receiver: unreadable request");
+impl ReceiverHandle {
+    /// Serves one KEY_UPDATE or CLOSE; `None` for a frame that is not one, or a KEY_UPDATE
+    /// answered later (once tlsplane's own KeyUpdate found room in the socket).
+    fn answer(&self, frame: &[u8], stats: &HandoffStats) -> Option<Reply> {
+        // Connections on the user relay are re-keyed by tlsplane's record layer (a KEY_UPDATE
+        // does not know them); a CLOSE marks the end the program gives them as orderly.
+        let keeper = stats.keeper.get().cloned().flatten();
+        let receiver = self.id;
+        let (request_id, conn_id, status) = match Message::decode(frame) {
+            Ok(Some(Message::KeyUpdate {
+                request_id,
+                conn_id,
+                record_plaintext,
+            })) => {
+                let me = self.me.clone();
+                let later: keeper::Answer = Box::new(move |status| {
+                    if let Some(r) = me.upgrade() {
+                        r.reply(Reply {
+                            request_id,
+                            conn_id,
+                            status,
+                        });
+                    }
+                });
+                let status = match keeper {
+                    Some(k) => k.key_update(receiver, conn_id, record_plaintext, later)?,
+                    None => Status::UnknownConnection,
+                };
+                (request_id, conn_id, status)
+            }
+            Ok(Some(Message::Close {
+                request_id,
+                conn_id,
+            })) => (
+                request_id,
+                conn_id,
+                match keeper.map_or(Status::UnknownConnection, |k| k.close(receiver, conn_id)) {
+                    Status::UnknownConnection
+                        if stats
+                            .hangups
+                            .get()
+                            .is_some_and(|h| h.close_requested(receiver, conn_id)) =>
+                    {
+                        Status::Ok
+                    }
+                    status => status,
+                },
+            ),
+            // Kinds a receiver does not send, or a later revision's: skipped.
+            Ok(_) => return None,
+            Err(e) => {
+                tracing::debug!(error = %e, "hand-off receiver: bad request");
+                return None;
+            }
+        };
+        Some(Reply {
+            request_id,
+            conn_id,
+            status,
+        })
+    }
+}
+
+/// Reads the receiver's requests until its end (or broken framing, or tlsplane disconnects
+/// it), waiting only while nothing is queued.
+fn read_loop(receiver: &ReceiverHandle) {
+    loop {
+        match receiver.read_queued(READ_TURN) {
+            Turn::Ended => return,
+            Turn::More => {}
+            Turn::Idle => {
+                if let Err(e) = tlsplane_sys::wait_readable(receiver.sock.as_fd(), -1) {
+                    tracing::warn!(error = %e, "hand-off receiver: poll failed");
                     return;
                 }
-            };
-            // No request carries a descriptor.
-            drop(fd);
-            let Some(stats) = stats.upgrade() else {
-                return;
-            };
-            let Some(reply) = answer(receiver.id, &frame, &stats) else {
-                continue;
-            };
-            stats.requests.fetch_add(1, Relaxed);
-            if !receiver
-                .outbox
-                .push_reply(reply, self.reply_queue.load(Relaxed))
-            {
-                receiver.dropped.store(true, Relaxed);
-                stats.receivers_reply_overflow.fetch_add(1, Relaxed);
-                tracing::warn!(socket = %self.path.display(), uid = receiver.peer.uid,
-                    "hand-off receiver disconnected: it reads none of its replies");
-                return;
             }
         }
     }
 }
 
 /// A receiver's requests are all read (its connection ended): the connections it was given
-/// and did not end are decided. Kernel plane: reset if tlsplane dropped it or its program
-/// died (`hangups::process`); close_notify if the program exited with status 0; else left
-/// to the program, which lives on and owns the socket. User relay: `hangups`.
+/// and did not end are decided. Kernel plane: reset if tlsplane dropped it, it promised a
+/// CLOSE for each (ENDS_WITH_CLOSE), or its program went holding them; else left to the
+/// program, which lives on and owns the socket. User relay: each when its end comes
+/// (`hangups`).
 fn finished(receiver: &ReceiverHandle, stats: &Weak<HandoffStats>) {
     let Some(stats) = stats.upgrade() else {
         return;
     };
-    let dropped = receiver.dropped.load(Relaxed);
+    let dropped = receiver.dropped.load(Acquire);
     if let Some(Some(keeper)) = stats.keeper.get() {
-        let program = if dropped {
-            hangups::Process::Died
-        } else {
-            hangups::process(receiver.peer.pid)
-        };
-        keeper.receiver_gone(receiver.id, program);
+        let abandoned = dropped
+            || receiver.ends_with_close.load(Acquire)
+            || receiver.program.state().ended_holding();
+        keeper.receiver_gone(receiver.id, abandoned);
     }
     if let Some(h) = stats.hangups.get() {
         h.receiver_done(receiver.id, dropped);
     }
 }
 
-/// Serves one request of receiver `receiver`; `None` for a frame that is not one.
-fn answer(receiver: u64, frame: &[u8], stats: &HandoffStats) -> Option<Reply> {
-    // Connections on the user relay are re-keyed by tlsplane's record layer (a KEY_UPDATE
-    // does not know them); a CLOSE marks the end the program gives them as orderly.
-    let keeper = stats.keeper.get().cloned().flatten();
-    let (request_id, conn_id, status) = match Message::decode(frame) {
-        Ok(Some(Message::KeyUpdate {
-            request_id,
-            conn_id,
-            record_plaintext,
-        })) => (
-            request_id,
-            conn_id,
-            keeper.map_or(Status::UnknownConnection, |k| {
-                k.key_update(receiver, conn_id, record_plaintext)
-            }),
-        ),
-        Ok(Some(Message::Close {
-            request_id,
-            conn_id,
-        })) => (
-            request_id,
-            conn_id,
-            match keeper.map_or(Status::UnknownConnection, |k| k.close(receiver, conn_id)) {
-                Status::UnknownConnection
-                    if stats
-                        .hangups
-                        .get()
-                        .is_some_and(|h| h.close_requested(receiver, conn_id)) =>
-                {
-                    Status::Ok
-                }
-                status => status,
-            },
-        ),
-        // Kinds a receiver does not send, or a later revision's: skipped.
-        Ok(_) => return None,
-        Err(e) => {
-            tracing::debug!(error = %e, "hand-off receiver: bad request");
-            return None;
+/// A hand-off that never reached receiver `receiver` (it went first) ends with close_notify,
+/// as a refused connection does.
+fn not_handed(stats: &HandoffStats, receiver: u64, job: &Job) {
+    match &job.fd {
+        JobFd::Kernel(_) => {
+            if let Some(Some(keeper)) = stats.keeper.get() {
+                keeper.not_handed(job.info.conn_id);
+            }
         }
-    };
-    Some(Reply {
-        request_id,
-        conn_id,
-        status,
-    })
+        JobFd::Relay(_) => {
+            if let Some(h) = stats.hangups.get() {
+                h.not_handed(receiver, job.info.conn_id);
+            }
+        }
+    }
 }
 
-/// Writes the receiver's frames until its outbox closes or a write fails. Only this thread
-/// writes to the receiver, so frames go out whole; its writes block (a receiver that reads
-/// nothing holds this thread only, until the receiver is lost or disconnected).
-fn write_loop(sock: &UnixStream, receiver: &ReceiverHandle) {
+/// Writes the receiver's frames until its outbox closes or a write fails (then: the
+/// hand-off whose frame failed, if one did). Only this thread writes to the receiver, so
+/// frames go out whole; its writes block (a receiver that reads nothing holds this thread
+/// only, until the receiver is lost or disconnected).
+fn write_loop(sock: &UnixStream, receiver: &ReceiverHandle) -> Option<Job> {
     while let Some(frame) = receiver.outbox.next() {
         let sent = match frame {
             Frame::Reply(reply) => tlsplane_handoff::send_reply(sock, &reply),
             Frame::Connection(job) => {
                 let sent = tlsplane_handoff::send_connection(sock, job.fd.as_fd(), &job.info);
                 receiver.pending.fetch_sub(1, Relaxed);
+                if let Err(e) = sent {
+                    tracing::debug!(error = %e, "hand-off: writing to a receiver failed");
+                    return Some(job);
+                }
                 // Our copy of the program's end of a relay goes: the program holds the only
                 // one now (a kernel-plane socket stays kept).
                 drop(job);
-                sent
+                Ok(())
             }
         };
         if let Err(e) = sent {
             tracing::debug!(error = %e, "hand-off: writing to a receiver failed");
-            return;
+            return None;
         }
+    }
+    None
+}
+
+/// --handoff-max-kept; 0: a quarter of the open-files limit (as the server raised it).
+fn max_kept(args: &HandoffArgs) -> u64 {
+    match args.handoff_max_kept {
+        0 => tlsplane_sys::nofile_limit().map_or(1024, |n| (n / 4).max(1)),
+        n => n,
     }
 }
 
@@ -718,6 +989,8 @@ pub struct Handoff {
     /// By site number.
     sockets: Vec<Arc<HandoffSocket>>,
     args: HandoffArgs,
+    /// --handoff-max-kept, resolved.
+    max_kept: u64,
     stats: Arc<HandoffStats>,
     _files: Arc<SocketFiles>,
 }
@@ -780,10 +1053,7 @@ impl Product for Handoff {
             let h = Hangups::start().context("hand-off: watching receivers' ends")?;
             let _ = stats.hangups.set(h);
         }
-        let queues = (
-            args.handoff_queue as usize,
-            args.handoff_reply_queue as usize,
-        );
+        let bounds = Bounds::of(args);
         let files = {
             let mut weak = stats.files.lock().unwrap_or_else(|e| e.into_inner());
             weak.upgrade().unwrap_or_else(|| {
@@ -798,12 +1068,13 @@ impl Product for Handoff {
             let socket = match open.get(&path) {
                 Some(s) => {
                     s.set_allowed(allowed, stats);
-                    s.queue.store(queues.0, Relaxed);
-                    s.reply_queue.store(queues.1, Relaxed);
+                    s.queue.store(bounds.queue, Relaxed);
+                    s.reply_queue.store(bounds.reply_queue, Relaxed);
+                    s.max_receivers.store(bounds.max_receivers, Relaxed);
                     s.clone()
                 }
                 None => {
-                    let s = HandoffSocket::open(&path, allowed, queues, stats)?;
+                    let s = HandoffSocket::open(&path, allowed, &bounds, stats)?;
                     files
                         .0
                         .lock()
@@ -819,15 +1090,21 @@ impl Product for Handoff {
         Ok(Self {
             sockets,
             args: args.clone(),
+            max_kept: max_kept(args),
             stats: stats.clone(),
             _files: files,
         })
     }
 
     /// The client's socket, tlsplane's end of the socketpair, and the program's end until
-    /// its frame is written.
-    fn descriptors_per_connection(_args: &HandoffArgs, _kernel_plane: bool) -> usize {
-        3
+    /// its frame is written; on the kernel plane, room for a kept duplicate too (at most
+    /// --handoff-max-kept's default, a quarter of the open-files limit, of them).
+    fn descriptors_per_connection(_args: &HandoffArgs, kernel_plane: bool) -> usize {
+        if kernel_plane {
+            4
+        } else {
+            3
+        }
     }
 
     const HANDS_OFF_SOCKETS: bool = true;
@@ -872,6 +1149,18 @@ impl Product for Handoff {
                 h.receivers_reply_overflow.load(Relaxed),
             ),
             (
+                "handoff_receivers_over_limit",
+                h.receivers_over_limit.load(Relaxed),
+            ),
+            (
+                "handoff_receivers_protocol_errors",
+                h.receivers_protocol_errors.load(Relaxed),
+            ),
+            (
+                "handoff_receivers_ends_with_close",
+                h.receivers_ends_with_close.load(Relaxed),
+            ),
+            (
                 "handoff_relay_reset_receiver_gone",
                 h.relay_reset_receiver_gone.load(Relaxed),
             ),
@@ -880,6 +1169,10 @@ impl Product for Handoff {
             ("handoff_program_errors", h.program_errors.load(Relaxed)),
             ("handoff_idle_timeouts", h.idle_timeouts.load(Relaxed)),
             ("handoff_kernel_relayed", h.kernel_relayed.load(Relaxed)),
+            (
+                "handoff_kernel_relayed_kept_full",
+                h.kernel_relayed_kept_full.load(Relaxed),
+            ),
             (
                 "handoff_kernel_key_updates",
                 h.kernel.key_updates.load(Relaxed),
@@ -894,6 +1187,14 @@ impl Product for Handoff {
                 h.kernel.close_notify_timeouts.load(Relaxed),
             ),
             (
+                "handoff_kernel_key_update_waits",
+                h.kernel.key_update_waits.load(Relaxed),
+            ),
+            (
+                "handoff_kernel_key_update_timeouts",
+                h.kernel.key_update_timeouts.load(Relaxed),
+            ),
+            (
                 "handoff_kernel_released_peer_end",
                 h.kernel.released_peer_end.load(Relaxed),
             ),
@@ -904,10 +1205,6 @@ impl Product for Handoff {
             (
                 "handoff_kernel_released_receiver_left",
                 h.kernel.released_receiver_left.load(Relaxed),
-            ),
-            (
-                "handoff_kernel_released_receiver_exited",
-                h.kernel.released_receiver_exited.load(Relaxed),
             ),
             ("handoff_relayed_bytes", to_program + to_client),
             ("handoff_relayed_bytes_to_program", to_program),
@@ -994,16 +1291,15 @@ impl Handoff {
             return;
         };
         let info = self.conn_info(&tls, peer, Plane::UserRelay);
-        let end =
-            match hangups.watch_relay(receiver.id, receiver.peer.pid, info.conn_id, ours.as_fd()) {
-                Ok(end) => end,
-                Err(e) => {
-                    tracing::warn!(error = %e, "hand-off: the relay could not be watched");
-                    self.stats.failed.fetch_add(1, Relaxed);
-                    let _ = Box::pin(tls.close()).await;
-                    return;
-                }
-            };
+        let end = match hangups.watch_relay(receiver.id, info.conn_id, ours.as_fd()) {
+            Ok(end) => end,
+            Err(e) => {
+                tracing::warn!(error = %e, "hand-off: the relay could not be watched");
+                self.stats.failed.fetch_add(1, Relaxed);
+                let _ = Box::pin(tls.close()).await;
+                return;
+            }
+        };
         receiver.pending.fetch_add(1, Relaxed);
         let job = Job {
             fd: JobFd::Relay(OwnedFd::from(theirs)),
@@ -1031,15 +1327,16 @@ impl Handoff {
         };
         let ended = {
             // The program's end of stream is passed on as close_notify only if the program
-            // ended the connection, rather than died holding it (hangups.rs).
+            // ended the connection, rather than abandoned it (hangups.rs).
+            let idle = Duration::from_secs(self.args.server.idle_timeout);
             let relay = crate::proxy::tcp::relay_ending(
                 &mut tls,
                 &program,
                 None,
                 self.args.buffer as usize,
-                Duration::from_secs(self.args.server.idle_timeout),
+                idle,
                 &self.stats.relay,
-                end.orderly(END_ORDER_WAIT),
+                end.orderly(idle),
             );
             tokio::select! {
                 ended = Box::pin(relay) => ended,
@@ -1091,6 +1388,10 @@ impl Handoff {
         let Some(keeper) = self.keeper() else {
             return Some(tls);
         };
+        if self.stats.kernel.kept.load(Relaxed) >= self.max_kept {
+            self.stats.kernel_relayed_kept_full.fetch_add(1, Relaxed);
+            return Some(tls);
+        }
         let info = self.conn_info(&tls, peer, Plane::Kernel);
         let handed = match tls.into_kernel_handoff() {
             Ok(Ok(h)) => h,
@@ -1188,26 +1489,40 @@ mod tests {
         let list = pending
             .iter()
             .enumerate()
-            .map(|(id, &p)| {
-                Arc::new(ReceiverHandle {
-                    id: id as u64,
-                    peer: Peer::default(),
-                    sock: UnixStream::pair().unwrap().0,
-                    pending: AtomicUsize::new(p),
-                    outbox: Outbox::default(),
-                    dropped: AtomicBool::new(false),
-                })
-            })
+            .map(|(id, &p)| receiver(id as u64, UnixStream::pair().unwrap().0, p, Weak::new()))
             .collect();
         HandoffSocket {
             path: PathBuf::from("/nonexistent"),
             allowed: Mutex::new(Allowed::default()),
             queue: AtomicUsize::new(4),
-            reply_queue: AtomicUsize::new(4),
+            reply_queue: Arc::new(AtomicUsize::new(4)),
+            max_receivers: AtomicUsize::new(4),
             receivers: Mutex::new(list),
             turn: AtomicUsize::new(0),
             refusals: Mutex::new(Throttled::default()),
         }
+    }
+
+    fn receiver(
+        id: u64,
+        sock: UnixStream,
+        pending: usize,
+        stats: Weak<HandoffStats>,
+    ) -> Arc<ReceiverHandle> {
+        Arc::new_cyclic(|me| ReceiverHandle {
+            id,
+            me: me.clone(),
+            peer: Peer::default(),
+            program: Arc::new(Program::of(sock.as_fd(), std::process::id())),
+            sock,
+            pending: AtomicUsize::new(pending),
+            outbox: Outbox::default(),
+            inbound: Mutex::default(),
+            ends_with_close: AtomicBool::new(false),
+            dropped: AtomicBool::new(false),
+            socket: Weak::new(),
+            stats,
+        })
     }
 
     #[test]
@@ -1257,13 +1572,20 @@ mod tests {
             conn_id: 1,
             status: Status::Ok,
         };
-        assert!(outbox.push_reply(reply(1), 2));
-        assert!(outbox.push_reply(reply(2), 2));
-        assert!(!outbox.push_reply(reply(3), 2), "over the bound");
+        assert!(outbox.push_reply(reply(1), 2).is_ok());
+        assert!(outbox.push_reply(reply(2), 2).is_ok());
+        assert!(
+            matches!(outbox.push_reply(reply(3), 2), Err(NotQueued::Full)),
+            "over the bound"
+        );
         assert!(matches!(outbox.next(), Some(Frame::Reply(r)) if r.request_id == 1));
-        assert!(outbox.push_reply(reply(3), 2));
+        assert!(outbox.push_reply(reply(3), 2).is_ok());
         drop(outbox.close());
         assert!(outbox.next().is_none());
-        assert!(!outbox.push_reply(reply(4), 2));
+        // Closed is not full: the receiver is not to be taken for one that reads nothing.
+        assert!(matches!(
+            outbox.push_reply(reply(4), 2),
+            Err(NotQueued::Gone)
+        ));
     }
 }

@@ -58,6 +58,14 @@
  * tlsplane_accept() and the KeyUpdate/close requests always block on the hand-off socket.
  * Descriptors are received close-on-exec. A program that never calls these functions and
  * only read(2)s sees EIO at the first control record; nothing else breaks.
+ *
+ * Ending a connection: tlsplane_connect tells tlsplane (a HELLO frame, ENDS_WITH_CLOSE) that
+ * this program ends every connection through tlsplane_close, which queues a CLOSE request
+ * for it before closing the descriptor, on both planes. tlsplane then knows a finished
+ * connection from an abandoned one: a descriptor that ends without a CLOSE (a plain close(2)
+ * that bypasses tlsplane_close, a crash, an exit, tlsplane_disconnect with connections still
+ * open) is taken for abandoned, and its client gets a reset (TCP RST), never close_notify,
+ * which would tell it that the response was complete.
  */
 #ifndef TLSPLANE_H
 #define TLSPLANE_H
@@ -133,18 +141,21 @@ int tlsplane_accept(tlsplane_handle *h, struct tlsplane_conn_info *out);
  * record). */
 ssize_t tlsplane_read(tlsplane_handle *h, int fd, void *buf, size_t len);
 
-/* Ends a connection: on the kernel plane asks tlsplane to send close_notify (after what the
- * program already wrote), on the user plane shuts down writing so that tlsplane's relay sends
- * it; then closes fd. fd is closed whatever the return value. When tlsplane has stopped or
- * restarted since the hand-off (it can no longer be asked, or no longer knows the connection),
- * the library sends the kernel-plane close_notify itself on fd. Returns 0, or -1 with errno
- * set (EBADF: not a descriptor this handle accepted; it is then left alone). */
+/* Ends a connection, the one way to end it orderly (see "Ending a connection" above): sends
+ * tlsplane a CLOSE for it, then closes fd. On the kernel plane it waits for tlsplane's answer
+ * (tlsplane sends close_notify after what the program already wrote); on the user plane it
+ * shuts down writing, and tlsplane's relay sends close_notify after the last byte. fd is
+ * closed whatever the return value. When tlsplane has stopped or restarted since the
+ * hand-off (it can no longer be asked, or no longer knows the connection), the library sends
+ * the kernel-plane close_notify itself on fd. Returns 0, or -1 with errno set (EBADF: not a
+ * descriptor this handle accepted; it is then left alone). */
 int tlsplane_close(tlsplane_handle *h, int fd);
 
-/* Closes the hand-off connection and frees the handle. Descriptors already accepted stay open
- * and usable, but tlsplane_read/tlsplane_close can no longer be used on them: tlsplane sends
- * close_notify for a program that has gone, and KeyUpdates then end the connection. No other
- * call may be running on h or made with it afterwards. */
+/* Closes the hand-off connection and frees the handle. End the connections first with
+ * tlsplane_close: tlsplane resets those this program has not ended when its hand-off
+ * connection ends (kernel plane: at once; user plane: when the descriptor is closed), and
+ * tlsplane_read/tlsplane_close can no longer be used on them. No other call may be running on
+ * h or made with it afterwards. */
 void tlsplane_disconnect(tlsplane_handle *h);
 
 #ifdef __cplusplus

@@ -22,7 +22,10 @@
  * fails with EPERM; while reconnecting, the connection is closed before a byte is read and the
  * shim tries again 200 ms later. Both say so on stderr ("tlsplane-preload: refusing the
  * hand-off socket PATH: it is served by uid N, not root ..."), while reconnecting once per
- * 10 s at most, with the number refused meanwhile.
+ * 10 s at most, with the number refused meanwhile. Once the check passes, the shim's first
+ * frame is a HELLO with ENDS_WITH_CLOSE (docs/HANDOFF.md): it promises a CLOSE before every
+ * connection it was handed ends, on both planes, so tlsplane resets a connection whose end
+ * comes without one (a process killed or crashed holding it): a cut answer never looks whole.
  *
  * listen(2) on a TCP socket bound to that address connects to the hand-off socket instead and
  * dup2s the connection onto the program's descriptor (keeping its O_NONBLOCK and
@@ -38,18 +41,20 @@
  * What the program then sees on an accepted descriptor: on the user relay plane (2) one end
  * of a socketpair carrying plaintext; end of stream is the client's close_notify or TCP close.
  * getpeername/getsockname on it report an AF_UNIX socket, and TCP socket options fail
- * (EOPNOTSUPP): the client's address is the one accept returned. The shim does nothing more
- * for it (no frame is sent when it is closed).
+ * (EOPNOTSUPP): the client's address is the one accept returned. The shim remembers it as
+ * below (kernel plane), to send its CLOSE: close, dup2/dup3 over it, or shutdown(SHUT_WR or
+ * SHUT_RDWR) sends a CLOSE (tlsplane then relays close_notify after everything the program
+ * wrote) before the descriptor goes or the socket is shut down. Reads are not intercepted.
  *
  * Kernel plane (1): the descriptor is the kTLS TCP socket, and tlsplane keeps a duplicate of
  * it and the traffic secrets. A plain read fails with EIO at a control record; the shim
  * handles those so that the program sees a plain byte stream:
- *   - accept/accept4 remember a plane-1 descriptor: its connection id, the hand-off
- *     connection it came from, the accepting pid and the socket's inode, in a static array
- *     indexed by descriptor (no allocation; lookups are lock-free atomic loads, and cost one
- *     load while no kernel-plane descriptor is open). Descriptors 65536 and above are still
+ *   - accept/accept4 remember a handed descriptor (both planes): its connection id, plane, the
+ *     hand-off connection it came from, the accepting pid and the socket's inode, in a static
+ *     array indexed by descriptor (no allocation; lookups are lock-free atomic loads, and cost
+ *     one load while no handed descriptor is open). Descriptors 65536 and above are still
  *     returned but not remembered: their control records reach the program as EIO and closing
- *     them sends no CLOSE (logged once).
+ *     them sends no CLOSE, so tlsplane resets them (logged once).
  *   - read, recv, recvfrom, readv (and __read_chk, __recv_chk, __recvfrom_chk, which
  *     _FORTIFY_SOURCE calls) on a remembered descriptor call the real function; on EIO the
  *     shim reads the control record alone with recvmsg(MSG_DONTWAIT) and a control buffer
@@ -79,37 +84,52 @@
  *   - close, and dup2/dup3 onto a remembered descriptor, send a CLOSE frame (tlsplane then
  *     sends close_notify on its duplicate after everything the program wrote, and does a
  *     lingering close), forget the descriptor, and really close it; the REPLY is not awaited.
+ *     The CLOSE is queued on the hand-off connection before the descriptor goes (tlsplane
+ *     reads the requests already queued before it judges an end): when the non-blocking send
+ *     finds no room, a private duplicate of the descriptor keeps the connection open and a
+ *     thread of the shim's (started then, signals blocked) sends the CLOSE, then closes the
+ *     duplicate; the program's close returns at once.
  *     shutdown(SHUT_WR or SHUT_RDWR) sends CLOSE at once and does not shut the socket's
  *     sending side (its TCP FIN would precede tlsplane's close_notify; SHUT_RDWR still shuts
  *     the receiving side); the later close sends no second CLOSE. What the program writes
  *     after that shutdown would follow the close_notify: don't. Copies made with dup(),
  *     fcntl(F_DUPFD) or received otherwise are not remembered: reads on them are not handled
- *     and closing them sends nothing. A process that exits without closing sends no CLOSE.
+ *     and closing them sends nothing. A process that exits (exit, _exit) holding a connection
+ *     it accepted sends no CLOSE for it: tlsplane resets it.
  *   - Frames (CLOSE: 20 bytes, KEY_UPDATE: 86 at most) go out in one non-blocking send(2)
  *     each, with MSG_NOSIGNAL: on a Unix stream socket a message that small is queued whole
  *     or not at all, so frames of several threads or processes never interleave, and no lock
- *     is held while sending. On EAGAIN (tlsplane is not reading) the sending thread alone
- *     waits for room, 2 s at most, then gives up: a close then just closes, a KeyUpdate fails
- *     the read with ECONNRESET. The same when the hand-off connection the descriptor came
+ *     is held while sending. On EAGAIN (tlsplane is not reading) the sending thread alone (the
+ *     shim's sender for a close, see above) waits for room, 2 s at most, then gives up: the
+ *     connection then ends without a CLOSE (a reset), a KeyUpdate fails the read with
+ *     ECONNRESET. The same when the hand-off connection the descriptor came
  *     from is gone (tlsplane stopped or restarted: accept saw it end, whether or not the shim
- *     has reconnected since; or the program closed its listening socket) or the send fails
- *     (EPIPE): nothing can be sent. If tlsplane restarts after a KEY_UPDATE went out, the
+ *     has reconnected since) or the send fails (EPIPE): nothing can be sent. A program that
+ *     closes its listening socket while connections it was handed remain open (a forked child
+ *     that closes it, then serves) keeps a duplicate of the hand-off connection for their
+ *     CLOSEs until the last of them goes. If tlsplane restarts after a KEY_UPDATE went out, the
  *     new one answers REPLY status 1 (unknown connection), which accept skips, and the read
  *     keeps getting EKEYEXPIRED until the 5 s bound -> ECONNRESET.
  *   - fork: a connection that several processes hold (accepted, then forked) gets its CLOSE
- *     when the last of them lets go, once. The shim wraps fork(2) to note each child (the
- *     last 64), and compares descriptors across processes with kcmp(2). When the accepting
- *     process closes a connection that a child still holds at the same descriptor, it sends
- *     nothing yet: a thread of its own (started at the first fork with a kernel-plane
- *     connection open) checks every 50 ms and sends the CLOSE once no child holds it, which
- *     covers a child that exits or execs without closing it (a subprocess). A child closing
- *     its copy sends the CLOSE itself when the accepting process no longer holds it. A set of
- *     connection ids in shared memory keeps the two from both sending. So an accept-then-fork
- *     server (socketserver.ForkingMixIn: the parent closes its copy at once, the child serves
- *     and closes) and a threaded server that forks subprocesses both get close_notify at the
- *     right time. Where kcmp cannot tell (a kernel without it; a child that may not inspect
- *     its parent under Yama; more than 64 forks since) a close sends CLOSE, as if no other
- *     process held it. A child forwards KeyUpdates on the inherited hand-off connection.
+ *     from the last of them to let go, once. Each has a count of the processes holding it, in
+ *     memory shared with every process forked after the shim loaded (4096 connections open
+ *     at once at most; past that a close sends CLOSE at once, logged once): accept counts 1; a
+ *     fork counts 1 more for each connection the parent holds, in the pthread_atfork prepare
+ *     handler, so before the child exists and before any close in the parent (the child
+ *     then corrects for a connection another thread accepted or closed during the fork);
+ *     close, dup2/dup3 over it, exec (execve, execv, execvp, execvpe, fexecve: the new
+ *     program cannot close what it does not know of), and a voluntary exit (exit, _exit,
+ *     _Exit) of a process that inherited it count 1 less. So an accept-then-fork server
+ *     (socketserver.ForkingMixIn: the parent closes its copy at once, the child serves and
+ *     closes) gets its close_notify at the child's close, and a threaded server whose
+ *     children exit or exec at its parent's. A child killed by a signal counts nothing
+ *     less: its connection gets no CLOSE, and its client a reset. No kcmp(2) is needed (it
+ *     fails with EPERM once a server drops root, and under seccomp), no bound on children,
+ *     no watcher thread. Not seen: children of vfork and posix_spawn (they share or copy no
+ *     count; their exec closes close-on-exec copies), and execl, execlp and execle (glibc
+ *     calls its own execve): a child that execs through them keeps its count, and the
+ *     connection gets no CLOSE once its parent closes it (a reset). A child forwards
+ *     KeyUpdates on the inherited hand-off connection.
  *   - The documented limit of the kernel plane: a client KeyUpdate with update_requested makes
  *     tlsplane send our KeyUpdate on its duplicate under the old TX key and install the next;
  *     the reading thread waits meanwhile, but a program writing from another thread during
@@ -121,9 +141,10 @@
  *     lock: the tables are read and changed with atomics, so these stay as safe in a signal
  *     handler as the calls they wrap, and a child forked while another thread was inside one
  *     inherits no held lock. close() of the taken-over socket waits only for another thread
- *     that is, that very moment, putting a connection on the descriptor or sending a frame on
- *     it (a dup3 or a non-blocking send, with signals blocked: never the thread the close
- *     interrupted).
+ *     that is, that very moment, putting a connection on the descriptor, reading a frame
+ *     already queued on it, or sending a frame on it (a dup3, recvmsg or a non-blocking
+ *     send, with signals blocked: never the thread the close interrupted), so that the
+ *     number never names another file while the shim uses it.
  *   - accept/accept4 read frames under a lock that every process forked after listen shares
  *     (a robust, process-shared mutex in shared memory), held only while reading a frame
  *     already queued: so a pre-fork server, whose processes accept on the shared socket
@@ -134,8 +155,10 @@
  *     in the middle of a frame leaves a stream that cannot be framed: the next holder shuts it
  *     down, and each process reconnects.
  *   - A child forked while tlsplane was away starts its own reconnecting thread (threads are
- *     not inherited). fork(2) is wrapped (see above); vfork, posix_spawn and clone are not,
- *     and need not be: their children exec.
+ *     not inherited). fork(2) (and any fork that runs pthread_atfork handlers, daemon(3)'s)
+ *     is counted (see above); vfork, posix_spawn and clone are not, and need not be: their
+ *     children exec. A vfork child shares the parent's memory, so its exec gives back
+ *     nothing (no fork handler ran in it: the shim sees the pid is not its own).
  *
  * Limits: one hand-off connection per taken-over socket and process (processes forked after
  * listen share it until tlsplane restarts; then each connects on its own). When tlsplane closes
@@ -163,6 +186,7 @@
 #include <arpa/inet.h>
 #include <poll.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -191,9 +215,12 @@
 #define SOL_TLS_ 282
 #define TLS_GET_RECORD_TYPE_ 2
 #define MAX_UIDS 16
-/* Children remembered for the kernel plane's CLOSE across fork. */
-#define MAX_CHILDREN 64
-#define KCMP_FILE_ 0
+/* Connections whose holders (processes) are counted across fork, open at once. */
+#define HOLD_SLOTS 4096
+#define HOLD_SENT 0x80000000ull
+#define HOLD_COUNT 0x7fffffffull
+#define KIND_HELLO 5
+#define ENDS_WITH_CLOSE 1
 /* The rest of a frame whose first bytes came: tlsplane sends each in one sendmsg. */
 #define FRAME_TAIL_MS 2000
 #define SEND_WAIT_MS 2000
@@ -216,6 +243,13 @@ static ssize_t (*real_read_chk)(int, void *, size_t, size_t);
 static ssize_t (*real_recv_chk)(int, void *, size_t, size_t, int);
 static ssize_t (*real_recvfrom_chk)(int, void *, size_t, size_t, int, struct sockaddr *,
                                     socklen_t *);
+static pid_t (*real_fork)(void);
+static void (*real__exit)(int);
+static int (*real_execve)(const char *, char *const[], char *const[]);
+static int (*real_execv)(const char *, char *const[]);
+static int (*real_execvp)(const char *, char *const[]);
+static int (*real_execvpe)(const char *, char *const[], char *const[]);
+static int (*real_fexecve)(int, char *const[], char *const[]);
 
 static struct {
     int enabled;
@@ -239,6 +273,9 @@ struct taken {
                      * before the last loss belongs to a tlsplane that is gone */
     int busy;       /* threads between checking fd and a dup3 or send on it: close waits */
     uint64_t conn_ino; /* the hand-off connection's inode */
+    int keep;          /* atomic: a duplicate of the hand-off connection, kept after the
+                        * program closed the socket while connections it was handed remain
+                        * (their CLOSEs go out on it), else -1 */
     struct sockaddr_storage bound;
     socklen_t bound_len;
     unsigned char frame[FRAME_MAX]; /* the frame being read, under the slot's frame lock */
@@ -251,23 +288,9 @@ struct frame_lock {
                         * of, 0 between frames */
 };
 
-/* CLOSEs sent for connections that more than one process held (forked ones), in memory
- * shared with the processes forked after init: each connection's CLOSE goes out once, from
- * whichever process saw the last copy go. A slot holds conn_id + 1 (0: empty). */
-#define SENT_SLOTS 256
-
-/* Children this process forked lately, for the kernel plane's CLOSE: the fork wrapper
- * notes each before returning, so a close right after the fork already knows it. A child
- * inherits its parent's entries, which name another parent and are skipped. */
-static struct {
-    unsigned next;               /* atomic */
-    uint64_t pids[MAX_CHILDREN]; /* atomic: parent pid << 32 | child pid */
-} children;
-
 static struct taken taken[MAX_TAKEN];
 static int n_taken; /* atomic: slots in use, a fast path for every close */
 static struct frame_lock *frame_locks; /* MAX_TAKEN, shared */
-static uint64_t *sent_closes;          /* SENT_SLOTS, shared */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void note(const char *what, int e) {
@@ -298,8 +321,12 @@ static uint64_t inode_of(int fd) {
 struct kconn {
     int state;     /* atomic: 0 free, 1 remembered */
     int end;       /* atomic: 0 live, -1 end of stream (close_notify), >0 errno to repeat */
-    int closed;    /* atomic: a CLOSE was sent (at shutdown) */
-    int forked;    /* atomic: this process forked while it held the descriptor */
+    int closed;    /* atomic: a CLOSE was sent (at shutdown; only when hold is -1) */
+    int kernel;    /* plane 1: reads handle control records */
+    int fd;
+    int hold;      /* its slot in `holders`, -1 if none was free */
+    uint32_t hold_gen; /* the slot's claim this connection is */
+    unsigned prep; /* the fork whose prepare handler counted it */
     pid_t pid;     /* the process that accepted it */
     int slot;
     unsigned gen, epoch;
@@ -310,8 +337,11 @@ struct kconn {
 
 static struct kconn kconns[MAX_KFD];
 static int n_kernel; /* remembered descriptors (atomic) */
+static pid_t my_pid; /* atomic: set at init and in each forked child */
+static int n_pending; /* atomic: CLOSEs queued for the sender thread (see send_close) */
 static int kfd_high; /* 1 + the highest fd ever remembered (atomic) */
 static int warned_kfd; /* the bound was logged (atomic) */
+static int warned_holders; /* the holders' bound was logged (atomic) */
 static unsigned next_request; /* request ids of KEY_UPDATE/CLOSE frames (atomic) */
 
 static struct kconn *kfind(int fd) {
@@ -319,6 +349,19 @@ static struct kconn *kfind(int fd) {
         !__atomic_load_n(&kconns[fd].state, __ATOMIC_ACQUIRE))
         return NULL;
     return &kconns[fd];
+}
+
+/* A vfork child (Python's subprocess, posix_spawn) shares this memory with its parent, whose
+ * tables these are: it runs no fork handler, so my_pid still names the parent. What it
+ * closes before its exec is its own copy, nothing to count. */
+static int in_vfork_child(void) {
+    return getpid() != __atomic_load_n(&my_pid, __ATOMIC_ACQUIRE);
+}
+
+/* A remembered kernel-plane descriptor: its reads handle control records. */
+static struct kconn *kfind_kernel(int fd) {
+    struct kconn *k = kfind(fd);
+    return k && k->kernel ? k : NULL;
 }
 
 /* The real function, looked up on first use: the read calls work before (and without)
@@ -381,18 +424,61 @@ static void leave(struct taken *t, const sigset_t *old) {
     pthread_sigmask(SIG_SETMASK, old, NULL);
 }
 
+/* As enter, for the duplicate kept after the program closed the socket: *fd is set to it. */
+static int enter_keep(struct taken *t, unsigned gen, int *fd, sigset_t *old) {
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, old);
+    __atomic_add_fetch(&t->busy, 1, __ATOMIC_SEQ_CST);
+    int kf = __atomic_load_n(&t->keep, __ATOMIC_SEQ_CST);
+    if (kf >= 0 && __atomic_load_n(&t->gen, __ATOMIC_ACQUIRE) == gen) {
+        *fd = kf;
+        return 1;
+    }
+    __atomic_sub_fetch(&t->busy, 1, __ATOMIC_SEQ_CST);
+    pthread_sigmask(SIG_SETMASK, old, NULL);
+    return 0;
+}
+
+static void wait_idle(struct taken *t) {
+    while (__atomic_load_n(&t->busy, __ATOMIC_SEQ_CST) > 0) {
+        struct timespec ts = {0, 50 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* No connection is remembered any more: the duplicates kept for their CLOSEs go. */
+static void drop_keeps(void) {
+    if (__atomic_load_n(&n_kernel, __ATOMIC_ACQUIRE) ||
+        __atomic_load_n(&n_pending, __ATOMIC_ACQUIRE))
+        return;
+    for (int i = 0; i < MAX_TAKEN; i++) {
+        if (__atomic_load_n(&taken[i].keep, __ATOMIC_ACQUIRE) < 0)
+            continue;
+        int kf = __atomic_exchange_n(&taken[i].keep, -1, __ATOMIC_SEQ_CST);
+        if (kf >= 0) {
+            wait_idle(&taken[i]);
+            REAL(close)(kf);
+        }
+    }
+}
+
 /* Sends frame f (n bytes, one send: see the header) on the hand-off connection connection k
  * came from. Returns -1 when that connection is gone (tlsplane stopped, restarted, or the
  * program closed the socket), or no room came within SEND_WAIT_MS. */
-static int send_frame(const struct kconn *k, const unsigned char *f, size_t n) {
+static int send_frame(const struct kconn *k, const unsigned char *f, size_t n, int wait) {
     struct taken *t = &taken[k->slot];
     long deadline = now_ms() + SEND_WAIT_MS;
     for (;;) {
         int fd = __atomic_load_n(&t->fd, __ATOMIC_ACQUIRE);
         sigset_t old;
-        if (fd < 0 || __atomic_load_n(&t->epoch, __ATOMIC_ACQUIRE) != k->epoch ||
-            __atomic_load_n(&t->lost, __ATOMIC_ACQUIRE) || !enter(t, fd, k->gen, &old))
+        if ((fd < 0 || !enter(t, fd, k->gen, &old)) && !enter_keep(t, k->gen, &fd, &old))
             return -1;
+        if (__atomic_load_n(&t->epoch, __ATOMIC_ACQUIRE) != k->epoch ||
+            __atomic_load_n(&t->lost, __ATOMIC_ACQUIRE)) {
+            leave(t, &old);
+            return -1;
+        }
         ssize_t r = send(fd, f, n, MSG_NOSIGNAL | MSG_DONTWAIT);
         int e = errno;
         if (r >= 0 && (size_t)r < n)
@@ -403,6 +489,8 @@ static int send_frame(const struct kconn *k, const unsigned char *f, size_t n) {
         long left = deadline - now_ms();
         if (e != EAGAIN && e != EWOULDBLOCK && e != EINTR)
             return -1;
+        if (!wait && e != EINTR)
+            return -2;
         if (left <= 0)
             return -1;
         /* Waiting for room holds nothing: the descriptor may be closed meanwhile, which
@@ -412,129 +500,219 @@ static int send_frame(const struct kconn *k, const unsigned char *f, size_t n) {
     }
 }
 
-static void send_close(struct kconn *k) {
-    if (__atomic_exchange_n(&k->closed, 1, __ATOMIC_ACQ_REL))
-        return;
-    unsigned char f[20];
-    frame_head(f, KIND_CLOSE, sizeof f, k->conn_id);
-    send_frame(k, f, sizeof f);
-}
+/* CLOSEs that found no room when the program closed the descriptor: a private duplicate
+ * of the descriptor keeps the connection from ending before its CLOSE is queued, and the
+ * sender thread sends each (waiting for room, SEND_WAIT_MS at most), then closes the
+ * duplicate. */
+#define MAX_PENDING 256
+static struct pending {
+    int state; /* atomic: 0 free, 1 being filled, 2 queued, 3 being sent */
+    int dup;
+    struct kconn k;
+} pending[MAX_PENDING];
+static sem_t pending_sem; /* posted per queued CLOSE (sem_post is async-signal-safe) */
+static pid_t sender_pid;  /* atomic: the process whose sender thread runs */
 
-/* Whether process `pid` holds, at descriptor `fd`, the file `ours` (a descriptor of this
- * process) is. Errors (no kcmp, no such process, not allowed to look) count as no. */
-static int holds(pid_t pid, int fd, int ours) {
-    return syscall(SYS_kcmp, (pid_t)getpid(), pid, KCMP_FILE_, (unsigned long)ours,
-                   (unsigned long)fd) == 0;
-}
-
-/* Whether one of this process's recent children holds, at fd, the file `ours` is. */
-static int held_by_child(int fd, int ours) {
-    pid_t self = getpid();
-    for (int i = 0; i < MAX_CHILDREN; i++) {
-        uint64_t e = __atomic_load_n(&children.pids[i], __ATOMIC_ACQUIRE);
-        if (e && (pid_t)(e >> 32) == self && holds((pid_t)(uint32_t)e, fd, ours))
-            return 1;
-    }
-    return 0;
-}
-
-/* CLOSE for a connection several processes held, unless one of them sent it already. */
-static void send_close_once(struct kconn *k) {
-    if (sent_closes) {
-        uint64_t *slot = &sent_closes[(k->conn_id * 0x9e3779b97f4a7c15ull) >> 56];
-        uint64_t cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-        do {
-            if (cur == k->conn_id + 1)
-                return;
-        } while (!__atomic_compare_exchange_n(slot, &cur, k->conn_id + 1, 0, __ATOMIC_ACQ_REL,
-                                              __ATOMIC_ACQUIRE));
-    }
-    send_close(k);
-}
-
-/* Connections this process accepted and closed while a child still held them: the watcher
- * thread (started by the fork wrapper, so that close itself never creates one) sends each
- * CLOSE once no child holds the connection any more, which also covers a child that exits
- * or execs without closing it. */
-#define MAX_DEFERRED 64
-static struct deferred {
-    int state; /* atomic: 0 free, 1 being filled, 2 watched */
-    int fd, ours;
-    struct kconn k; /* a copy: kconns[fd] is free again */
-} deferred[MAX_DEFERRED];
-static int watching; /* atomic: the watcher thread runs */
-
-static int defer_close(const struct kconn *k, int fd, int ours) {
-    if (!__atomic_load_n(&watching, __ATOMIC_ACQUIRE))
-        return 0;
-    for (int i = 0; i < MAX_DEFERRED; i++) {
-        int free_slot = 0;
-        struct deferred *d = &deferred[i];
-        if (!__atomic_compare_exchange_n(&d->state, &free_slot, 1, 0, __ATOMIC_ACQ_REL,
-                                         __ATOMIC_RELAXED))
-            continue;
-        d->fd = fd;
-        d->ours = ours;
-        d->k = *k;
-        __atomic_store_n(&d->state, 2, __ATOMIC_RELEASE);
-        return 1;
-    }
-    return 0; /* full: CLOSE now, as if no child held it */
-}
-
-static void *watch_deferred(void *arg) {
+static void *send_pending(void *arg) {
     (void)arg;
     for (;;) {
-        struct timespec ts = {0, 50 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-        for (int i = 0; i < MAX_DEFERRED; i++) {
-            struct deferred *d = &deferred[i];
-            if (__atomic_load_n(&d->state, __ATOMIC_ACQUIRE) != 2 || held_by_child(d->fd, d->ours))
+        while (sem_wait(&pending_sem) < 0)
+            ;
+        for (int i = 0; i < MAX_PENDING; i++) {
+            struct pending *p = &pending[i];
+            int queued = 2;
+            if (!__atomic_compare_exchange_n(&p->state, &queued, 3, 0, __ATOMIC_ACQ_REL,
+                                             __ATOMIC_RELAXED))
                 continue;
-            send_close_once(&d->k);
-            REAL(close)(d->ours);
-            __atomic_store_n(&d->state, 0, __ATOMIC_RELEASE);
+            unsigned char f[20];
+            frame_head(f, KIND_CLOSE, sizeof f, p->k.conn_id);
+            send_frame(&p->k, f, sizeof f, 1);
+            REAL(close)(p->dup);
+            __atomic_store_n(&p->state, 0, __ATOMIC_RELEASE);
+            __atomic_sub_fetch(&n_pending, 1, __ATOMIC_ACQ_REL);
+            drop_keeps();
         }
     }
     return NULL;
 }
 
-/* Closes (or, for dup2/dup3, replaces) descriptor fd through `op`, forgetting its kernel-plane
- * connection and sending its CLOSE unless sent. A connection more than one process held (this
- * one forked since accepting it, or inherited it) gets its CLOSE once the last of them lets
- * go (see the header: fork). Only atomics and system calls: safe in a signal handler. */
-static int kclose(int fd, int (*op)(int, int, int), int a, int b, int c) {
+/* Hands the CLOSE of connection k, open at fd, to the sender thread: 0 if it cannot. */
+static int queue_close(const struct kconn *k, int fd) {
+    pid_t self = getpid();
+    pid_t was = __atomic_load_n(&sender_pid, __ATOMIC_ACQUIRE);
+    if (was != self) {
+        /* The first time in this process (threads are not inherited across fork); another
+         * thread that got here first starts it. */
+        if (!__atomic_compare_exchange_n(&sender_pid, &was, self, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            goto queue;
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        pthread_attr_t attr;
+        pthread_t th;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int ok = pthread_create(&th, &attr, send_pending, NULL) == 0;
+        pthread_attr_destroy(&attr);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (!ok) {
+            __atomic_store_n(&sender_pid, was, __ATOMIC_RELEASE);
+            return 0;
+        }
+    }
+queue:
+    for (int i = 0; i < MAX_PENDING; i++) {
+        struct pending *p = &pending[i];
+        int free_slot = 0;
+        if (!__atomic_compare_exchange_n(&p->state, &free_slot, 1, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_RELAXED))
+            continue;
+        p->dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        if (p->dup < 0) {
+            __atomic_store_n(&p->state, 0, __ATOMIC_RELEASE);
+            return 0;
+        }
+        p->k = *k;
+        __atomic_add_fetch(&n_pending, 1, __ATOMIC_ACQ_REL);
+        __atomic_store_n(&p->state, 2, __ATOMIC_RELEASE);
+        sem_post(&pending_sem);
+        return 1;
+    }
+    return 0;
+}
+
+/* Sends connection k's CLOSE. With fd (the program's descriptor of it, still open) and no
+ * room now, the sender thread sends it while a duplicate of fd holds the connection open;
+ * otherwise (fd -1, or the sender cannot take it) this thread waits for room. */
+static void send_close(const struct kconn *k, int fd) {
+    unsigned char f[20];
+    frame_head(f, KIND_CLOSE, sizeof f, k->conn_id);
+    if (fd >= 0 && (send_frame(k, f, sizeof f, 0) != -2 || queue_close(k, fd)))
+        return;
+    send_frame(k, f, sizeof f, 1);
+}
+
+/* ---- Who holds a connection: counts shared across fork ----
+ *
+ * Each remembered connection has a slot in `holders` (memory shared with every process
+ * forked after init): how many processes hold it, and whether its CLOSE went out. accept
+ * counts 1; a fork counts 1 more for each connection the parent holds (in the prepare
+ * handler, before the child exists, so that no close in the parent can precede it); a close,
+ * dup2/dup3 over it, exec, or a voluntary exit counts 1 less. Whoever brings it to 0 sends
+ * the CLOSE. A process killed by a signal counts nothing less: the connections it held get
+ * no CLOSE, and tlsplane resets them (the receiver announced ENDS_WITH_CLOSE). */
+/* A slot: the claim's generation << 32 | HOLD_SENT | the count (0: free). The generation
+ * keeps a late count (a fork counting a connection another thread just let go) off the next
+ * connection to claim the slot. */
+static uint64_t *holders; /* HOLD_SLOTS, shared */
+static unsigned next_hold; /* atomic: where the next claim starts looking */
+
+/* Claims a free slot for a new connection (count 1): its index, or -1. */
+static int hold_claim(uint32_t *gen) {
+    if (!holders)
+        return -1;
+    unsigned start = __atomic_fetch_add(&next_hold, 1, __ATOMIC_RELAXED);
+    for (unsigned i = 0; i < HOLD_SLOTS; i++) {
+        unsigned at = (start + i) % HOLD_SLOTS;
+        uint64_t v = __atomic_load_n(&holders[at], __ATOMIC_ACQUIRE);
+        if (v & HOLD_COUNT)
+            continue;
+        uint32_t g = (uint32_t)(v >> 32) + 1;
+        if (__atomic_compare_exchange_n(&holders[at], &v, (uint64_t)g << 32 | 1, 0,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+            *gen = g;
+            return (int)at;
+        }
+    }
+    if (!__atomic_exchange_n(&warned_holders, 1, __ATOMIC_RELAXED))
+        note("more connections open than the shim counts holders of (4096): closing one of "
+             "them sends its CLOSE at once, wherever else it is held (logged once)",
+             0);
+    return -1;
+}
+
+/* One more process holds connection k: 0 if it was let go meanwhile (nothing counted). */
+static int hold_more(const struct kconn *k) {
+    uint64_t *h = &holders[k->hold];
+    uint64_t v = __atomic_load_n(h, __ATOMIC_ACQUIRE);
+    do {
+        if ((uint32_t)(v >> 32) != k->hold_gen || !(v & HOLD_COUNT))
+            return 0;
+    } while (!__atomic_compare_exchange_n(h, &v, v + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    return 1;
+}
+
+/* CLOSE now (shutdown): unless it went out already, from any process. */
+static void close_now(struct kconn *k) {
+    if (k->hold < 0) {
+        if (!__atomic_exchange_n(&k->closed, 1, __ATOMIC_ACQ_REL))
+            send_close(k, -1);
+        return;
+    }
+    uint64_t *h = &holders[k->hold];
+    uint64_t v = __atomic_load_n(h, __ATOMIC_ACQUIRE);
+    do {
+        if ((uint32_t)(v >> 32) != k->hold_gen || !(v & HOLD_COUNT) || (v & HOLD_SENT))
+            return;
+    } while (!__atomic_compare_exchange_n(h, &v, v | HOLD_SENT, 0, __ATOMIC_ACQ_REL,
+                                          __ATOMIC_ACQUIRE));
+    send_close(k, -1);
+}
+
+/* This process lets go of connection k (a copy: its kconns entry is forgotten): the last
+ * holder sends the CLOSE, unless `send` is 0 (a process exiting with a connection it accepted
+ * still open: a cut answer must not look whole) or it went out already. fd: the program's
+ * descriptor of it, still open (see send_close), or -1. */
+static void let_go(const struct kconn *k, int send, int fd) {
+    if (k->hold < 0) {
+        if (send && !__atomic_load_n(&k->closed, __ATOMIC_ACQUIRE))
+            send_close(k, fd);
+        return;
+    }
+    uint64_t *h = &holders[k->hold];
+    uint64_t v = __atomic_load_n(h, __ATOMIC_ACQUIRE), next;
+    do {
+        if ((uint32_t)(v >> 32) != k->hold_gen || !(v & HOLD_COUNT))
+            return;
+        next = (v & HOLD_COUNT) == 1 ? v & ~(HOLD_COUNT | HOLD_SENT) : v - 1;
+    } while (!__atomic_compare_exchange_n(h, &v, next, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    if (!(next & HOLD_COUNT) && send && !(v & HOLD_SENT))
+        send_close(k, fd);
+}
+
+/* Forgets fd's connection; 1 with a copy of it in *out, 0 if none was remembered there. */
+static int kforget(int fd, struct kconn *out) {
     struct kconn *k = kfind(fd);
     if (!k || !__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
-        return op(a, b, c);
+        return 0;
+    /* Copied before anything closes fd: until then no accept can be given this number and
+     * overwrite the entry. */
+    *out = *k;
     __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
-    /* The fields stay valid: fd is not reused before the close below. */
-    int mine = k->pid == getpid();
-    if (mine && !__atomic_load_n(&k->forked, __ATOMIC_ACQUIRE)) {
-        send_close(k);
+    return 1;
+}
+
+/* Closes (or, for dup2/dup3, replaces) descriptor fd through `op`, forgetting its connection:
+ * its CLOSE, if this process is the last to hold it, is sent before fd goes (tlsplane reads
+ * the requests queued before it judges an end, so it sees the CLOSE first). Only atomics and
+ * system calls: safe in a signal handler. */
+static int kclose(int fd, int (*op)(int, int, int), int a, int b, int c) {
+    struct kconn k;
+    if (!kfind(fd) || in_vfork_child() || !kforget(fd, &k))
         return op(a, b, c);
+    if (inode_of(fd) != k.ino) {
+        /* Closed where the shim could not see, and the number reused: let go of it all the
+         * same, and close what is there now. */
+        int r = op(a, b, c);
+        int e = errno;
+        let_go(&k, 1, -1);
+        errno = e;
+        return r;
     }
-    if (inode_of(fd) != k->ino)
-        return op(a, b, c); /* stale (see kforget_stale): not this process's to tell */
-    /* This process's copy goes first, then the others are asked: of two processes closing
-     * at once, at least the later one sees the other's copy gone. */
-    int ours = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    int r = op(a, b, c);
-    int e = errno;
-    if (ours < 0) {
-        send_close_once(k);
-    } else if (mine) {
-        if (!held_by_child(fd, ours) || !defer_close(k, fd, ours))
-            send_close_once(k);
-        else
-            ours = -1; /* the watcher's now */
-    } else if (!holds(k->pid, fd, ours)) {
-        send_close_once(k); /* the accepting process let go first */
-    }
-    if (ours >= 0)
-        REAL(close)(ours);
-    errno = e;
-    return r;
+    let_go(&k, 1, fd);
+    drop_keeps();
+    return op(a, b, c);
 }
 
 static int op_close(int fd, int unused1, int unused2) {
@@ -548,24 +726,19 @@ static int op_dup3(int old, int fd, int flags) {
 }
 
 /* fd was just received, so a connection still remembered there was closed where the shim
- * could not see (fclose, close_range) and the number reused. Its CLOSE is still owed, by the
- * process that accepted it, unless it forked since (a child may serve it: the kernel can no
- * longer say, and tlsplane lets go 30 s after the client's end anyway). */
+ * could not see (fclose, close_range) and the number reused: this process let go of it. */
 static void kforget_stale(int fd) {
-    struct kconn *k = kfind(fd);
-    if (!k || !__atomic_exchange_n(&k->state, 0, __ATOMIC_ACQ_REL))
-        return;
-    __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
-    if (k->pid == getpid() && !__atomic_load_n(&k->forked, __ATOMIC_ACQUIRE))
-        send_close(k);
+    struct kconn k;
+    if (kforget(fd, &k))
+        let_go(&k, 1, -1);
 }
 
-/* Remembers kernel-plane descriptor fd, just received from hand-off slot t. */
-static void kremember(int fd, struct taken *t, uint64_t conn_id) {
+/* Remembers descriptor fd, a connection on `plane` just received from hand-off slot t. */
+static void kremember(int fd, struct taken *t, uint64_t conn_id, int plane) {
     if ((unsigned)fd >= MAX_KFD) {
         if (!__atomic_exchange_n(&warned_kfd, 1, __ATOMIC_RELAXED))
-            note("a kernel-plane descriptor is above the shim's bound (65535): its control "
-                 "records are not handled (logged once)",
+            note("a handed descriptor is above the shim's bound (65535): its control records "
+                 "are not handled, and closing it sends no CLOSE (logged once)",
                  0);
         return;
     }
@@ -575,10 +748,13 @@ static void kremember(int fd, struct taken *t, uint64_t conn_id) {
     k->gen = __atomic_load_n(&t->gen, __ATOMIC_ACQUIRE);
     k->epoch = __atomic_load_n(&t->epoch, __ATOMIC_ACQUIRE);
     k->conn_id = conn_id;
+    k->kernel = plane == PLANE_KERNEL;
+    k->fd = fd;
     k->ino = inode_of(fd);
+    k->hold = hold_claim(&k->hold_gen);
+    k->prep = 0;
     __atomic_store_n(&k->end, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&k->closed, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&k->forked, 0, __ATOMIC_RELAXED);
     k->pid = getpid();
     int hi = __atomic_load_n(&kfd_high, __ATOMIC_RELAXED);
     while (hi < fd + 1 &&
@@ -587,6 +763,22 @@ static void kremember(int fd, struct taken *t, uint64_t conn_id) {
         ;
     __atomic_add_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
     __atomic_store_n(&k->state, 1, __ATOMIC_RELEASE);
+}
+
+/* Lets go of every connection this process holds: at exec (`send` 1: the new program
+ * cannot close what it does not know of) or at a voluntary exit (`send` 0 for the ones it
+ * accepted itself; 1 for those it inherited, which their owner may be done with). */
+static void let_go_all(int exec) {
+    pid_t self = getpid();
+    if (!__atomic_load_n(&n_kernel, __ATOMIC_ACQUIRE) || in_vfork_child())
+        return;
+    int hi = __atomic_load_n(&kfd_high, __ATOMIC_ACQUIRE);
+    for (int fd = 0; fd < hi; fd++) {
+        struct kconn k;
+        if (__atomic_load_n(&kconns[fd].state, __ATOMIC_ACQUIRE) && kforget(fd, &k))
+            let_go(&k, exec || k.pid != self, -1);
+    }
+    drop_keeps();
 }
 
 /* One intercepted read, whichever call it came through. */
@@ -728,7 +920,7 @@ static ssize_t kread(struct kconn *k, const struct rd *a) {
             frame_head(f, KIND_KEY_UPDATE, 22 + (size_t)n, k->conn_id);
             f[20] = (unsigned char)(n >> 8);
             f[21] = (unsigned char)n;
-            if (send_frame(k, f, 22 + (size_t)n) < 0)
+            if (send_frame(k, f, 22 + (size_t)n, 1) < 0)
                 return end_with(k, ECONNRESET); /* nobody can re-key it */
             continue;
         }
@@ -740,41 +932,38 @@ static ssize_t kread(struct kconn *k, const struct rd *a) {
 
 /* ---- fork ---- */
 
-/* The parent: every connection it holds now may be in the child too. */
-static void fork_parent(void) {
+/* The connections the prepare handler counted for the child about to be forked: the child
+ * reconciles them with what it really inherited (another thread may have closed or accepted
+ * one between the count and the fork); a failed fork takes them back. */
+static struct kconn prepared[HOLD_SLOTS];
+static int n_prepared;
+static unsigned fork_seq;
+
+static void fork_prepare(void) {
+    unsigned seq = ++fork_seq;
+    n_prepared = 0;
     int hi = __atomic_load_n(&kfd_high, __ATOMIC_ACQUIRE);
-    for (int fd = 0; fd < hi; fd++)
-        if (__atomic_load_n(&kconns[fd].state, __ATOMIC_ACQUIRE))
-            __atomic_store_n(&kconns[fd].forked, 1, __ATOMIC_RELEASE);
+    for (int fd = 0; fd < hi && n_prepared < HOLD_SLOTS; fd++) {
+        struct kconn *k = &kconns[fd];
+        if (!__atomic_load_n(&k->state, __ATOMIC_ACQUIRE))
+            continue;
+        struct kconn c = *k;
+        if (c.hold < 0 || !hold_more(&c))
+            continue;
+        k->prep = seq;
+        prepared[n_prepared++] = c;
+    }
 }
 
 static void start_reconnect(struct taken *t, int fd);
-static pid_t (*real_fork)(void);
 
-/* Notes each child before returning, so that a close right after the fork already knows
- * it; and once a kernel-plane connection was open at a fork, starts the watcher thread. */
 pid_t fork(void) {
     pid_t pid = REAL(fork)();
-    if (pid <= 0)
-        return pid;
-    unsigned i = __atomic_fetch_add(&children.next, 1, __ATOMIC_ACQ_REL) % MAX_CHILDREN;
-    uint64_t e = (uint64_t)(uint32_t)getpid() << 32 | (uint32_t)pid;
-    __atomic_store_n(&children.pids[i], e, __ATOMIC_RELEASE);
-    int idle = 0;
-    if (__atomic_load_n(&n_kernel, __ATOMIC_ACQUIRE) > 0 &&
-        __atomic_compare_exchange_n(&watching, &idle, 1, 0, __ATOMIC_ACQ_REL,
-                                    __ATOMIC_RELAXED)) {
-        sigset_t all, old;
-        sigfillset(&all);
-        pthread_sigmask(SIG_SETMASK, &all, &old);
-        pthread_t th;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        if (pthread_create(&th, &attr, watch_deferred, NULL) != 0)
-            __atomic_store_n(&watching, 0, __ATOMIC_RELEASE);
-        pthread_attr_destroy(&attr);
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (pid < 0) {
+        int e = errno;
+        for (int i = 0; i < n_prepared; i++)
+            let_go(&prepared[i], 1, -1);
+        errno = e;
     }
     return pid;
 }
@@ -782,13 +971,15 @@ pid_t fork(void) {
 /* The child: only the forking thread exists here. Counts of other threads' work on a slot are
  * stale, a half-claimed slot will never be finished, and a reconnecting thread is missing. */
 static void fork_child(void) {
-    __atomic_store_n(&watching, 0, __ATOMIC_RELEASE);
-    for (int i = 0; i < MAX_DEFERRED; i++) {
-        /* The parent's to send; this process's copy of its watched socket goes. */
-        if (__atomic_load_n(&deferred[i].state, __ATOMIC_ACQUIRE) == 2)
-            REAL(close)(deferred[i].ours);
-        __atomic_store_n(&deferred[i].state, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&my_pid, getpid(), __ATOMIC_RELEASE);
+    /* The parent's sender sends those CLOSEs; this process's copies of their duplicates go. */
+    for (int i = 0; i < MAX_PENDING; i++) {
+        if (__atomic_load_n(&pending[i].state, __ATOMIC_ACQUIRE) >= 2)
+            REAL(close)(pending[i].dup);
+        __atomic_store_n(&pending[i].state, 0, __ATOMIC_RELEASE);
     }
+    __atomic_store_n(&n_pending, 0, __ATOMIC_RELEASE);
+    sem_init(&pending_sem, 0, 0);
     for (int i = 0; i < MAX_TAKEN; i++) {
         struct taken *t = &taken[i];
         __atomic_store_n(&t->busy, 0, __ATOMIC_RELEASE);
@@ -800,6 +991,73 @@ static void fork_child(void) {
             start_reconnect(t, fd);
         }
     }
+    /* Accepted after the count: this process holds it too. */
+    int hi = __atomic_load_n(&kfd_high, __ATOMIC_ACQUIRE);
+    for (int fd = 0; fd < hi; fd++) {
+        struct kconn *k = &kconns[fd];
+        if (__atomic_load_n(&k->state, __ATOMIC_ACQUIRE) && k->hold >= 0 &&
+            k->prep != fork_seq && !hold_more(k)) {
+            /* Its CLOSE went out meanwhile: this copy is no longer the shim's. */
+            __atomic_store_n(&k->state, 0, __ATOMIC_RELEASE);
+            __atomic_sub_fetch(&n_kernel, 1, __ATOMIC_RELEASE);
+        }
+    }
+    /* Counted but closed before the fork: never this process's; if the parent's close left
+     * the count to this process, the CLOSE is its to send. */
+    for (int i = 0; i < n_prepared; i++) {
+        const struct kconn *p = &prepared[i];
+        const struct kconn *k = &kconns[p->fd];
+        if (!__atomic_load_n(&k->state, __ATOMIC_ACQUIRE) || k->hold != p->hold ||
+            k->hold_gen != p->hold_gen ||
+            k->prep != fork_seq)
+            let_go(p, 1, -1);
+    }
+}
+
+/* A process that exits by exit(3) or _exit(2) lets go of what it holds; one killed by a
+ * signal does not (see "Who holds a connection"). */
+__attribute__((destructor)) static void at_exit(void) {
+    let_go_all(0);
+}
+
+void _exit(int status) {
+    let_go_all(0);
+    REAL(_exit)(status);
+    __builtin_unreachable();
+}
+
+void _Exit(int status) {
+    let_go_all(0);
+    REAL_AS(_exit, "_exit")(status);
+    __builtin_unreachable();
+}
+
+/* exec: the new program knows nothing of the connections (and close-on-exec ones go). The
+ * counts are given back first; if the exec fails, the descriptors stay open but are no longer
+ * the shim's (closing them sends nothing). */
+int execve(const char *path, char *const argv[], char *const envp[]) {
+    let_go_all(1);
+    return REAL(execve)(path, argv, envp);
+}
+
+int execv(const char *path, char *const argv[]) {
+    let_go_all(1);
+    return REAL(execv)(path, argv);
+}
+
+int execvp(const char *file, char *const argv[]) {
+    let_go_all(1);
+    return REAL(execvp)(file, argv);
+}
+
+int execvpe(const char *file, char *const argv[], char *const envp[]) {
+    let_go_all(1);
+    return REAL(execvpe)(file, argv, envp);
+}
+
+int fexecve(int fd, char *const argv[], char *const envp[]) {
+    let_go_all(1);
+    return REAL(fexecve)(fd, argv, envp);
 }
 
 /* ---- Configuration ---- */
@@ -858,6 +1116,9 @@ static void describe_refusal(char *buf, size_t size, uid_t uid) {
 /* Connects to the hand-off socket and checks who listens there. Returns the socket, or -1
  * with errno set (EPERM: another user, whose id is then in *refused). */
 static int dial(uid_t *refused) {
+    /* The first frame: HELLO, ENDS_WITH_CLOSE (every connection ends with a CLOSE). */
+    static const unsigned char hello[12] = {'T', 'L', 'P', 'H', 1, KIND_HELLO, 0, 12,
+                                            0,   0,   0,   ENDS_WITH_CLOSE};
     int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (s < 0)
         return -1;
@@ -870,6 +1131,8 @@ static int dial(uid_t *refused) {
     else if (!trusted(cred.uid)) {
         *refused = cred.uid;
         e = EPERM;
+    } else if (send(s, hello, sizeof hello, MSG_NOSIGNAL) != (ssize_t)sizeof hello) {
+        e = errno ? errno : EPIPE; /* a fresh connection has room for 12 bytes */
     }
     if (e) {
         real_close(s);
@@ -895,8 +1158,19 @@ static void init(void) {
     real_read_chk = dlsym(RTLD_NEXT, "__read_chk");
     real_recv_chk = dlsym(RTLD_NEXT, "__recv_chk");
     real_recvfrom_chk = dlsym(RTLD_NEXT, "__recvfrom_chk");
-    for (int i = 0; i < MAX_TAKEN; i++)
+    real_fork = dlsym(RTLD_NEXT, "fork");
+    real__exit = dlsym(RTLD_NEXT, "_exit");
+    real_execve = dlsym(RTLD_NEXT, "execve");
+    real_execv = dlsym(RTLD_NEXT, "execv");
+    real_execvp = dlsym(RTLD_NEXT, "execvp");
+    real_execvpe = dlsym(RTLD_NEXT, "execvpe");
+    real_fexecve = dlsym(RTLD_NEXT, "fexecve");
+    for (int i = 0; i < MAX_TAKEN; i++) {
         taken[i].fd = -1;
+        taken[i].keep = -1;
+    }
+    __atomic_store_n(&my_pid, getpid(), __ATOMIC_RELEASE);
+    sem_init(&pending_sem, 0, 0);
 
     const char *path = getenv("TLSPLANE_HANDOFF");
     const char *listen_on = getenv("TLSPLANE_LISTEN");
@@ -955,7 +1229,7 @@ static void init(void) {
         cfg.fail = EINVAL;
         return;
     }
-    void *shared = mmap(NULL, sizeof(struct frame_lock) * MAX_TAKEN + 8 * SENT_SLOTS,
+    void *shared = mmap(NULL, sizeof(struct frame_lock) * MAX_TAKEN + 8 * HOLD_SLOTS,
                         PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     pthread_mutexattr_t attr;
     if (shared == MAP_FAILED || pthread_mutexattr_init(&attr) != 0) {
@@ -964,14 +1238,20 @@ static void init(void) {
         return;
     }
     frame_locks = shared;
-    sent_closes = (uint64_t *)(frame_locks + MAX_TAKEN);
+    holders = (uint64_t *)(frame_locks + MAX_TAKEN);
     pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
     pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
     pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
     for (int i = 0; i < MAX_TAKEN; i++)
         pthread_mutex_init(&frame_locks[i].m, &attr);
     pthread_mutexattr_destroy(&attr);
-    pthread_atfork(NULL, fork_parent, fork_child);
+    pthread_atfork(fork_prepare, NULL, fork_child);
+}
+
+/* At load, not on first use: the real functions are then looked up before a signal handler
+ * might be the first to call one (dlsym is not async-signal-safe). */
+__attribute__((constructor)) static void at_load(void) {
+    pthread_once(&once, init);
 }
 
 static int matches(const struct sockaddr_storage *ss) {
@@ -1370,14 +1650,10 @@ static int take_connection(struct taken *t, int cfd, struct sockaddr *addr,
         real_close(cfd);
         return -1;
     }
-    if (f[16] == PLANE_KERNEL) {
-        uint64_t id = 0;
-        for (int i = 8; i < 16; i++)
-            id = id << 8 | f[i];
-        kremember(cfd, t, id);
-    } else {
-        kforget_stale(cfd);
-    }
+    uint64_t id = 0;
+    for (int i = 8; i < 16; i++)
+        id = id << 8 | f[i];
+    kremember(cfd, t, id, f[16]);
     return cfd;
 }
 
@@ -1412,14 +1688,23 @@ static int handoff_accept(struct taken *t, int fd, struct sockaddr *addr, sockle
             if (r <= 0)
                 continue;
         }
+        /* From here to the frame's end the descriptor is read: close() waits for it (a
+         * frame already queued), so its number cannot meanwhile name another file. */
+        sigset_t old;
+        if (!enter(t, fd, gen, &old)) {
+            errno = EBADF; /* another thread closed the socket */
+            return -1;
+        }
         int locked = lock_frames(t, fd, !nonblock);
         if (locked <= 0) {
-            if (locked == 0)
-                errno = EAGAIN;
+            int e = locked == 0 ? EAGAIN : errno;
+            leave(t, &old);
+            errno = e;
             return -1;
         }
         if (__atomic_load_n(&t->lost, __ATOMIC_ACQUIRE)) {
             pthread_mutex_unlock(&frame_locks[t - taken].m);
+            leave(t, &old);
             continue;
         }
         int cfd = -1;
@@ -1433,6 +1718,9 @@ static int handoff_accept(struct taken *t, int fd, struct sockaddr *addr, sockle
             ret = take_connection(t, cfd, addr, addrlen, flags);
         }
         pthread_mutex_unlock(&frame_locks[t - taken].m);
+        int e = errno;
+        leave(t, &old);
+        errno = e;
         if (r == -2 || ret >= 0)
             return ret;
         if (r == 0 && nonblock) {
@@ -1479,15 +1767,30 @@ static void release_taken(int fd) {
     if (fd < 0 || __atomic_load_n(&n_taken, __ATOMIC_ACQUIRE) == 0)
         return;
     for (int i = 0; i < MAX_TAKEN; i++) {
+        if (__atomic_load_n(&taken[i].fd, __ATOMIC_ACQUIRE) != fd)
+            continue;
+        if (in_vfork_child())
+            return; /* its own copy of the descriptor; the slot is the parent's */
+        /* Connections it handed over are still open here: their CLOSEs need the hand-off
+         * connection after the program's descriptor is gone (a forked child that closes
+         * the listening socket, then serves). */
+        int kf = __atomic_load_n(&n_kernel, __ATOMIC_ACQUIRE) &&
+                         __atomic_load_n(&taken[i].keep, __ATOMIC_ACQUIRE) < 0
+                     ? fcntl(fd, F_DUPFD_CLOEXEC, 0)
+                     : -1;
         int want = fd;
         if (!__atomic_compare_exchange_n(&taken[i].fd, &want, -1, 0, __ATOMIC_SEQ_CST,
-                                         __ATOMIC_SEQ_CST))
+                                         __ATOMIC_SEQ_CST)) {
+            if (kf >= 0)
+                REAL(close)(kf);
             continue;
-        __atomic_sub_fetch(&n_taken, 1, __ATOMIC_RELEASE);
-        while (__atomic_load_n(&taken[i].busy, __ATOMIC_SEQ_CST) > 0) {
-            struct timespec ts = {0, 50 * 1000};
-            nanosleep(&ts, NULL);
         }
+        int none = -1;
+        if (kf >= 0 && !__atomic_compare_exchange_n(&taken[i].keep, &none, kf, 0,
+                                                    __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            REAL(close)(kf);
+        __atomic_sub_fetch(&n_taken, 1, __ATOMIC_RELEASE);
+        wait_idle(&taken[i]);
     }
 }
 
@@ -1497,7 +1800,7 @@ int close(int fd) {
 }
 
 ssize_t read(int fd, void *buf, size_t len) {
-    struct kconn *k = kfind(fd);
+    struct kconn *k = kfind_kernel(fd);
     if (!k)
         return REAL(read)(fd, buf, len);
     struct rd a = {.op = 0, .fd = fd, .buf = buf, .len = len};
@@ -1505,7 +1808,7 @@ ssize_t read(int fd, void *buf, size_t len) {
 }
 
 ssize_t recv(int fd, void *buf, size_t len, int flags) {
-    struct kconn *k = kfind(fd);
+    struct kconn *k = kfind_kernel(fd);
     if (!k)
         return REAL(recv)(fd, buf, len, flags);
     struct rd a = {.op = 1, .fd = fd, .buf = buf, .len = len, .flags = flags};
@@ -1514,7 +1817,7 @@ ssize_t recv(int fd, void *buf, size_t len, int flags) {
 
 ssize_t recvfrom(int fd, void *buf, size_t len, int flags, struct sockaddr *from,
                  socklen_t *fromlen) {
-    struct kconn *k = kfind(fd);
+    struct kconn *k = kfind_kernel(fd);
     if (!k)
         return REAL(recvfrom)(fd, buf, len, flags, from, fromlen);
     struct rd a = {.op = 2,
@@ -1528,7 +1831,7 @@ ssize_t recvfrom(int fd, void *buf, size_t len, int flags, struct sockaddr *from
 }
 
 ssize_t readv(int fd, const struct iovec *iov, int iovcnt) {
-    struct kconn *k = kfind(fd);
+    struct kconn *k = kfind_kernel(fd);
     if (!k)
         return REAL(readv)(fd, iov, iovcnt);
     struct rd a = {.op = 3, .fd = fd, .iov = iov, .iovcnt = iovcnt};
@@ -1537,7 +1840,7 @@ ssize_t readv(int fd, const struct iovec *iov, int iovcnt) {
 
 /* _FORTIFY_SOURCE turns read/recv/recvfrom with a buffer of known size into these. */
 ssize_t __read_chk(int fd, void *buf, size_t len, size_t buflen) {
-    struct kconn *k = kfind(fd);
+    struct kconn *k = kfind_kernel(fd);
     if (!k || len > buflen)
         return REAL_AS(read_chk, "__read_chk")(fd, buf, len, buflen);
     struct rd a = {.op = 0, .fd = fd, .buf = buf, .len = len};
@@ -1545,7 +1848,7 @@ ssize_t __read_chk(int fd, void *buf, size_t len, size_t buflen) {
 }
 
 ssize_t __recv_chk(int fd, void *buf, size_t len, size_t buflen, int flags) {
-    struct kconn *k = kfind(fd);
+    struct kconn *k = kfind_kernel(fd);
     if (!k || len > buflen)
         return REAL_AS(recv_chk, "__recv_chk")(fd, buf, len, buflen, flags);
     struct rd a = {.op = 1, .fd = fd, .buf = buf, .len = len, .flags = flags};
@@ -1554,7 +1857,7 @@ ssize_t __recv_chk(int fd, void *buf, size_t len, size_t buflen, int flags) {
 
 ssize_t __recvfrom_chk(int fd, void *buf, size_t len, size_t buflen, int flags,
                        struct sockaddr *from, socklen_t *fromlen) {
-    struct kconn *k = kfind(fd);
+    struct kconn *k = kfind_kernel(fd);
     if (!k || len > buflen)
         return REAL_AS(recvfrom_chk, "__recvfrom_chk")(fd, buf, len, buflen, flags, from, fromlen);
     struct rd a = {.op = 2,
@@ -1575,12 +1878,14 @@ int shutdown(int fd, int how) {
         return REAL(shutdown)(fd, how);
     if (how != SHUT_WR && how != SHUT_RDWR)
         return (int)fail(EINVAL);
+    if (!k->kernel) {
+        /* The relay: the CLOSE first, then the end tlsplane relays close_notify after. */
+        close_now(k);
+        return REAL(shutdown)(fd, how);
+    }
     if (how == SHUT_RDWR && REAL(shutdown)(fd, SHUT_RD) < 0)
         return -1;
-    if (k->pid == getpid() && !__atomic_load_n(&k->forked, __ATOMIC_ACQUIRE))
-        send_close(k);
-    else
-        send_close_once(k);
+    close_now(k);
     return 0;
 }
 

@@ -276,9 +276,11 @@ pub unsafe extern "C" fn tlsplane_accept(
                 // SAFETY: the caller promises `out` is valid for one write of the struct.
                 unsafe { out.write(info_out(&conn.info)) };
             }
-            let fd = conn.fd.into_raw_fd();
+            // The descriptor is the caller's now; tlsplane_close gives it back to the client.
+            let (fd, info) = conn.into_parts();
+            let fd = fd.into_raw_fd();
             let mut conns = h.conns.lock().unwrap_or_else(|p| p.into_inner());
-            conns.insert(fd, conn.info);
+            conns.insert(fd, info);
             fd
         }
         Err(e) => {
@@ -344,7 +346,7 @@ pub unsafe extern "C" fn tlsplane_close(h: *const TlsplaneHandle, fd: c_int) -> 
     // tlsplane.h the program closes it only through here); it was just forgotten, so nothing
     // else will close it.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    match h.client.close(tlsplane_handoff::Connection { fd, info }) {
+    match h.client.close(h.client.adopt(fd, info)) {
         Ok(Status::Ok) => 0,
         Ok(s) => {
             set_errno(errno_of_status(s));

@@ -6,11 +6,11 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsFd;
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use tlsplane_handoff::wire::Message;
+use tlsplane_handoff::wire::{self, Message};
 use tlsplane_handoff::{read_frame, send_connection, send_reply, ConnInfo, Plane, Reply, Status};
 
 #[path = "../../tlsplane-handoff/tests/common/impostor.rs"]
@@ -86,9 +86,20 @@ fn a_c_program_receives_reads_and_closes_through_the_library() {
 
     let fake = std::thread::spawn(move || {
         let (sock, _) = listener.accept().unwrap();
+        // Bounded: a receiver that sends no HELLO fails the test, not hangs it.
+        sock.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut frame = Vec::new();
+        read_frame(&sock, &mut frame).unwrap().unwrap();
+        assert_eq!(
+            Message::decode(&frame),
+            Ok(Some(Message::Hello {
+                flags: wire::ENDS_WITH_CLOSE
+            })),
+            "the library's first frame"
+        );
         send_connection(&sock, handed.as_fd(), &info).unwrap();
         drop(handed);
-        let mut frame = Vec::new();
         let (_, fd) = read_frame(&sock, &mut frame).unwrap().unwrap();
         assert!(fd.is_none());
         let (request_id, conn_id) = match Message::decode(&frame).unwrap() {
@@ -108,6 +119,29 @@ fn a_c_program_receives_reads_and_closes_through_the_library() {
             },
         )
         .unwrap();
+        // A relayed connection: its CLOSE is queued by the time its end reaches the relay.
+        let (mut relay, handed) = UnixStream::pair().unwrap();
+        let relayed = ConnInfo {
+            conn_id: 4343,
+            plane: Plane::UserRelay,
+            ..info.clone()
+        };
+        send_connection(&sock, handed.as_fd(), &relayed).unwrap();
+        drop(handed);
+        let mut answer = Vec::new();
+        relay.read_to_end(&mut answer).unwrap();
+        sock.set_nonblocking(true).unwrap();
+        let queued = matches!(read_frame(&sock, &mut frame), Ok(Some(_)));
+        sock.set_nonblocking(false).unwrap();
+        assert!(
+            queued
+                && matches!(
+                    Message::decode(&frame),
+                    Ok(Some(Message::Close { conn_id: 4343, .. }))
+                ),
+            "no CLOSE queued when the relayed connection ended"
+        );
+        assert_eq!(answer, b"relayed");
         // A header with an unknown plane, its descriptor attached: refused with EPROTO.
         let (_c2, s2) = {
             let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
@@ -150,6 +184,7 @@ fn a_c_program_receives_reads_and_closes_through_the_library() {
         "close=0".into(),
         "read_after_close=EBADF".into(),
         "close_unknown=EBADF".into(),
+        "plane=2 close=0".into(),
         "accept_bad=EPROTO".into(),
         "accept_gone=ECONNRESET".into(),
         "fds_leaked=0".into(),

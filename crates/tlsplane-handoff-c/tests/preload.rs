@@ -7,7 +7,7 @@
 //!
 //! Kernel plane (1): the fake hands over a plain TCP socket as plane 1 (tests/c/kernel_frames.c):
 //! reads and writes pass through, closing (or shutdown(SHUT_WR)) sends exactly one CLOSE,
-//! a relay connection none. No kTLS natively, so tests/c/fake_ktls.c, preloaded after the
+//! a relay connection too, all after the shim's HELLO (ENDS_WITH_CLOSE). No kTLS natively, so tests/c/fake_ktls.c, preloaded after the
 //! shim, plays a kTLS socket's records for tests/c/kernel_echo.c (the program the kTLS guest
 //! runs): a KeyUpdate goes to tlsplane as KEY_UPDATE, close_notify is end of stream, another
 //! alert ECONNRESET, a stray record EPROTO.
@@ -242,6 +242,7 @@ fn describe(frame: Option<Vec<u8>>) -> String {
     };
     match Message::decode(&f) {
         Ok(Some(Message::Close { conn_id, .. })) => format!("CLOSE {conn_id:#x}"),
+        Ok(Some(Message::Hello { flags })) => format!("HELLO {flags:#x}"),
         Ok(Some(Message::KeyUpdate {
             conn_id,
             record_plaintext,
@@ -307,6 +308,8 @@ fn the_preload_shim_sends_close_for_kernel_plane_connections_and_reads_pass_thro
         // Bounded: a shim that sends nothing makes the test fail, not hang.
         sock.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
         let timeout = Some(Duration::from_secs(3));
+        // 0. The shim's first frame: its promise to end every connection with a CLOSE.
+        seen.push(describe(next_frame(&mut sock)));
 
         // 1. Kernel plane, here a plain TCP socket (no kTLS, so no control record): the
         // program's reads and writes pass through byte-exact, and its close sends CLOSE.
@@ -327,7 +330,8 @@ fn the_preload_shim_sends_close_for_kernel_plane_connections_and_reads_pass_thro
         seen.push(describe(next_frame(&mut sock)));
         seen.push(format!("kernel peer: {}", peer_read(&mut peer)));
 
-        // 2. User relay plane: the same, and no frame.
+        // 2. User relay plane: the same, and its CLOSE (tlsplane relays close_notify after
+        // what the program wrote; without it the client would get a reset).
         let (mut relay, relay_theirs) = UnixStream::pair().unwrap();
         relay.set_read_timeout(timeout).unwrap();
         send_connection(&sock, relay_theirs.as_fd(), &info(2, "10.1.2.3:4445")).unwrap();
@@ -336,6 +340,7 @@ fn the_preload_shim_sends_close_for_kernel_plane_connections_and_reads_pass_thro
             "relay echo exact: {}",
             echoes(&mut relay, b"relay plane\n")
         ));
+        seen.push(describe(next_frame(&mut sock)));
         seen.push(format!("relay peer: {}", peer_read(&mut relay)));
 
         // 3. Kernel plane, shutdown(SHUT_WR): CLOSE at once and no FIN (it would come before
@@ -397,10 +402,12 @@ fn the_preload_shim_sends_close_for_kernel_plane_connections_and_reads_pass_thro
     assert_eq!(
         seen,
         [
+            "HELLO 0x1",
             "kernel echo exact: true",
             "CLOSE 0x1122334455667788",
             "kernel peer: end of stream",
             "relay echo exact: true",
+            "CLOSE 0x2",
             "relay peer: end of stream",
             "shut echo exact: true",
             "CLOSE 0x3",
@@ -409,7 +416,7 @@ fn the_preload_shim_sends_close_for_kernel_plane_connections_and_reads_pass_thro
             "dup2 echo exact: true",
             "CLOSE 0x4",
             "after dup2, peer: end of stream",
-            // Nothing more: no CLOSE for the relay connection, none twice.
+            // Nothing more: no CLOSE twice.
             "hand-off end",
         ],
         "{stdout}{stderr}"
@@ -504,6 +511,10 @@ fn the_preload_shim_handles_control_records_of_a_kernel_plane_connection() {
         };
         sock.set_nonblocking(false).unwrap();
         sock.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let hello = describe(next_frame(&mut sock));
+        if hello != "HELLO 0x1" {
+            return vec![format!("first frame: {hello}")];
+        }
         let key_update = [24u8, 0, 0, 1, 1]; // KeyUpdate, update_requested
         let mut seen = kernel_conn(
             &mut sock,
@@ -606,14 +617,18 @@ fn the_preload_shim_handles_control_records_of_a_kernel_plane_connection() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The shim's hand-off connection, once the program under it connects (10 s at most).
+/// The shim's hand-off connection, once the program under it connects (10 s at most), past
+/// its first frame, which must be a HELLO with ENDS_WITH_CLOSE.
 fn accept_within(listener: &UnixListener) -> Option<UnixStream> {
     listener.set_nonblocking(true).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         match listener.accept() {
-            Ok((sock, _)) => {
+            Ok((mut sock, _)) => {
                 sock.set_nonblocking(false).unwrap();
+                sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                assert_eq!(describe(next_frame(&mut sock)), "HELLO 0x1");
+                sock.set_read_timeout(None).unwrap();
                 return Some(sock);
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
@@ -906,10 +921,33 @@ fn the_shim_never_takes_a_connection_from_another_user_at_the_path() {
 /// An accept-then-fork server under the shim (tests/c/shim_servers.c forkper, the shape of
 /// socketserver.ForkingMixIn): the parent closes its copy of each kernel-plane connection at
 /// once while its child serves it. Its CLOSE (tlsplane's close_notify) must wait for the
-/// child's close, not come with the parent's, which would cut the child's answer short.
+/// child's close, not come with the parent's, which would cut the child's answer short. A child
+/// killed mid-connection sends no CLOSE (tlsplane then resets the connection: a cut answer
+/// must not look whole).
 #[test]
 fn a_fork_per_connection_server_sends_close_when_the_child_is_done() {
-    let (dir, shim, exe) = build("preload-forkper", "shim_servers");
+    fork_per_connection_server_closes("preload-forkper", None);
+}
+
+/// The same, after the server dropped root (setuid after listen, as daemons do): the process
+/// is no longer dumpable, which is what made kcmp(2) fail with EPERM and the parent's close
+/// send the CLOSE at once (every answer empty).
+#[test]
+fn a_fork_per_connection_server_that_dropped_root_sends_close_when_the_child_is_done() {
+    fork_per_connection_server_closes("preload-forkper-nobody", Some("65534"));
+}
+
+/// The children of `pid` (/proc's list, its main thread's).
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+fn fork_per_connection_server_closes(test: &str, drop_uid: Option<&str>) {
+    let (dir, shim, exe) = build(test, "shim_servers");
     let path = dir.join("handoff.sock");
     let listener = UnixListener::bind(&path).unwrap();
     let port = free_port();
@@ -918,6 +956,7 @@ fn a_fork_per_connection_server_sends_close_when_the_child_is_done() {
         .env("LD_PRELOAD", &shim)
         .env("TLSPLANE_HANDOFF", &path)
         .env("TLSPLANE_LISTEN", port.to_string())
+        .env("SHIM_DROP_UID", drop_uid.unwrap_or(""))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -925,7 +964,7 @@ fn a_fork_per_connection_server_sends_close_when_the_child_is_done() {
         .unwrap();
     let mut sock = accept_within(&listener).expect("the program did not connect");
     let mut seen = Vec::new();
-    for id in 1..=4u64 {
+    for id in 1..=5u64 {
         let (mut peer, server) = tcp_pair();
         peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut k = info(id, "10.1.2.3:4444");
@@ -941,6 +980,19 @@ fn a_fork_per_connection_server_sends_close_when_the_child_is_done() {
             "{id} while served: {}",
             describe(next_frame(&mut sock))
         ));
+        if id == 5 {
+            // Killed mid-connection: no CLOSE, from the child or from the parent.
+            for pid in children_of(child.id()) {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+            seen.push(format!("{id} peer: {}", peer_read(&mut peer)));
+            sock.set_read_timeout(Some(Duration::from_millis(1500)))
+                .unwrap();
+            seen.push(format!("{id} after: {}", describe(next_frame(&mut sock))));
+            break;
+        }
         peer.shutdown(std::net::Shutdown::Write).unwrap();
         seen.push(format!("{id} peer: {}", peer_read(&mut peer)));
         sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -955,13 +1007,17 @@ fn a_fork_per_connection_server_sends_close_when_the_child_is_done() {
     let out = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    let want: Vec<String> = (1..=4)
+    let want: Vec<String> = (1..=5)
         .flat_map(|id| {
             [
                 format!("{id} echo exact: true"),
                 format!("{id} while served: no frame"),
                 format!("{id} peer: end of stream"),
-                format!("{id} after: CLOSE {id:#x}"),
+                if id == 5 {
+                    format!("{id} after: no frame")
+                } else {
+                    format!("{id} after: CLOSE {id:#x}")
+                },
             ]
         })
         .collect();

@@ -7,7 +7,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 
 use crate::trust::ServerUids;
 use crate::wire::{
@@ -116,30 +116,128 @@ pub fn read_frame(
     Ok(Some((prefix, fd)))
 }
 
-/// One connection received from tlsplane.
+/// One connection received from tlsplane: its descriptor ([`AsFd`]) and header (`info`).
+///
+/// Its end is the library's: [`HandoffClient::close`] ends it, and so does dropping it, which
+/// first sends tlsplane a CLOSE for it (without waiting: if the hand-off connection has no
+/// room at that moment, or its client was dropped, none is sent). tlsplane resets a
+/// connection whose descriptor ends without a CLOSE, taking it for abandoned; so a
+/// descriptor taken out of the connection ([`into_parts`](Self::into_parts),
+/// `into_tcp_stream`) and closed directly ends it with a reset.
+/// [`HandoffClient::adopt`] gives it back to the library.
 #[derive(Debug)]
 pub struct Connection {
-    pub fd: OwnedFd,
+    // Dropped first (fields drop in declaration order): the CLOSE is queued on the hand-off
+    // connection before the descriptor goes. `fd` is private so that it cannot be moved out
+    // with `end` left armed, which would send the CLOSE while the descriptor lives on.
+    end: Ending,
+    fd: OwnedFd,
     pub info: ConnInfo,
+}
+
+impl AsFd for Connection {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl std::os::fd::AsRawFd for Connection {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.fd)
+    }
 }
 
 impl Connection {
     /// The descriptor as a `TcpStream`, on the planes where it is the TCP socket (kernel and
     /// raw TCP); on the user-relay plane (a socketpair end) the connection is given back.
     /// A `TcpStream`'s `Read` is a plain read: on the kernel plane, control records then
-    /// fail it with `EIO`; use [`HandoffClient::read`] to have them handled.
+    /// fail it with `EIO`; use [`HandoffClient::read`] to have them handled. The library
+    /// no longer ends it: see [`Connection`].
     pub fn into_tcp_stream(self) -> Result<(std::net::TcpStream, ConnInfo), Box<Self>> {
         match self.info.plane {
-            Plane::Kernel | Plane::RawTcp => Ok((self.fd.into(), self.info)),
+            Plane::Kernel | Plane::RawTcp => {
+                let (fd, info) = self.into_parts();
+                Ok((fd.into(), info))
+            }
             Plane::UserRelay => Err(Box::new(self)),
         }
     }
 
-    /// The descriptor as a `UnixStream`, on the user-relay plane; otherwise given back.
+    /// The descriptor as a `UnixStream`, on the user-relay plane; otherwise given back. The
+    /// library no longer ends it: see [`Connection`].
     pub fn into_unix_stream(self) -> Result<(UnixStream, ConnInfo), Box<Self>> {
         match self.info.plane {
-            Plane::UserRelay => Ok((self.fd.into(), self.info)),
+            Plane::UserRelay => {
+                let (fd, info) = self.into_parts();
+                Ok((fd.into(), info))
+            }
             _ => Err(Box::new(self)),
+        }
+    }
+
+    /// The descriptor and its header, the library's part in its end given up: closing the
+    /// descriptor then abandons the connection (see [`Connection`]).
+    pub fn into_parts(mut self) -> (OwnedFd, ConnInfo) {
+        self.end.conn_id = None;
+        (self.fd, self.info)
+    }
+}
+
+/// Sends a connection's CLOSE when dropped, unless its end was already seen to.
+#[derive(Debug)]
+struct Ending {
+    requests: Weak<Requests>,
+    /// None: nothing to send (raw TCP, or already ended).
+    conn_id: Option<u64>,
+}
+
+impl Drop for Ending {
+    fn drop(&mut self) {
+        if let (Some(conn_id), Some(requests)) = (self.conn_id, self.requests.upgrade()) {
+            requests.send_close(conn_id, libc::MSG_DONTWAIT);
+        }
+    }
+}
+
+/// The sending half of the hand-off connection, which a [`Connection`] keeps a weak
+/// reference to: a connection outliving its client sends nothing.
+#[derive(Debug)]
+struct Requests {
+    sock: UnixStream,
+    send_lock: Mutex<()>,
+    next_request: AtomicU32,
+}
+
+impl Requests {
+    fn request_id(&self) -> u32 {
+        self.next_request.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Sends one whole frame: requests of several threads never interleave.
+    fn send(&self, frame: &[u8], flags: libc::c_int) -> io::Result<()> {
+        let _g = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
+        if flags & libc::MSG_DONTWAIT == 0 {
+            return send_all(&self.sock, frame);
+        }
+        // A frame this small is queued whole or not at all on a Unix stream socket.
+        match socket2::SockRef::from(&self.sock).send_with_flags(frame, flags | libc::MSG_NOSIGNAL)
+        {
+            Ok(n) if n == frame.len() => Ok(()),
+            Ok(_) => Err(io::ErrorKind::WriteZero.into()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A CLOSE whose reply nobody waits for (the reader drops replies not asked for).
+    fn send_close(&self, conn_id: u64, flags: libc::c_int) -> bool {
+        let msg = Message::Close {
+            request_id: self.request_id(),
+            conn_id,
+        };
+        let mut buf = [0u8; 32];
+        match msg.encode(&mut buf) {
+            Ok(n) => self.send(&buf[..n], flags).is_ok(),
+            Err(_) => false,
         }
     }
 }
@@ -169,11 +267,9 @@ struct Shared {
 /// plane) and counted in [`connections_dropped`](Self::connections_dropped), so that a
 /// flood of connections cannot take the program's memory and descriptors.
 pub struct HandoffClient {
-    sock: UnixStream,
+    requests: Arc<Requests>,
     shared: Mutex<Shared>,
     turn: Condvar,
-    send_lock: Mutex<()>,
-    next_request: AtomicU32,
     queue_limit: usize,
     dropped: AtomicU64,
 }
@@ -196,16 +292,49 @@ impl HandoffClient {
     }
 
     /// Uses an already connected (blocking) stream. Its peer is not checked: the caller
-    /// vouches for it (see [`ServerUids::check`]).
+    /// vouches for it (see [`ServerUids::check`]). Sends the HELLO first: this client ends
+    /// every connection it hands out with a CLOSE ([`wire::ENDS_WITH_CLOSE`]). If that send
+    /// fails, so does every later call.
     pub fn from_stream(sock: UnixStream) -> Self {
-        Self {
-            sock,
+        let client = Self {
+            requests: Arc::new(Requests {
+                sock,
+                send_lock: Mutex::new(()),
+                next_request: AtomicU32::new(1),
+            }),
             shared: Mutex::default(),
             turn: Condvar::new(),
-            send_lock: Mutex::new(()),
-            next_request: AtomicU32::new(1),
             queue_limit: DEFAULT_QUEUE_LIMIT,
             dropped: AtomicU64::new(0),
+        };
+        let mut hello = [0u8; 16];
+        let sent = Message::Hello {
+            flags: wire::ENDS_WITH_CLOSE,
+        }
+        .encode(&mut hello)
+        .map_err(invalid)
+        .and_then(|n| client.requests.send(&hello[..n], 0));
+        if let Err(e) = sent {
+            client.lock().broken = Some((e.kind(), e.to_string()));
+        }
+        client
+    }
+
+    /// Gives the library back a connection's descriptor and header (from
+    /// [`Connection::into_parts`], or kept apart as the C library does): the connection it
+    /// returns is ended as any other.
+    pub fn adopt(&self, fd: OwnedFd, info: ConnInfo) -> Connection {
+        Connection {
+            end: self.ending(&info),
+            fd,
+            info,
+        }
+    }
+
+    fn ending(&self, info: &ConnInfo) -> Ending {
+        Ending {
+            requests: Arc::downgrade(&self.requests),
+            conn_id: (info.plane != Plane::RawTcp).then_some(info.conn_id),
         }
     }
 
@@ -221,7 +350,7 @@ impl HandoffClient {
     }
 
     pub fn socket(&self) -> &UnixStream {
-        &self.sock
+        &self.requests.sock
     }
 
     fn lock(&self) -> MutexGuard<'_, Shared> {
@@ -279,24 +408,17 @@ impl HandoffClient {
     /// (the thread that read it may be the one waiting for a reply).
     fn drop_connection(&self, conn: Connection) {
         self.dropped.fetch_add(1, Ordering::Relaxed);
-        match conn.info.plane {
-            Plane::Kernel => {
-                // The reply is not pending, so it is dropped when it comes.
-                let request_id = self.request_id();
-                let msg = Message::Close {
-                    request_id,
-                    conn_id: conn.info.conn_id,
-                };
-                let mut buf = [0u8; 32];
-                if let Ok(n) = msg.encode(&mut buf) {
-                    let _g = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
-                    let _ = send_all(&self.sock, &buf[..n]);
-                }
-            }
-            Plane::UserRelay => {
-                let _ = socket2::SockRef::from(&conn.fd).shutdown(std::net::Shutdown::Write);
-            }
-            Plane::RawTcp => {}
+        self.end_unanswered(conn);
+    }
+
+    /// Ends a connection with a CLOSE whose reply is not awaited (a relayed one also shut
+    /// down for writing, so that its end comes even if the program kept a copy).
+    fn end_unanswered(&self, mut conn: Connection) {
+        if let Some(conn_id) = conn.end.conn_id.take() {
+            self.requests.send_close(conn_id, 0);
+        }
+        if conn.info.plane == Plane::UserRelay {
+            let _ = socket2::SockRef::from(&conn.fd).shutdown(std::net::Shutdown::Write);
         }
     }
 
@@ -304,7 +426,7 @@ impl HandoffClient {
     /// body (its descriptor closed); the stream is still framed.
     fn read_one(&self) -> io::Result<Option<Result<Incoming, wire::Error>>> {
         let mut frame = Vec::new();
-        let Some((prefix, fd)) = read_frame(&self.sock, &mut frame)? else {
+        let Some((prefix, fd)) = read_frame(&self.requests.sock, &mut frame)? else {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 "tlsplane closed the hand-off connection",
@@ -312,7 +434,7 @@ impl HandoffClient {
         };
         match (Message::decode(&frame), fd) {
             (Ok(Some(Message::Connection(info))), Some(fd)) => {
-                Ok(Some(Ok(Incoming::Conn(Connection { fd, info }))))
+                Ok(Some(Ok(Incoming::Conn(self.adopt(fd, info)))))
             }
             (Ok(Some(Message::Connection(_))), None) => {
                 Ok(Some(Err(wire::Error::WrongKind(prefix.kind))))
@@ -339,10 +461,7 @@ impl HandoffClient {
         let mut buf = vec![0u8; msg.encoded_len().map_err(invalid)?];
         msg.encode(&mut buf).map_err(invalid)?;
         self.lock().pending.insert(request_id);
-        let sent = {
-            let _g = self.send_lock.lock().unwrap_or_else(|p| p.into_inner());
-            send_all(&self.sock, &buf)
-        };
+        let sent = self.requests.send(&buf, 0);
         if let Err(e) = sent {
             self.lock().pending.remove(&request_id);
             return Err(e);
@@ -358,7 +477,7 @@ impl HandoffClient {
     }
 
     fn request_id(&self) -> u32 {
-        self.next_request.fetch_add(1, Ordering::Relaxed)
+        self.requests.request_id()
     }
 
     /// Asks tlsplane to re-key connection `conn_id` after the handshake record
@@ -448,28 +567,26 @@ impl HandoffClient {
         }
     }
 
-    /// Ends a received connection: on the kernel plane, asks tlsplane for close_notify first
-    /// (its answer is returned; the descriptor is closed either way); on the user-relay plane
-    /// shuts down writing so that the relay sends close_notify; then closes the descriptor.
-    /// When tlsplane cannot be asked (it stopped) or no longer knows the connection (it
-    /// restarted), the kernel-plane close_notify is sent here, on the program's descriptor
-    /// (sending an alert needs no key of ours: the kernel encrypts it), and that is `Ok`.
-    pub fn close(&self, conn: Connection) -> io::Result<Status> {
-        let status = match conn.info.plane {
-            Plane::Kernel => match self.close_notify(conn.info.conn_id) {
-                Ok(Status::UnknownConnection) | Err(_) => {
-                    tlsplane_sys::send_record(conn.fd.as_fd(), 21, &[1, 0]).map(|_| Status::Ok)
-                }
-                other => other,
-            },
-            Plane::UserRelay => {
-                let _ = socket2::SockRef::from(&conn.fd).shutdown(std::net::Shutdown::Write);
-                Ok(Status::Ok)
+    /// Ends a received connection with a CLOSE, then closes its descriptor. On the kernel
+    /// plane it waits for tlsplane's answer, the close_notify then sent (its status is
+    /// returned; the descriptor is closed either way); when tlsplane cannot be asked (it
+    /// stopped) or no longer knows the connection (it restarted), the close_notify is sent
+    /// here, on the program's descriptor (an alert needs no key of ours: the kernel
+    /// encrypts it), and that is `Ok`. On the user-relay plane the CLOSE is not waited for
+    /// (it is queued before the descriptor goes, which is all the order tlsplane needs):
+    /// writing is shut down, and tlsplane's relay sends close_notify after the last byte.
+    pub fn close(&self, mut conn: Connection) -> io::Result<Status> {
+        if conn.info.plane != Plane::Kernel {
+            self.end_unanswered(conn);
+            return Ok(Status::Ok);
+        }
+        conn.end.conn_id = None;
+        match self.close_notify(conn.info.conn_id) {
+            Ok(Status::UnknownConnection) | Err(_) => {
+                tlsplane_sys::send_record(conn.fd.as_fd(), 21, &[1, 0]).map(|_| Status::Ok)
             }
-            Plane::RawTcp => Ok(Status::Ok),
-        };
-        drop(conn.fd);
-        status
+            other => other,
+        }
     }
 }
 
@@ -502,6 +619,14 @@ mod tests {
         let t = std::thread::spawn(move || {
             let mut frame = Vec::new();
             let mut got = Vec::new();
+            read_frame(&theirs, &mut frame).unwrap();
+            assert_eq!(
+                Message::decode(&frame),
+                Ok(Some(Message::Hello {
+                    flags: wire::ENDS_WITH_CLOSE
+                })),
+                "the HELLO first"
+            );
             while let Ok(Some(_)) = read_frame(&theirs, &mut frame) {
                 let Ok(Some(Message::KeyUpdate {
                     request_id,

@@ -7,7 +7,7 @@
 //!  0     4     magic "TLPH" (0x54 0x4c 0x50 0x48)
 //!  4     1     version: 1
 //!  5     1     kind: 1 CONNECTION, 2 REPLY (tlsplane -> program)
-//!                    3 KEY_UPDATE, 4 CLOSE  (program -> tlsplane)
+//!                    3 KEY_UPDATE, 4 CLOSE, 5 HELLO  (program -> tlsplane)
 //!  6     2     length: the whole frame's length in bytes, these 8 included,
 //!              at least the kind's v1 minimum and at most 16448
 //!  8     ...   the kind's fields, then (later minor revisions) more fields that a v1
@@ -59,6 +59,16 @@
 //! 12     8     connection id
 //! ```
 //!
+//! HELLO (v1 minimum 12): what the receiver promises, sent at most once, as its first frame.
+//! tlsplane answers nothing; a HELLO after any other frame is a protocol error.
+//!
+//! ```text
+//!  8     4     flags: bit 0 ENDS_WITH_CLOSE (this receiver ends every connection it is
+//!              handed, on both planes, with a CLOSE sent before it lets go of the
+//!              descriptor: one that ends without a CLOSE was abandoned, and is reset);
+//!              other bits sent 0, ignored
+//! ```
+//!
 //! REPLY (v1 minimum 22): tlsplane's answer to one KEY_UPDATE or CLOSE.
 //!
 //! ```text
@@ -89,12 +99,18 @@ pub mod kind {
     pub const REPLY: u8 = 2;
     pub const KEY_UPDATE: u8 = 3;
     pub const CLOSE: u8 = 4;
+    pub const HELLO: u8 = 5;
 }
+
+/// HELLO flag: the receiver sends a CLOSE for every connection it ends, before it lets go
+/// of the descriptor (see [`Message::Hello`]).
+pub const ENDS_WITH_CLOSE: u32 = 1;
 
 const CONNECTION_MIN: usize = 64;
 const KEY_UPDATE_MIN: usize = 22;
 const CLOSE_MIN: usize = 20;
 const REPLY_MIN: usize = 22;
+const HELLO_MIN: usize = 12;
 const ADDR_LEN: usize = 20;
 
 /// Why a frame could not be decoded or encoded. Never a panic.
@@ -285,6 +301,9 @@ pub enum Message<'a> {
     },
     /// program -> tlsplane: send close_notify.
     Close { request_id: u32, conn_id: u64 },
+    /// program -> tlsplane, its first frame: what it promises ([`ENDS_WITH_CLOSE`]; the
+    /// other bits are sent 0 and ignored).
+    Hello { flags: u32 },
 }
 
 impl Message<'_> {
@@ -294,6 +313,7 @@ impl Message<'_> {
             Message::Reply(_) => kind::REPLY,
             Message::KeyUpdate { .. } => kind::KEY_UPDATE,
             Message::Close { .. } => kind::CLOSE,
+            Message::Hello { .. } => kind::HELLO,
         }
     }
 
@@ -315,6 +335,7 @@ impl Message<'_> {
                 KEY_UPDATE_MIN + record_plaintext.len()
             }
             Message::Close { .. } => CLOSE_MIN,
+            Message::Hello { .. } => HELLO_MIN,
         })
     }
 
@@ -367,6 +388,9 @@ impl Message<'_> {
                 out[8..12].copy_from_slice(&request_id.to_be_bytes());
                 out[12..20].copy_from_slice(&conn_id.to_be_bytes());
             }
+            Message::Hello { flags } => {
+                out[8..12].copy_from_slice(&flags.to_be_bytes());
+            }
         }
         Ok(len)
     }
@@ -381,6 +405,7 @@ impl Message<'_> {
             kind::REPLY => REPLY_MIN,
             kind::KEY_UPDATE => KEY_UPDATE_MIN,
             kind::CLOSE => CLOSE_MIN,
+            kind::HELLO => HELLO_MIN,
             _ => return Ok(None),
         };
         if f.len() < min {
@@ -438,6 +463,7 @@ impl Message<'_> {
                     record_plaintext: f.get(22..22 + p).ok_or(Error::Truncated)?,
                 }
             }
+            kind::HELLO => Message::Hello { flags: u32_at(8) },
             _ => Message::Close {
                 request_id: u32_at(8),
                 conn_id: u64_at(12),
@@ -618,6 +644,10 @@ mod tests {
                 request_id: 3,
                 conn_id: 5,
             },
+            Message::Hello {
+                flags: ENDS_WITH_CLOSE,
+            },
+            Message::Hello { flags: u32::MAX },
         ];
         for m in &msgs {
             let b = encode(m);
@@ -633,6 +663,28 @@ mod tests {
                 assert!(Message::decode(&b[..cut]).is_err(), "{m:?} cut at {cut}");
             }
         }
+    }
+
+    #[test]
+    fn hello_layout_is_the_documented_one() {
+        let b = encode(&Message::Hello {
+            flags: ENDS_WITH_CLOSE,
+        });
+        assert_eq!(b, [b'T', b'L', b'P', b'H', 1, 5, 0, 12, 0, 0, 0, 1]);
+        // A later revision's longer HELLO, with bits this one does not name: the flags are
+        // read as sent (the reader tests its bits), the tail is skipped.
+        let mut longer = b.clone();
+        longer[8] = 0x80;
+        longer.extend_from_slice(&[0xaa; 4]);
+        longer[7] = 16;
+        assert_eq!(
+            Message::decode(&longer).unwrap(),
+            Some(Message::Hello { flags: 0x8000_0001 })
+        );
+        // Shorter than its minimum: an error, not a HELLO without flags.
+        let mut short = b[..8].to_vec();
+        short[7] = 8;
+        assert_eq!(Message::decode(&short), Err(Error::BadLength(8)));
     }
 
     #[test]
@@ -771,6 +823,9 @@ mod tests {
             encode(&Message::Close {
                 request_id: 1,
                 conn_id: 2,
+            }),
+            encode(&Message::Hello {
+                flags: ENDS_WITH_CLOSE,
             }),
         ];
         let mut accepted = 0;

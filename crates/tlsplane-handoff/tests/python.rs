@@ -48,9 +48,20 @@ fn the_python_module_receives_reads_and_closes() {
     let fake = std::thread::spawn(move || {
         let info = sent_info;
         let (sock, _) = listener.accept().unwrap();
+        // Bounded: a receiver that sends no HELLO fails the test, not hangs it.
+        sock.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut frame = Vec::new();
+        read_frame(&sock, &mut frame).unwrap().unwrap();
+        assert_eq!(
+            Message::decode(&frame),
+            Ok(Some(Message::Hello {
+                flags: tlsplane_handoff::wire::ENDS_WITH_CLOSE
+            })),
+            "the module's first frame"
+        );
         send_connection(&sock, handed.as_fd(), &info).unwrap();
         drop(handed);
-        let mut frame = Vec::new();
         let (_, fd) = read_frame(&sock, &mut frame).unwrap().unwrap();
         assert!(fd.is_none());
         let Some(Message::Close {
@@ -112,7 +123,8 @@ fn the_python_module_receives_reads_and_closes() {
             "fds_leaked=0",
             "fuzz_accepted_some=True",
             "control_records=True True aborted",
-            "queue_bound=[1, 2] dropped=2 closes=[3]",
+            "queue_bound=[1, 2] dropped=2 closes=[3, 4]",
+            "ends=hello=True [1, 0, 2, None, None]",
             "done",
         ],
         "{stdout}"

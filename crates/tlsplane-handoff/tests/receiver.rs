@@ -1,7 +1,7 @@
 //! The receiver against a fake tlsplane: a Unix listener in a temporary directory that passes
 //! TCP sockets connected over 127.0.0.1, and answers requests.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -47,6 +47,20 @@ fn copies(name: &PathBuf) -> usize {
         .count()
 }
 
+/// The first frame a receiver sends: HELLO, announcing that it ends every connection with a
+/// CLOSE.
+fn expect_hello(theirs: &UnixStream) {
+    let mut frame = Vec::new();
+    read_frame(theirs, &mut frame).unwrap().unwrap();
+    assert_eq!(
+        Message::decode(&frame).unwrap(),
+        Some(Message::Hello {
+            flags: wire::ENDS_WITH_CLOSE
+        }),
+        "the receiver's first frame"
+    );
+}
+
 fn info_for(id: u64, plane: Plane, s: &TcpStream) -> ConnInfo {
     ConnInfo {
         conn_id: id,
@@ -84,7 +98,7 @@ fn a_passed_tcp_socket_carries_bytes_both_ways() {
     let mut buf = [0u8; 64];
     let mut got = Vec::new();
     while got.len() < 18 {
-        let n = client.read(conn.fd.as_fd(), &conn.info, &mut buf).unwrap();
+        let n = client.read(conn.as_fd(), &conn.info, &mut buf).unwrap();
         assert!(n > 0);
         got.extend_from_slice(&buf[..n]);
     }
@@ -92,22 +106,19 @@ fn a_passed_tcp_socket_carries_bytes_both_ways() {
 
     // The user-relay plane's descriptor is a socketpair end, not TCP (here the fake passed
     // TCP, so see it as raw TCP to write through a TcpStream).
-    let conn = *conn.into_tcp_stream().unwrap_err();
-    let conn = tlsplane_handoff::Connection {
-        fd: conn.fd,
-        info: ConnInfo {
+    let (fd, info) = conn.into_tcp_stream().unwrap_err().into_parts();
+    let conn = client.adopt(
+        fd,
+        ConnInfo {
             plane: Plane::RawTcp,
-            ..conn.info
+            ..info
         },
-    };
+    );
     let (mut out, info) = conn.into_tcp_stream().unwrap();
     assert_eq!(out.peer_addr().unwrap(), info.peer.unwrap());
     assert_eq!(out.local_addr().unwrap(), info.local.unwrap());
     out.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").unwrap();
-    let conn = tlsplane_handoff::Connection {
-        fd: out.into(),
-        info,
-    };
+    let conn = client.adopt(out.into(), info);
     assert_eq!(client.close(conn).unwrap(), Status::Ok);
     assert_eq!(copies(&name), 0, "closed by close()");
     let mut reply = Vec::new();
@@ -126,9 +137,11 @@ fn requests_are_answered_while_connections_queue() {
     let info = info_for(5, Plane::Kernel, &handed);
     let sent_info = info.clone();
     let fake = std::thread::spawn(move || {
+        expect_hello(&theirs);
         let mut frame = Vec::new();
         let mut seen = Vec::new();
-        while let Some((prefix, fd)) = read_frame(&theirs, &mut frame).unwrap() {
+        // To the client's end (a reset, when it goes with the last reply unread).
+        while let Ok(Some((prefix, fd))) = read_frame(&theirs, &mut frame) {
             assert!(fd.is_none());
             let (request_id, conn_id, status) = match Message::decode(&frame).unwrap() {
                 Some(Message::KeyUpdate {
@@ -148,15 +161,13 @@ fn requests_are_answered_while_connections_queue() {
                 other => panic!("unexpected {other:?}"),
             };
             seen.push(prefix.kind);
-            send_reply(
-                &theirs,
-                &Reply {
-                    request_id,
-                    conn_id,
-                    status,
-                },
-            )
-            .unwrap();
+            let reply = Reply {
+                request_id,
+                conn_id,
+                status,
+            };
+            // The last CLOSE, sent as the connection is dropped, has no client to answer.
+            let _ = send_reply(&theirs, &reply);
         }
         seen
     });
@@ -174,19 +185,19 @@ fn requests_are_answered_while_connections_queue() {
 
     // Kernel-plane reads want room for a control record.
     let e = client
-        .read(conn.fd.as_fd(), &conn.info, &mut [0u8; 8])
+        .read(conn.as_fd(), &conn.info, &mut [0u8; 8])
         .unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
     // Without kTLS the socket reports plain data, which a kernel-plane read returns as is.
     tls_client.write_all(b"hello").unwrap();
     let mut buf = [0u8; 64];
-    let n = client.read(conn.fd.as_fd(), &conn.info, &mut buf).unwrap();
+    let n = client.read(conn.as_fd(), &conn.info, &mut buf).unwrap();
     assert_eq!(&buf[..n], b"hello");
 
-    drop(conn);
+    drop(conn); // a CLOSE, not waited for
     drop(client); // the fake sees end of stream and returns
     let seen = fake.join().unwrap();
-    assert_eq!(seen, [kind::KEY_UPDATE, kind::CLOSE]);
+    assert_eq!(seen, [kind::KEY_UPDATE, kind::CLOSE, kind::CLOSE]);
     assert_eq!(copies(&name), 0);
 }
 
@@ -248,6 +259,7 @@ fn malformed_headers_are_refused_and_their_descriptors_closed() {
 fn tlsplane_going_away_is_an_error_not_a_hang() {
     let (ours, theirs) = UnixStream::pair().unwrap();
     let client = HandoffClient::from_stream(ours);
+    expect_hello(&theirs);
     // Half a prefix, then the end.
     (&theirs).write_all(b"TLP").unwrap();
     drop(theirs);
@@ -263,6 +275,7 @@ fn tlsplane_going_away_is_an_error_not_a_hang() {
 fn concurrent_requests_each_get_their_own_reply() {
     let (ours, theirs) = UnixStream::pair().unwrap();
     let fake = std::thread::spawn(move || {
+        expect_hello(&theirs);
         let mut frame = Vec::new();
         let mut asked = Vec::new();
         while asked.len() < 8 {
@@ -325,6 +338,7 @@ fn a_descriptor_on_a_reply_is_closed_and_the_reply_used() {
     let (_c, stray) = tcp_pair();
     let name = socket_name(&stray);
     let fake = std::thread::spawn(move || {
+        expect_hello(&theirs);
         let mut frame = Vec::new();
         read_frame(&theirs, &mut frame).unwrap().unwrap();
         let Some(Message::Close { request_id, .. }) = Message::decode(&frame).unwrap() else {
@@ -381,12 +395,13 @@ fn another_user_listening_at_the_path_is_refused_unless_its_uid_is_trusted() {
 }
 
 /// Connections queue only while a request waits for its reply and nobody accepts: past the
-/// limit each is ended on arrival (a kernel-plane one by a CLOSE to tlsplane, a relayed one by
-/// closing it), counted, and the queue keeps the first ones in order.
+/// limit each is ended on arrival (a CLOSE to tlsplane, and a relayed one closed), counted,
+/// and the queue keeps the first ones in order.
 #[test]
 fn connections_past_the_queue_limit_are_ended_on_arrival_and_counted() {
     let (ours, theirs) = UnixStream::pair().unwrap();
     let fake = std::thread::spawn(move || {
+        expect_hello(&theirs);
         let mut frame = Vec::new();
         read_frame(&theirs, &mut frame).unwrap().unwrap();
         let Some(Message::Close { request_id, .. }) = Message::decode(&frame).unwrap() else {
@@ -431,8 +446,8 @@ fn connections_past_the_queue_limit_are_ended_on_arrival_and_counted() {
     let (mut peers, closes) = fake.join().unwrap();
     assert_eq!(
         closes,
-        [103],
-        "a CLOSE for the dropped kernel-plane connection only"
+        [103, 104, 100, 101, 102],
+        "a CLOSE for each dropped connection, then for each accepted one as it is dropped"
     );
     // The dropped connections' descriptors are closed: their clients see the end.
     for peer in &mut peers[3..] {
@@ -440,4 +455,129 @@ fn connections_past_the_queue_limit_are_ended_on_arrival_and_counted() {
             .unwrap();
         assert_eq!(peer.read(&mut [0u8; 8]).unwrap(), 0);
     }
+}
+
+/// What the hand-off connection holds when `peer`, the far end of a handed connection, sees
+/// its end (read 0 or an error) while another thread runs `end`: the connection id of the
+/// CLOSE queued by then, if any. tlsplane judges a connection by whether its CLOSE was
+/// queued when the descriptor's end reached it: the CLOSE must come first.
+fn close_queued_at_the_end(
+    theirs: &UnixStream,
+    peer: &mut impl Read,
+    end: impl FnOnce() + Send,
+) -> Option<u64> {
+    std::thread::scope(|s| {
+        s.spawn(end);
+        let _ = peer.read(&mut [0u8; 8]);
+    });
+    theirs.set_nonblocking(true).unwrap();
+    let mut frame = Vec::new();
+    let got = match read_frame(theirs, &mut frame) {
+        Ok(Some(_)) => match Message::decode(&frame).unwrap() {
+            Some(Message::Close { conn_id, .. }) => Some(conn_id),
+            other => panic!("unexpected {other:?}"),
+        },
+        Ok(None) => None,
+        Err(e) if e.kind() == ErrorKind::WouldBlock => None,
+        other => panic!("unexpected {other:?}"),
+    };
+    theirs.set_nonblocking(false).unwrap();
+    got
+}
+
+/// The receiver's side of ENDS_WITH_CLOSE: every connection the client hands out, on either
+/// plane, ends with a CLOSE queued before its descriptor goes, whether closed or dropped;
+/// none for the raw TCP plane, a descriptor taken out of the library, or a connection that
+/// outlives its client (whose hand-off connection ends with the client all the same).
+#[test]
+fn every_connection_ends_with_a_close_queued_before_its_descriptor_goes() {
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let client = HandoffClient::from_stream(ours);
+    expect_hello(&theirs);
+    let relay = |id: u64| {
+        let (peer, handed) = UnixStream::pair().unwrap();
+        let (_, like_tcp) = tcp_pair();
+        send_connection(
+            &theirs,
+            handed.as_fd(),
+            &info_for(id, Plane::UserRelay, &like_tcp),
+        )
+        .unwrap();
+        (peer, client.accept().unwrap())
+    };
+    let (mut peer, conn) = relay(1);
+    let dropped = close_queued_at_the_end(&theirs, &mut peer, || drop(conn));
+    let (mut peer, conn) = relay(2);
+    let closed = close_queued_at_the_end(&theirs, &mut peer, || {
+        assert_eq!(client.close(conn).unwrap(), Status::Ok);
+    });
+    assert_eq!((dropped, closed), (Some(1), Some(2)));
+    let (mut peer, conn) = relay(3);
+    let (fd, _) = conn.into_parts();
+    assert_eq!(
+        close_queued_at_the_end(&theirs, &mut peer, || drop(fd)),
+        None
+    );
+
+    let (mut peer, handed) = tcp_pair();
+    send_connection(
+        &theirs,
+        handed.as_fd(),
+        &info_for(4, Plane::RawTcp, &handed),
+    )
+    .unwrap();
+    drop(handed);
+    let conn = client.accept().unwrap();
+    assert_eq!(
+        close_queued_at_the_end(&theirs, &mut peer, || drop(conn)),
+        None
+    );
+
+    // Kernel plane: close waits for tlsplane's answer (here a thread's) before closing.
+    let (mut peer, handed) = tcp_pair();
+    send_connection(
+        &theirs,
+        handed.as_fd(),
+        &info_for(5, Plane::Kernel, &handed),
+    )
+    .unwrap();
+    drop(handed);
+    let conn = client.accept().unwrap();
+    let answered = std::thread::scope(|s| {
+        let closer = s.spawn(|| client.close(conn).unwrap());
+        let mut frame = Vec::new();
+        read_frame(&theirs, &mut frame).unwrap().unwrap();
+        let Some(Message::Close {
+            request_id,
+            conn_id: 5,
+        }) = Message::decode(&frame).unwrap()
+        else {
+            panic!("expected CLOSE 5");
+        };
+        let reply = Reply {
+            request_id,
+            conn_id: 5,
+            status: Status::Refused,
+        };
+        send_reply(&theirs, &reply).unwrap();
+        closer.join().unwrap()
+    });
+    assert_eq!(answered, Status::Refused);
+    assert_eq!(
+        peer.read(&mut [0u8; 8]).unwrap(),
+        0,
+        "closed after the answer"
+    );
+
+    let (mut peer, conn) = relay(6);
+    drop(client);
+    assert_eq!(
+        close_queued_at_the_end(&theirs, &mut peer, || drop(conn)),
+        None
+    );
+    let mut frame = Vec::new();
+    assert!(
+        read_frame(&theirs, &mut frame).unwrap().is_none(),
+        "the client's end"
+    );
 }

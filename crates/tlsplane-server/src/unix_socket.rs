@@ -6,7 +6,9 @@
 //! swap in a symlink between a `bind` and a `chmod` by path, so that a server running as
 //! root changes the mode of any file. So a socket goes only into a directory that root or
 //! this process's user owns and no one else can write, every ancestor likewise (a sticky
-//! one, as /tmp, lets no other user rename what root or this user owns in it); it is bound
+//! one, as /tmp, lets no other user rename what root or this user owns in it), and so does
+//! every directory and symlink the path as given goes through (clients use that path: a
+//! symlink another user owns there could be pointed elsewhere later); it is bound
 //! under a temporary name there, given its mode, and renamed into place, so that the path
 //! never names a socket of another mode, and a stale socket left by a killed server is
 //! replaced in one step.
@@ -90,19 +92,95 @@ pub fn check_dir(what: &str, path: &Path) -> anyhow::Result<PathBuf> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let dir = dir
+    let canonical = dir
         .canonicalize()
         .with_context(|| format!("{what} {}: its directory", path.display()))?;
-    owned_by_us(&dir).map_err(|why| {
-        anyhow::anyhow!(
-            "{what} {}: {why}: another user could replace the socket. Use a directory that \
+    owned_by_us(&canonical)
+        .and_then(|()| walk_is_ours(dir))
+        .map_err(|why| {
+            anyhow::anyhow!(
+                "{what} {}: {why}: another user could replace the socket. Use a directory that \
              only root or this user ({}) can write, e.g. $RUNTIME_DIRECTORY or /run/tlsplane \
              (created with mode {DIR_MODE:o} when missing)",
-            path.display(),
-            tlsplane_sys::effective_uid()
-        )
-    })?;
-    Ok(dir)
+                path.display(),
+                tlsplane_sys::effective_uid()
+            )
+        })?;
+    Ok(canonical)
+}
+
+/// Why the path `dir`, as given, goes through a symlink or a directory that a user other
+/// than root and this one could change, if it does: each symlink must be owned by root or
+/// this user, each directory passed through as [`owned_by_us`] wants an ancestor (the
+/// canonical directory itself is checked there).
+fn walk_is_ours(dir: &Path) -> Result<(), String> {
+    use std::path::Component;
+    const MAX_LINKS: usize = 40;
+    let me = tlsplane_sys::effective_uid();
+    let start = if dir.is_absolute() {
+        PathBuf::from("/")
+    } else {
+        std::env::current_dir().map_err(|e| format!("the current directory: {e}"))?
+    };
+    let mut at = start;
+    let mut left: Vec<std::ffi::OsString> = Vec::new();
+    // Reversed: the next component is popped from the end.
+    fn push(left: &mut Vec<std::ffi::OsString>, p: &Path) {
+        left.extend(p.components().rev().map(|c| c.as_os_str().to_os_string()));
+    }
+    push(&mut left, dir);
+    let mut links = 0;
+    while let Some(c) = left.pop() {
+        match Path::new(&c).components().next() {
+            Some(Component::RootDir) => at = PathBuf::from("/"),
+            Some(Component::ParentDir) => {
+                at.pop();
+            }
+            Some(Component::Normal(name)) => {
+                let next = at.join(name);
+                let meta = std::fs::symlink_metadata(&next)
+                    .map_err(|e| format!("{}: {e}", next.display()))?;
+                if meta.file_type().is_symlink() {
+                    if meta.uid() != 0 && meta.uid() != me {
+                        return Err(format!(
+                            "{} is a symlink owned by uid {}",
+                            next.display(),
+                            meta.uid()
+                        ));
+                    }
+                    links += 1;
+                    if links > MAX_LINKS {
+                        return Err(format!("{}: too many symlinks", dir.display()));
+                    }
+                    let target = std::fs::read_link(&next)
+                        .map_err(|e| format!("{}: {e}", next.display()))?;
+                    push(&mut left, &target);
+                } else {
+                    ancestor_is_ours(&next, meta.uid(), meta.mode())?;
+                    at = next;
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Why directory `d` (owner `uid`, `mode`) on the way to the socket's could be changed by a
+/// user other than root and this one, if it could (a sticky one may be writable).
+fn ancestor_is_ours(d: &Path, uid: u32, mode: u32) -> Result<(), String> {
+    let me = tlsplane_sys::effective_uid();
+    if uid != 0 && uid != me {
+        return Err(format!("{} is owned by uid {uid}", d.display()));
+    }
+    if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+        return Err(format!(
+            "{} is writable by others (mode {:o})",
+            d.display(),
+            mode & 0o7777
+        ));
+    }
+    Ok(())
 }
 
 /// Why `dir` (canonical) could be written by a user other than root and this one, if it
@@ -149,13 +227,27 @@ fn refuse_taken(what: &str, path: &Path, ty: Type) -> anyhow::Result<()> {
             path.display()
         );
     }
-    let live = Socket::new(Domain::UNIX, ty.cloexec(), None)
-        .and_then(|probe| probe.connect(&SockAddr::unix(path)?))
-        .is_ok();
-    if live {
-        bail!("{what}: something already listens on {}", path.display());
+    if let Some(why) = listened_on(path, ty) {
+        bail!(
+            "{what}: something already listens on {} ({why})",
+            path.display()
+        );
     }
     Ok(())
+}
+
+/// Whether a server listens on the socket file at `path` (what a probe's connect said), as
+/// far as can be told: only a refusal (nobody bound to it: a dead server's) or its removal
+/// says nobody does. A listener of another type (`EPROTOTYPE`), one whose backlog is full
+/// (`EAGAIN`: the probe does not wait) or a probe not allowed to connect is taken as live.
+fn listened_on(path: &Path, ty: Type) -> Option<String> {
+    let probe = Socket::new(Domain::UNIX, ty.cloexec().nonblocking(), None)
+        .and_then(|probe| probe.connect(&SockAddr::unix(path)?));
+    match probe {
+        Ok(()) => Some("it accepted a connection".into()),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNREFUSED | libc::ENOENT)) => None,
+        Err(e) => Some(format!("a probe's connect: {e}")),
+    }
 }
 
 /// The default directory for a product's sockets: systemd's `$RUNTIME_DIRECTORY` (its first
@@ -207,6 +299,68 @@ mod tests {
         );
         // No temporary name is left behind.
         assert_eq!(std::fs::read_dir(base.join("run")).unwrap().count(), 1);
+        let _ = std::fs::remove_dir_all(base);
+    }
+
+    #[test]
+    fn a_live_listener_of_another_type_or_with_a_full_backlog_is_never_replaced() {
+        let base = scratch("live");
+        std::fs::create_dir_all(&base).unwrap();
+        // A datagram-free SOCK_SEQPACKET listener: a stream probe fails with EPROTOTYPE.
+        let path = base.join("seq.sock");
+        let _seq = bind_as("test socket", &path, 0o600, Type::SEQPACKET).unwrap();
+        let e = bind("test socket", &path, 0o600).unwrap_err();
+        assert!(format!("{e:#}").contains("already listens"), "{e:#}");
+        // A listener whose backlog is full: refused at once, not after a wait.
+        let path = base.join("full.sock");
+        let full = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+        full.bind(&SockAddr::unix(&path).unwrap()).unwrap();
+        full.listen(0).unwrap();
+        let _queued: Vec<UnixStream> = (0..2)
+            .filter_map(|_| {
+                let s = Socket::new(Domain::UNIX, Type::STREAM.nonblocking(), None).unwrap();
+                s.connect(&SockAddr::unix(&path).unwrap()).ok()?;
+                Some(UnixStream::from(std::os::fd::OwnedFd::from(s)))
+            })
+            .collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = path.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(
+                bind("test socket", &p, 0o600)
+                    .map(drop)
+                    .map_err(|e| format!("{e:#}")),
+            );
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("the probe waited on a full backlog");
+        assert!(got.unwrap_err().contains("already listens"));
+        let _ = std::fs::remove_dir_all(base);
+    }
+
+    #[test]
+    fn a_path_through_a_symlink_another_user_owns_is_refused() {
+        if tlsplane_sys::effective_uid() != 0 {
+            return; // (lchown to another user needs root)
+        }
+        let base = scratch("symlink");
+        std::fs::create_dir_all(base.join("real")).unwrap();
+        std::os::unix::fs::symlink("real", base.join("ours")).unwrap();
+        std::os::unix::fs::symlink("real", base.join("theirs")).unwrap();
+        std::os::unix::fs::lchown(base.join("theirs"), Some(65534), Some(65534)).unwrap();
+        // Ours: fine (its directory, `real`, is ours).
+        bind("test socket", &base.join("ours/a.sock"), 0o600).unwrap();
+        // Another user's, even pointing at our own directory: it could be repointed later.
+        let e = bind("test socket", &base.join("theirs/b.sock"), 0o600).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("symlink owned by uid 65534"),
+            "{e:#}"
+        );
+        assert!(!base.join("real/b.sock").exists());
+        // One met inside another symlink's target counts as well.
+        std::os::unix::fs::symlink(base.join("theirs"), base.join("hop")).unwrap();
+        assert!(bind("test socket", &base.join("hop/c.sock"), 0o600).is_err());
         let _ = std::fs::remove_dir_all(base);
     }
 

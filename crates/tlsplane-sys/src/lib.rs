@@ -400,6 +400,103 @@ pub fn peer_groups(sock: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
     }
 }
 
+/// `SO_PEERPIDFD` (Linux 6.5): `asm-generic/socket.h`, as [`SO_PEERGROUPS`].
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// A pidfd of the process at the other end of a connected Unix socket: the one that
+/// connected, as `SO_PEERCRED`'s pid names it, even if that process has exited since
+/// (`SO_PEERPIDFD`, Linux 6.5). Unlike a pid, it can never come to name another process.
+pub fn peer_pidfd(sock: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: SO_PEERPIDFD writes at most `len` bytes (one int) into `fd`, which outlives the
+    // call.
+    cvt(unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    })?;
+    if fd < 0 {
+        return Err(io::Error::other("SO_PEERPIDFD returned no descriptor"));
+    }
+    // SAFETY: the kernel installed `fd` for us (close-on-exec); nobody else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `pidfd_open(2)` (Linux 5.3): a pidfd of process `pid` as it is now. Taken right after the
+/// process connected, it names that process unless the pid was reused in between; prefer
+/// [`peer_pidfd`] where the kernel has it.
+pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    let pid =
+        libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: pidfd_open takes a pid and flags (0), no pointer; a non-negative return is a new
+    // descriptor (close-on-exec) that only this OwnedFd owns.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = cvt(fd as libc::c_int)?;
+    // SAFETY: as above.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Whether the process `pidfd` names has not been reaped yet (it runs, or is a zombie):
+/// `pidfd_send_signal(2)` with signal 0, which checks existence only. Not allowed to signal
+/// it (`EPERM`) still means it exists.
+pub fn pidfd_process_exists(pidfd: BorrowedFd<'_>) -> io::Result<bool> {
+    // SAFETY: pidfd_send_signal with signal 0 and a null siginfo sends nothing; the
+    // descriptor is borrowed for the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    match cvt(r as libc::c_int) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// One `recv(2)` with `MSG_DONTWAIT`, whatever the descriptor's mode (shared with a thread
+/// that writes blocking). No control buffer: descriptors the peer attached are closed by the
+/// kernel as they arrive. `Ok(0)` with a non-empty `buf` is end of stream.
+pub fn recv_nonblocking(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: the kernel writes at most `buf.len()` bytes into `buf`, borrowed for the call.
+    cvt_size(unsafe {
+        libc::recv(
+            sock.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    })
+}
+
+/// Waits until `sock` has input or its end (or an error) to read, or `timeout_ms` passes
+/// (`Ok(false)`; -1: no limit), with poll(2).
+pub fn wait_readable(sock: BorrowedFd<'_>, timeout_ms: i32) -> io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd: sock.as_raw_fd(),
+        events: libc::POLLIN | libc::POLLRDHUP,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one valid pollfd that outlives the call.
+        match cvt(unsafe { libc::poll(&mut p, 1, timeout_ms) }) {
+            Ok(n) => return Ok(n > 0),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// The effective user id of this process: the owner of the files it creates, and the one
 /// its sockets' `SO_PEERCRED` reports.
 pub fn effective_uid() -> u32 {
@@ -1038,6 +1135,45 @@ pub fn wait_writable(sock: BorrowedFd<'_>, timeout_ms: i32) -> io::Result<bool> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pidfd_tells_a_living_or_zombie_process_from_a_reaped_one() {
+        use std::os::fd::AsFd;
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        // Our own process, by the socket's peer (where the kernel has SO_PEERPIDFD) and by pid.
+        if let Ok(fd) = peer_pidfd(a.as_fd()) {
+            assert!(pidfd_process_exists(fd.as_fd()).unwrap());
+        }
+        let own = pidfd_open(std::process::id()).unwrap();
+        assert!(pidfd_process_exists(own.as_fd()).unwrap());
+        drop(b);
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let fd = pidfd_open(child.id()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(
+            pidfd_process_exists(fd.as_fd()).unwrap(),
+            "a zombie still exists"
+        );
+        child.wait().unwrap();
+        assert!(!pidfd_process_exists(fd.as_fd()).unwrap(), "reaped");
+    }
+
+    #[test]
+    fn a_nonblocking_recv_does_not_wait_and_sees_the_end() {
+        use std::io::Write;
+        use std::os::fd::AsFd;
+        let (a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut buf = [0u8; 8];
+        let e = recv_nonblocking(a.as_fd(), &mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        assert!(!wait_readable(a.as_fd(), 0).unwrap());
+        b.write_all(b"abc").unwrap();
+        assert!(wait_readable(a.as_fd(), 1000).unwrap());
+        assert_eq!(recv_nonblocking(a.as_fd(), &mut buf).unwrap(), 3);
+        drop(b);
+        assert!(wait_readable(a.as_fd(), 1000).unwrap());
+        assert_eq!(recv_nonblocking(a.as_fd(), &mut buf).unwrap(), 0);
+    }
 
     #[test]
     fn a_unix_peer_reports_its_groups() {

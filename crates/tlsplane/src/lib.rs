@@ -29,6 +29,6 @@ pub mod tickets;
 pub use config::{Acceptor, DataPlanePolicy, ServerOptions, SiteTls};
 pub use error::Error;
 pub use linger::Linger;
-pub use plane::kernel::{HandedKeyError, HandedKeys};
+pub use plane::kernel::{HandedKeyError, HandedKeys, ReKeyed};
 pub use plane::PlaneKind;
 pub use stream::{ConnectionInfo, DetachedTlsStream, KernelHandoff, Received, Spliced, TlsStream};

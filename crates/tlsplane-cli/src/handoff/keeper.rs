@@ -3,17 +3,18 @@
 //!
 //! The program reads and writes the socket; tlsplane copies nothing. It keeps a duplicate of
 //! the descriptor and the connection's traffic secrets, to serve the program's KEY_UPDATE
-//! (install the next keys on the shared socket) and CLOSE (send close_notify, once the socket
-//! has room for it: never waiting on the thread that reads requests), and to reset the
-//! connection when its program dies without a CLOSE for it (its client must not take what it
-//! got for a whole response). A duplicate is let go when the program asks (CLOSE, after a
-//! lingering close), when its receiver goes (reset, close_notify or left to the program: see
-//! [`Keeper::receiver_gone`]), or 30 s after the client's end of the connection was seen (its
-//! FIN or a reset: nothing more can come that would need a key, and a program that closed
-//! its descriptor without a CLOSE must not leave the connection open through ours). So
-//! tlsplane holds at most one
+//! (install the next keys on the shared socket) and CLOSE (send close_notify), and to reset
+//! the connection when its program went without a CLOSE for it (its client must not take
+//! what it got for a whole response). A record tlsplane sends on the socket (close_notify,
+//! its own KeyUpdate, an alert) that finds no room waits here, watched for room, never on
+//! the thread that reads requests: a KEY_UPDATE's REPLY then goes once the new keys are in.
+//! A duplicate is let go when the program asks (CLOSE, after a lingering close), when its
+//! receiver goes (reset, or left to the program: see [`Keeper::receiver_gone`]), or 30 s
+//! after the client's end of the connection was seen (its FIN or a reset: nothing more can
+//! come that would need a key, and a program that closed its descriptor without a CLOSE
+//! must not leave the connection open through ours). So tlsplane holds at most one
 //! descriptor per client connection still open (or ended less than 30 s ago), whatever the
-//! program does.
+//! program does, and at most --handoff-max-kept of them (past it, connections are relayed).
 //!
 //! One thread watches every kept socket with an epoll set that asks for the peer's end only
 //! (`EPOLLRDHUP`), so that the program's traffic never wakes it; sockets in a lingering close
@@ -28,11 +29,9 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use tlsplane::{HandedKeyError, HandedKeys};
+use tlsplane::{HandedKeyError, HandedKeys, ReKeyed};
 use tlsplane_handoff::Status;
 use tlsplane_sys::PeerEndWatch;
-
-use super::hangups::Process;
 
 /// How long a connection closed at a program's request (or for a receiver that went) is
 /// read and drained before its last descriptor closes, at most: as nginx's
@@ -47,11 +46,11 @@ const LINGER: Duration = Duration::from_secs(5);
 /// tlsplane's duplicate no longer than this after the client went.
 const PEER_END_GRACE: Duration = Duration::from_secs(30);
 
-/// How long a close_notify the program asked for may wait for room in the socket (a client
-/// that reads slowly, a response still in flight), at most: then the connection is reset.
-/// The kernel drops a client that takes nothing for --send-timeout before this, unless it
-/// is off.
-const CLOSE_NOTIFY_WAIT: Duration = Duration::from_secs(120);
+/// How long a record tlsplane sends (a close_notify the program asked for, tlsplane's own
+/// KeyUpdate, an alert) may wait for room in the socket (a client that reads slowly, a
+/// response still in flight), at most: then the connection is reset. The kernel drops a
+/// client that takes nothing for --send-timeout before this, unless it is off.
+const CONTROL_RECORD_WAIT: Duration = Duration::from_secs(120);
 
 /// Kernel-plane counters (kept with the product's across reloads).
 #[derive(Default)]
@@ -64,19 +63,27 @@ pub struct KeptStats {
     pub key_update_failures: AtomicU64,
     /// CLOSE requests served.
     pub closes: AtomicU64,
-    /// Connections reset because their close_notify found no room for CLOSE_NOTIFY_WAIT.
+    /// Connections reset because their close_notify found no room for CONTROL_RECORD_WAIT.
     pub close_notify_timeouts: AtomicU64,
+    /// KEY_UPDATE requests whose KeyUpdate (or alert) tlsplane sends waited for room in the
+    /// socket: their REPLY went once it was sent.
+    pub key_update_waits: AtomicU64,
+    /// Connections reset because tlsplane's KeyUpdate or alert found no room for
+    /// CONTROL_RECORD_WAIT (the KEY_UPDATE is answered 4, failed).
+    pub key_update_timeouts: AtomicU64,
     /// Duplicates let go at the client's end of the connection.
     pub released_peer_end: AtomicU64,
     /// Connections reset (no close_notify) because their receiver went without a CLOSE for
-    /// them: its program died, or tlsplane dropped it.
+    /// them: it announced ENDS_WITH_CLOSE, its program exited or died, or tlsplane dropped
+    /// it.
     pub released_receiver_gone: AtomicU64,
-    /// Duplicates let go because their receiver's connection ended while its program lives
-    /// on (the connection is the program's).
+    /// Duplicates let go because their receiver's connection ended while its program (one
+    /// that promised no CLOSE) lives on: the connection is the program's.
     pub released_receiver_left: AtomicU64,
-    /// Connections ended with close_notify because their program exited with status 0.
-    pub released_receiver_exited: AtomicU64,
 }
+
+/// Where a KEY_UPDATE's answer goes when it comes after the request was read: the REPLY.
+pub type Answer = Box<dyn FnOnce(Status) + Send>;
 
 /// A handed connection tlsplane still keeps.
 struct Kept {
@@ -86,8 +93,13 @@ struct Kept {
 }
 
 enum Entry {
-    /// `peer_ended`: when the client's end (FIN or reset) was seen.
-    Kept(Arc<Kept>, Option<Instant>),
+    Kept {
+        kept: Arc<Kept>,
+        /// When the client's end (FIN or reset) was seen.
+        peer_ended: Option<Instant>,
+        /// A record of ours waits for room (the socket is watched for it).
+        sending: Option<Sending>,
+    },
     /// Asked to close: close_notify waits for room in the socket (watched for it).
     Closing { kept: Arc<Kept>, until: Instant },
     /// close_notify sent and our side shut down: input is drained until the client closes.
@@ -95,6 +107,22 @@ enum Entry {
         socket: Arc<TcpStream>,
         until: Instant,
     },
+}
+
+/// A KeyUpdate or alert of tlsplane's that waits for room in a kept socket.
+struct Sending {
+    until: Instant,
+    /// The KEY_UPDATE's answer, given once the new keys are in (none for an alert: its
+    /// request was answered at once).
+    answer: Option<Answer>,
+}
+
+impl Sending {
+    fn answer(self, status: Status) {
+        if let Some(a) = self.answer {
+            a(status);
+        }
+    }
 }
 
 /// How a kept connection ends for tlsplane.
@@ -162,7 +190,14 @@ impl Keeper {
         });
         // In the table before the program can ask about it, and watched after: an end
         // already seen is reported at once.
-        self.entries().insert(id, Entry::Kept(kept.clone(), None));
+        self.entries().insert(
+            id,
+            Entry::Kept {
+                kept: kept.clone(),
+                peer_ended: None,
+                sending: None,
+            },
+        );
         if let Err(e) = self.watch.watch(kept.socket.as_fd(), id, false) {
             self.entries().remove(&id);
             return Err(e);
@@ -173,36 +208,83 @@ impl Keeper {
         Ok(Arc::new(KeptSocket(kept)))
     }
 
-    /// The program's KEY_UPDATE for connection `id`, after it read `message` from it.
-    pub fn key_update(&self, receiver: u64, id: u64, message: &[u8]) -> Status {
+    /// The program's KEY_UPDATE for connection `id`, after it read `message` from it: its
+    /// status now, or `None` when tlsplane's own KeyUpdate waits for room in the socket, in
+    /// which case `answer` gets it once the keys are in (never waiting here).
+    pub fn key_update(
+        &self,
+        receiver: u64,
+        id: u64,
+        message: &[u8],
+        answer: Answer,
+    ) -> Option<Status> {
         let kept = match self.kept(receiver, id) {
             Ok(k) => k,
-            Err(s) => return s,
+            Err(s) => return Some(s),
         };
-        let r = kept
-            .keys
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .key_update(kept.socket.as_fd(), message);
-        match r {
-            Ok(()) => {
+        let mut keys = kept.keys.lock().unwrap_or_else(|e| e.into_inner());
+        let r = keys.key_update(kept.socket.as_fd(), message);
+        let waiting = keys.is_waiting();
+        drop(keys);
+        let status = match r {
+            Ok(ReKeyed::Done) => {
                 self.count(|s| {
                     s.key_updates.fetch_add(1, Relaxed);
                 });
-                Status::Ok
+                Some(Status::Ok)
             }
+            Ok(ReKeyed::WaitingForRoom) => None,
             Err(e) => {
                 self.count(|s| {
                     s.key_update_failures.fetch_add(1, Relaxed);
                 });
                 tracing::debug!(conn = id, error = %e, "hand-off: KeyUpdate not served");
-                match e {
+                Some(match e {
                     HandedKeyError::NotKeyUpdate => Status::BadRequest,
                     HandedKeyError::Unsupported => Status::Unsupported,
                     _ => Status::Failed,
-                }
+                })
             }
+        };
+        if waiting {
+            self.count(|s| {
+                s.key_update_waits.fetch_add(1, Relaxed);
+            });
+            self.wait_for_room(id, &kept, status.is_none().then_some(answer));
         }
+        status
+    }
+
+    /// Watches kept connection `id` for room for the record its keys hold.
+    fn wait_for_room(&self, id: u64, kept: &Arc<Kept>, answer: Option<Answer>) {
+        let sending = Sending {
+            until: Instant::now() + CONTROL_RECORD_WAIT,
+            answer,
+        };
+        let mut entries = self.entries();
+        let watched = match entries.get_mut(&id) {
+            Some(Entry::Kept {
+                kept: k,
+                sending: s @ None,
+                ..
+            }) if Arc::ptr_eq(k, kept) => {
+                let _ = self.watch.forget(kept.socket.as_fd());
+                if self.watch.watch_output(kept.socket.as_fd(), id).is_ok() {
+                    *s = Some(sending);
+                    return;
+                }
+                // Not watched at all now: the connection cannot be kept working.
+                let _ = self.watch.watch(kept.socket.as_fd(), id, false);
+                false
+            }
+            // Ended meanwhile (a CLOSE, its receiver gone).
+            _ => true,
+        };
+        drop(entries);
+        if !watched {
+            reset(kept);
+        }
+        sending.answer(Status::Failed);
     }
 
     /// The program's CLOSE for connection `id`: close_notify after all it wrote, then a
@@ -219,32 +301,30 @@ impl Keeper {
         Status::Ok
     }
 
-    /// Receiver `receiver` went, its requests all read; its program stands as `program`.
-    /// Died (or tlsplane dropped it): each of its connections that it did not CLOSE is
-    /// reset, so that the client can tell the cut from an end. Exited with status 0: it
-    /// ended with everything it held: close_notify. Alive: the program owns them, our
-    /// duplicates just go.
-    pub fn receiver_gone(&self, receiver: u64, program: Process) {
+    /// Receiver `receiver` went, its requests all read. With `abandoned` (it promised a
+    /// CLOSE for each connection, its program went holding them, or tlsplane dropped it),
+    /// each of its connections that it did not CLOSE is reset, so that the client can tell
+    /// the cut from an end; else the program lives on and owns them: our duplicates just go.
+    pub fn receiver_gone(&self, receiver: u64, abandoned: bool) {
         let ids: Vec<u64> = self
             .entries()
             .iter()
             .filter_map(|(id, e)| match e {
-                Entry::Kept(k, _) if k.receiver == receiver => Some(*id),
+                Entry::Kept { kept, .. } if kept.receiver == receiver => Some(*id),
                 _ => None,
             })
             .collect();
-        let ending = match program {
-            Process::Died => Ending::Reset,
-            Process::ExitedOk => Ending::CloseNotify,
-            Process::Alive => Ending::Release,
+        let ending = if abandoned {
+            Ending::Reset
+        } else {
+            Ending::Release
         };
         for id in ids {
             if self.end(id, ending) {
                 self.count(|s| {
                     match ending {
                         Ending::Reset => &s.released_receiver_gone,
-                        Ending::CloseNotify => &s.released_receiver_exited,
-                        Ending::Release => &s.released_receiver_left,
+                        _ => &s.released_receiver_left,
                     }
                     .fetch_add(1, Relaxed);
                 });
@@ -260,8 +340,8 @@ impl Keeper {
 
     fn kept(&self, receiver: u64, id: u64) -> Result<Arc<Kept>, Status> {
         match self.entries().get(&id) {
-            Some(Entry::Kept(k, _)) if k.receiver == receiver => Ok(k.clone()),
-            Some(Entry::Kept(..)) => Err(Status::Refused),
+            Some(Entry::Kept { kept, .. }) if kept.receiver == receiver => Ok(kept.clone()),
+            Some(Entry::Kept { .. }) => Err(Status::Refused),
             _ => Err(Status::UnknownConnection),
         }
     }
@@ -269,18 +349,28 @@ impl Keeper {
     /// Stops keeping connection `id` as `ending` says. False if it was not kept. Never waits:
     /// a close_notify without room now is sent by the watching thread once there is.
     fn end(&self, id: u64, ending: Ending) -> bool {
-        let Some(Entry::Kept(kept, _)) = self.entries().remove(&id) else {
-            return false;
+        let (kept, sending) = {
+            let mut entries = self.entries();
+            if !matches!(entries.get(&id), Some(Entry::Kept { .. })) {
+                return false;
+            }
+            let Some(Entry::Kept { kept, sending, .. }) = entries.remove(&id) else {
+                return false;
+            };
+            (kept, sending)
         };
         let _ = self.watch.forget(kept.socket.as_fd());
         self.count(|s| {
             s.kept.fetch_sub(1, Relaxed);
         });
+        if let Some(s) = sending {
+            s.answer(Status::Failed);
+        }
         match ending {
             Ending::Reset => reset(&kept),
             Ending::Release => {}
             Ending::CloseNotify => {
-                self.send_close_notify(id, kept, Instant::now() + CLOSE_NOTIFY_WAIT)
+                self.send_close_notify(id, kept, Instant::now() + CONTROL_RECORD_WAIT)
             }
         }
         true
@@ -336,8 +426,18 @@ impl Keeper {
         let socket = {
             let mut entries = self.entries();
             match entries.get_mut(&id) {
-                Some(Entry::Kept(_, ended)) => {
-                    ended.get_or_insert_with(Instant::now);
+                Some(Entry::Kept {
+                    kept,
+                    sending: Some(_),
+                    ..
+                }) => {
+                    let kept = kept.clone();
+                    drop(entries);
+                    self.send_waiting(id, &kept);
+                    return false;
+                }
+                Some(Entry::Kept { peer_ended, .. }) => {
+                    peer_ended.get_or_insert_with(Instant::now);
                     return false;
                 }
                 Some(Entry::Lingering { socket, .. }) => socket.clone(),
@@ -364,15 +464,98 @@ impl Keeper {
         }
     }
 
+    /// Room (or an end, or an error) on kept socket `id` whose record waits: sends it, and
+    /// once nothing waits, answers and watches the socket for its client's end again (an
+    /// end already seen is reported at once).
+    fn send_waiting(&self, id: u64, kept: &Arc<Kept>) {
+        let r = kept
+            .keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send_waiting(kept.socket.as_fd());
+        let status = match r {
+            Ok(false) => return,
+            Ok(true) => Status::Ok,
+            Err(e) => {
+                tracing::debug!(conn = id, error = %e, "hand-off: a waiting record failed");
+                Status::Failed
+            }
+        };
+        let Some(sending) = self.stop_sending(id, kept) else {
+            return;
+        };
+        // (An alert's request was answered, and counted, when it was read.)
+        if sending.answer.is_some() {
+            self.count(|s| {
+                match status {
+                    Status::Ok => &s.key_updates,
+                    _ => &s.key_update_failures,
+                }
+                .fetch_add(1, Relaxed);
+            });
+        }
+        sending.answer(status);
+    }
+
+    /// Kept socket `id` (still `kept`) no longer waits for room: watched for its client's
+    /// end again. `None`: it was not waiting (ended meanwhile).
+    fn stop_sending(&self, id: u64, kept: &Arc<Kept>) -> Option<Sending> {
+        let mut entries = self.entries();
+        let Some(Entry::Kept {
+            kept: k, sending, ..
+        }) = entries.get_mut(&id)
+        else {
+            return None;
+        };
+        if !Arc::ptr_eq(k, kept) {
+            return None;
+        }
+        let taken = sending.take()?;
+        let _ = self.watch.forget(kept.socket.as_fd());
+        if self.watch.watch(kept.socket.as_fd(), id, false).is_err() {
+            reset(kept);
+        }
+        Some(taken)
+    }
+
     /// Kept sockets whose client ended more than [`PEER_END_GRACE`] ago, without a CLOSE.
     fn abandoned(&self, now: Instant) -> Vec<u64> {
         self.entries()
             .iter()
             .filter_map(|(id, e)| match e {
-                Entry::Kept(_, Some(at)) if now.duration_since(*at) >= PEER_END_GRACE => Some(*id),
+                Entry::Kept {
+                    peer_ended: Some(at),
+                    ..
+                } if now.duration_since(*at) >= PEER_END_GRACE => Some(*id),
                 _ => None,
             })
             .collect()
+    }
+
+    /// Kept sockets whose record found no room for [`CONTROL_RECORD_WAIT`]: reset, the
+    /// KEY_UPDATE answered 4 (failed).
+    fn sending_expired(&self, now: Instant) {
+        let late: Vec<(u64, Arc<Kept>)> = self
+            .entries()
+            .iter()
+            .filter_map(|(id, e)| match e {
+                Entry::Kept {
+                    kept,
+                    sending: Some(s),
+                    ..
+                } if s.until <= now => Some((*id, kept.clone())),
+                _ => None,
+            })
+            .collect();
+        for (id, kept) in late {
+            if let Some(sending) = self.stop_sending(id, &kept) {
+                reset(&kept);
+                self.count(|s| {
+                    s.key_update_timeouts.fetch_add(1, Relaxed);
+                });
+                sending.answer(Status::Failed);
+            }
+        }
     }
 
     fn forget_lingering(&self, id: u64) {
@@ -480,6 +663,7 @@ fn watch_loop(keeper: &Weak<Keeper>) {
         for id in k.expired(now) {
             k.forget_lingering(id);
         }
+        k.sending_expired(now);
         for id in k.abandoned(now) {
             if k.end(id, Ending::Release) {
                 k.count(|s| {

@@ -401,23 +401,38 @@ fn a_receiver_that_stops_receiving_gets_a_bounded_queue_then_refusals() {
     // A receiver that never reads: frames fill the socket's buffer, then the queue.
     let rx = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
     wait_receivers(&server, 1);
-    let refused = runtime().block_on(async {
+    let rt = runtime();
+    let (refused, mut open) = rt.block_on(async {
         let mut open = Vec::new();
         for _ in 0..2000 {
             let mut c = connect(server.port(), &[]).await;
             // A refused client reads close_notify at once; a queued one reads nothing.
             let mut b = [0u8; 1];
             match tokio::time::timeout(Duration::from_millis(50), c.read(&mut b)).await {
-                Ok(Ok(0)) => return Some(open.len()),
+                Ok(Ok(0)) => return (Some(open.len()), open),
                 Ok(r) => panic!("a client queued for hand-off read {r:?}"),
                 Err(_) => open.push(c),
             }
         }
-        None
+        (None, open)
     });
     let before = refused.expect("no refusal after 2000 connections");
-    // The receiver goes: its queued connections end.
+    // The receiver goes: its queued connections end. Those never written to it (the queue's,
+    // and one whose write it left unfinished) end as refused ones do, with close_notify, on
+    // either plane.
     drop(rx);
+    let clean = rt.block_on(async {
+        let mut clean = 0;
+        for c in &mut open {
+            clean += usize::from(read_to_end(c, Duration::from_secs(10)).await.1);
+        }
+        clean
+    });
+    assert!(
+        clean >= 2,
+        "{clean} of {} ended with close_notify",
+        open.len()
+    );
     let stats = server.stop();
     // (A refusal whose close_notify took over 50 ms counts among `before`.)
     let full = stats.get("handoff_refused_queue_full");

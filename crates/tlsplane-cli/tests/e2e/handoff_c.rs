@@ -530,3 +530,136 @@ fn threaded_pre_fork_and_fork_per_connection_servers_under_the_shim_serve_many_c
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `shim_servers forkper` under the shim, served by `server`; `env` set for it (e.g.
+/// SHIM_DROP_UID). Its stdin is piped: dropping it stops the program.
+fn fork_per_connection_under_the_shim(
+    server: &Server,
+    socket: &Path,
+    env: &[(&str, &str)],
+) -> Child {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let prog = Command::new(program("shim_servers"))
+        .args([&port.to_string(), "forkper"])
+        .env("LD_PRELOAD", program("libtlsplane_preload.so"))
+        .env("TLSPLANE_HANDOFF", socket)
+        .env("TLSPLANE_LISTEN", format!("127.0.0.1:{port}"))
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("shim_servers");
+    wait_receivers(server, 1);
+    prog
+}
+
+/// The children of process `pid` (its main thread's, from /proc).
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// A fork-per-connection server under the shim whose child (the process serving the
+/// connection; the parent closed its copy at once) is killed mid-connection: the shim sent
+/// HELLO with ENDS_WITH_CLOSE and the dead child no CLOSE, so the client gets a reset (user
+/// relay; on the kernel plane nothing, tlsplane's duplicate still holding the socket), never
+/// a close_notify that would pass a cut answer off as whole. A connection the child ends
+/// still gets its close_notify.
+#[test]
+fn a_fork_per_connection_child_killed_under_the_shim_leaves_its_client_a_reset() {
+    let dir = scratch("handoff-c-forkper-killed");
+    let socket = dir.join("app.sock");
+    let tls0 = kernel_tls_stat();
+    let server = Server::builder().handoff(&socket).start();
+    let mut prog = fork_per_connection_under_the_shim(&server, &socket, &[]);
+    echo_once(server.port(), 1).expect("a connection the child ends");
+    let mut c = TlsClient::connect_version(server.port(), Tls::V13);
+    let first = body(&[0; 3000], 2);
+    c.write_all(&first).unwrap();
+    let mut got = vec![0; first.len()];
+    read_exact(&mut c, &mut got);
+    assert!(got == first, "echo before the kill");
+    let kids = children_of(prog.id());
+    assert_eq!(kids.len(), 1, "the child serving the connection: {kids:?}");
+    if mode() == Mode::Kernel {
+        // tlsplane keeps a duplicate of a kernel-plane socket, so the child's copy going is
+        // no end it can see (it lets go 30 s after the client's end, or when the receiver
+        // goes): what matters is that no close_notify comes.
+        c.io.sock
+            .set_read_timeout(Some(Duration::from_secs(3)))
+            .unwrap();
+    }
+    let status = Command::new("kill")
+        .args(["-KILL", &kids[0].to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let (rest, end) = c.read_to_end();
+    assert!(rest.is_empty(), "bytes after the echo");
+    let want = match mode() {
+        Mode::User => std::io::ErrorKind::ConnectionReset,
+        Mode::Kernel => std::io::ErrorKind::TimedOut,
+    };
+    assert!(
+        matches!(&end, End::Io(kind, _) if *kind == want),
+        "the end was {end:?}"
+    );
+    drop(prog.stdin.take());
+    let lines = lines_of(&mut prog, 3, Duration::from_secs(20));
+    let _ = prog.kill();
+    let _ = prog.wait();
+    // The killed child counted nothing.
+    assert_eq!(lines, ["listening", "served=1", "done"]);
+    let stats = server.stop();
+    assert_eq!(
+        stats.get("handoff_receivers_ends_with_close"),
+        1,
+        "{stats:?}"
+    );
+    assert_plane(&stats, 2, &tls0);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A fork-per-connection server under the shim that drops root after listen (setuid to
+/// nobody, as daemons do: the process is then not dumpable, and kcmp(2) on its children fails
+/// with EPERM) serves whole answers, each ended with close_notify: the parent's close right
+/// after the fork must not end the connection its child still serves.
+#[test]
+fn a_fork_per_connection_server_that_drops_root_under_the_shim_serves_whole_answers() {
+    let dir = scratch("handoff-c-forkper-nobody");
+    let socket = dir.join("app.sock");
+    let tls0 = kernel_tls_stat();
+    let server = Server::builder().handoff(&socket).start();
+    let mut prog =
+        fork_per_connection_under_the_shim(&server, &socket, &[("SHIM_DROP_UID", "65534")]);
+    let failures: Vec<String> = (1..=4)
+        .filter_map(|seed| echo_once(server.port(), seed).err())
+        .collect();
+    assert!(failures.is_empty(), "{failures:?}");
+    drop(prog.stdin.take());
+    let lines = lines_of(&mut prog, 3, Duration::from_secs(20));
+    let _ = prog.kill();
+    let _ = prog.wait();
+    assert_eq!(lines, ["listening", "served=4", "done"]);
+    let stats = server.stop();
+    // Under the promise each close_notify above is a CLOSE the child sent after its parent
+    // had dropped root (without one the relay resets).
+    assert_eq!(
+        stats.get("handoff_receivers_ends_with_close"),
+        1,
+        "{stats:?}"
+    );
+    assert_plane(&stats, 4, &tls0);
+    if mode() == Mode::Kernel {
+        assert_eq!(stats.get("handoff_kernel_closes"), 4, "{stats:?}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -406,6 +406,24 @@ impl Server {
         self.lines.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Waits until at least `n` lines of its log contain `text` (its log reaches the test
+    /// through a reader thread, later than the server acts) and returns the log; panics after
+    /// `within`.
+    pub fn wait_lines(&self, text: &str, n: usize, within: Duration) -> Vec<String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let lines = self.stderr_lines();
+            if lines.iter().filter(|l| l.contains(text)).count() >= n {
+                return lines;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "fewer than {n} lines {text:?} after {within:?}: {lines:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Panics unless the server process is still running.
     pub fn assert_alive(&mut self) {
         let child = self.child.as_mut().expect("server handle");

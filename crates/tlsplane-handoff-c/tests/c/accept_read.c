@@ -72,6 +72,12 @@ int main(int argc, char **argv) {
     printf("read_after_close=%s\n", tlsplane_read(h, fd, buf, sizeof buf) < 0 ? err(errno) : "ok");
     printf("close_unknown=%s\n", tlsplane_close(h, 12345) < 0 ? err(errno) : "ok");
 
+    /* A user-plane connection: answered, then ended through the library too. */
+    fd = tlsplane_accept(h, &info);
+    if (fd < 0) { printf("accept=%s\n", err(errno)); return 1; }
+    if (write(fd, "relayed", 7) != 7) { printf("write=%s\n", err(errno)); return 1; }
+    printf("plane=%u close=%d\n", info.plane, tlsplane_close(h, fd));
+
     /* A header the library refuses, then tlsplane going away. */
     printf("accept_bad=%s\n", tlsplane_accept(h, &info) < 0 ? err(errno) : "fd");
     printf("accept_gone=%s\n", tlsplane_accept(h, &info) < 0 ? err(errno) : "fd");

@@ -13,13 +13,16 @@
  * ends the forking); another closes a
  * duplicate of a pipe every millisecond and keeps the longest close; two more call
  * getsockname and close without pause while the forking goes on; and the hand-off connection's
- * send buffer is made as small as the kernel allows. At the end of stdin: prints "served=N"
+ * send buffer is made as small as the kernel allows. With SHIM_DROP_UID=N, right after listen
+ * the server drops root for uid and gid N, as daemons do (the process is then not dumpable:
+ * kcmp(2) on its children fails with EPERM). At the end of stdin: prints "served=N"
  * (and "forks=F hung=H close_max_ms=M"), then "done".
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -196,6 +199,12 @@ int main(int argc, char **argv) {
         die("bind");
     if (listen(l, 64) < 0)
         die("listen");
+    const char *drop = getenv("SHIM_DROP_UID");
+    if (drop && *drop) {
+        unsigned id = (unsigned)atoi(drop);
+        if (setgroups(0, NULL) < 0 || setgid(id) < 0 || setuid(id) < 0)
+            die("dropping root");
+    }
     if (stress) {
         int small = 1; /* the kernel's minimum: a few frames fill it */
         setsockopt(l, SOL_SOCKET, SO_SNDBUF, &small, sizeof small);

@@ -702,6 +702,7 @@ impl KernelPlane {
             rekey: self.rekey,
             key_updates: self.key_updates,
             write_closed: false,
+            waiting: None,
         }
     }
 }
@@ -738,28 +739,56 @@ impl std::error::Error for HandedKeyError {}
 /// The traffic secrets of a kernel-plane connection whose socket another program now reads
 /// and writes: tlsplane keeps them (they never leave its process) and applies them to its
 /// own duplicate of the socket when the program asks. The socket's blocking mode is the
-/// program's: every call here is non-blocking with a bounded wait.
+/// program's: every call here is non-blocking and never waits. A record that finds no room
+/// in the socket (a client that reads slowly) is kept to be sent by [`Self::send_waiting`]
+/// once the caller sees the socket writable.
 pub struct HandedKeys {
     kconn: KernelConnection<ServerConnectionData>,
     version: TlsVersion,
     rekey: Rekey,
     key_updates: KeyUpdateBudget,
     write_closed: bool,
+    waiting: Option<Waiting>,
 }
 
-/// How long a record tlsplane sends on a handed socket may wait for room.
-const HANDED_SEND_WAIT_MS: i32 = 1000;
+/// A control record that found no room in the socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Waiting {
+    /// Our KeyUpdate (old send key); then the next send key, then the next receive key.
+    KeyUpdate,
+    /// An alert (it ends the stream: nothing follows it).
+    Alert(u8),
+}
+
+/// How a KeyUpdate went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReKeyed {
+    /// Both directions re-keyed as asked.
+    Done,
+    /// Our own KeyUpdate found no room: [`HandedKeys::send_waiting`] finishes it once the
+    /// socket is writable. Until then the socket's receive side stays paused at the peer's
+    /// KeyUpdate.
+    WaitingForRoom,
+}
 
 impl HandedKeys {
     /// After the program read a handshake record from `sock` (its plaintext, `message`): a
     /// TLS 1.3 KeyUpdate installs the next receive key, and when the peer asked for ours,
-    /// sends our KeyUpdate under the old send key and installs the next one. Anything else
-    /// ends the connection with an alert.
+    /// sends our KeyUpdate under the old send key and installs the next one (or, without
+    /// room for it now, leaves both to [`Self::send_waiting`]). Anything else ends the
+    /// connection with an alert (sent now, or as soon as there is room).
     pub fn key_update(
         &mut self,
         sock: BorrowedFd<'_>,
         message: &[u8],
-    ) -> Result<(), HandedKeyError> {
+    ) -> Result<ReKeyed, HandedKeyError> {
+        if self.waiting.is_some() {
+            // The peer's next KeyUpdate cannot have been read: the receive side is paused at
+            // the one still being answered, or the stream was ended.
+            return Err(HandedKeyError::Io(io::Error::other(
+                "a KeyUpdate while the last one is unanswered",
+            )));
+        }
         let requested = match message {
             [HS_KEY_UPDATE, 0, 0, 1, r @ (0 | 1)] if self.version == TlsVersion::Tls13 => *r == 1,
             _ => {
@@ -781,13 +810,46 @@ impl HandedKeys {
         // KeyUpdate: a program that reads before it writes is waiting in its read, so nothing
         // of its can go out between our KeyUpdate (old key) and the new key's first record.
         if requested && !self.write_closed {
-            send_record_waiting(sock, CT_HANDSHAKE, &[HS_KEY_UPDATE, 0, 0, 1, 0])
-                .map_err(HandedKeyError::Io)?;
+            if !try_send_record(sock, CT_HANDSHAKE, &KEY_UPDATE_NOT_REQUESTED)
+                .map_err(HandedKeyError::Io)?
+            {
+                self.waiting = Some(Waiting::KeyUpdate);
+                return Ok(ReKeyed::WaitingForRoom);
+            }
             self.next_key(sock, Direction::Tx)?;
         }
         self.next_key(sock, Direction::Rx)?;
         bump(&global().key_updates);
-        Ok(())
+        Ok(ReKeyed::Done)
+    }
+
+    /// Whether a record waits for room (see [`Self::send_waiting`]).
+    pub fn is_waiting(&self) -> bool {
+        self.waiting.is_some()
+    }
+
+    /// Sends the record that found no room before, if there is room now: `Ok(true)` once
+    /// nothing waits (a KeyUpdate's keys installed), `Ok(false)` while it still has none.
+    pub fn send_waiting(&mut self, sock: BorrowedFd<'_>) -> Result<bool, HandedKeyError> {
+        let Some(waiting) = self.waiting else {
+            return Ok(true);
+        };
+        let (typ, record): (u8, &[u8]) = match waiting {
+            Waiting::KeyUpdate => (CT_HANDSHAKE, &KEY_UPDATE_NOT_REQUESTED),
+            Waiting::Alert(desc) => (CT_ALERT, &[alert_level(desc), desc]),
+        };
+        let sent = try_send_record(sock, typ, record);
+        if matches!(sent, Ok(false)) {
+            return Ok(false);
+        }
+        self.waiting = None;
+        sent.map_err(HandedKeyError::Io)?;
+        if waiting == Waiting::KeyUpdate {
+            self.next_key(sock, Direction::Tx)?;
+            self.next_key(sock, Direction::Rx)?;
+            bump(&global().key_updates);
+        }
+        Ok(true)
     }
 
     /// Derives the next secret of `direction` and installs it on `sock`.
@@ -811,6 +873,18 @@ impl HandedKeys {
     /// has room for it now, never waiting:
     /// `Ok(false)` when it has none (try again once it is writable).
     pub fn try_close_notify(&mut self, sock: BorrowedFd<'_>) -> io::Result<bool> {
+        match self.waiting {
+            // An alert ends the stream as well: it goes instead.
+            Some(Waiting::Alert(_)) => {
+                return self.send_waiting(sock).map_err(|e| match e {
+                    HandedKeyError::Io(e) => e,
+                    e => io::Error::other(e),
+                })
+            }
+            // Our KeyUpdate is not sent: close_notify under the send key the peer has.
+            Some(Waiting::KeyUpdate) => self.waiting = None,
+            None => {}
+        }
         if self.write_closed {
             return Ok(true);
         }
@@ -833,31 +907,40 @@ impl HandedKeys {
         Ok(true)
     }
 
-    /// Sends an alert (best effort): fatal unless it is close_notify. Nothing is sent after.
+    /// Sends an alert (best effort; without room now, it waits for [`Self::send_waiting`]):
+    /// fatal unless it is close_notify. Nothing is sent after.
     fn alert(&mut self, sock: BorrowedFd<'_>, desc: u8) {
         if self.write_closed {
             return;
         }
         self.write_closed = true;
-        let level = if desc == ALERT_CLOSE_NOTIFY { 1 } else { 2 };
         bump(&global().kernel_alerts_sent);
-        let _ = send_record_waiting(sock, CT_ALERT, &[level, desc]);
+        if let Ok(false) = try_send_record(sock, CT_ALERT, &[alert_level(desc), desc]) {
+            self.waiting = Some(Waiting::Alert(desc));
+        }
     }
 }
 
-/// One record of `typ` on a socket whose blocking mode is not ours: non-blocking, waiting up
-/// to [`HANDED_SEND_WAIT_MS`] for room. A record goes out whole or fails.
-fn send_record_waiting(sock: BorrowedFd<'_>, typ: u8, data: &[u8]) -> io::Result<()> {
+/// A KeyUpdate that does not ask the peer for one back.
+const KEY_UPDATE_NOT_REQUESTED: [u8; 5] = [HS_KEY_UPDATE, 0, 0, 1, 0];
+
+fn alert_level(desc: u8) -> u8 {
+    if desc == ALERT_CLOSE_NOTIFY {
+        1
+    } else {
+        2
+    }
+}
+
+/// One record of `typ` on a socket whose blocking mode is not ours, if it has room now:
+/// `Ok(false)` when it has none. A record goes out whole or fails.
+fn try_send_record(sock: BorrowedFd<'_>, typ: u8, data: &[u8]) -> io::Result<bool> {
     loop {
         match sys::send_record(sock, typ, data) {
-            Ok(n) if n == data.len() => return Ok(()),
+            Ok(n) if n == data.len() => return Ok(true),
             Ok(_) => return Err(io::Error::other("a control record went out in part")),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if !sys::wait_writable(sock, HANDED_SEND_WAIT_MS)? {
-                    return Err(io::ErrorKind::TimedOut.into());
-                }
-            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
             Err(e) => return Err(e),
         }
     }
