@@ -1166,7 +1166,7 @@ mod tests {
         assert!(sealer.open(b"").is_err());
         // The longest value a server writes is one the scripts read back whole.
         assert!(value.len() <= MAX_VALUE_LEN, "{}", value.len());
-        assert!(current().contains(&format!("if n > {MAX_VALUE_LEN} then")));
+        assert!(current().contains(&format!("if #v > {MAX_VALUE_LEN} then")));
     }
 
     #[test]
