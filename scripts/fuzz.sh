@@ -6,9 +6,12 @@
 #   h2_outbox     the HTTP/2 outbox: h2's frames, cut anyhow, with file bytes put in place of
 #                 placeholder DATA payloads; checks the bytes sent against a model
 #   h2_server     client bytes to h2's server with serve's settings, transport and answers
+#   handoff_wire  hand-off frames from either side: decode, and a decoded one round-trips
+#   chunked_body  the proxy's body framing (chunked sizes, extensions, trailers): the same
+#                 decision however the stream is cut
 #
 #   scripts/fuzz.sh            build, replay fuzz/regressions/<target>/, then fuzz each target
-#                              for FUZZ_SECONDS (30: about 90 s in all)
+#                              for FUZZ_SECONDS (30: about 150 s in all)
 #   FUZZ_SECONDS=0 scripts/fuzz.sh   build and replay only
 #   FUZZ_TARGETS="h2_outbox" scripts/fuzz.sh   only these targets
 #
@@ -21,7 +24,7 @@ target=x86_64-unknown-linux-gnu
 export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
-targets=${FUZZ_TARGETS:-server_input h2_outbox h2_server}
+targets=${FUZZ_TARGETS:-server_input h2_outbox h2_server handoff_wire chunked_body}
 bins=()
 for t in $targets; do bins+=(--bin "$t"); done
 cargo build --release --locked --target "$target" "${bins[@]}" 2>&1 | tail -n 3
