@@ -22,6 +22,8 @@ mod alpn;
 mod bad_input;
 #[path = "e2e/bench_cli.rs"]
 mod bench_cli;
+#[path = "e2e/cli_reference.rs"]
+mod cli_reference;
 #[path = "e2e/coalesced.rs"]
 mod coalesced;
 #[path = "e2e/config.rs"]

@@ -449,7 +449,7 @@ fn later_http1_minor_versions_are_served_as_11() {
 
 #[test]
 fn other_methods_with_a_body_are_complete_requests_that_close() {
-    // The server answers 405 with Allow (README); the body is never read, so no keep-alive.
+    // The server answers 405 with Allow (docs/USAGE.md, "HTTP behaviour of `serve`"); the body is never read, so no keep-alive.
     for req in [
         &b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello"[..],
         b"PUT /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",

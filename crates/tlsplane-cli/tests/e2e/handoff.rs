@@ -555,7 +555,7 @@ fn curl_gets_an_answer_from_a_python_receiver_over_tls_1_2_and_1_3() {
         .arg("--alpn")
         .arg("http/1.1")
         .start();
-    // As README's example: read the request, answer, close.
+    // As the README's example: read the request, answer, close.
     let rx = receiver(
         &socket,
         r#"

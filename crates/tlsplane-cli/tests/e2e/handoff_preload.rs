@@ -1,7 +1,7 @@
 //! The `LD_PRELOAD` shim (`crates/tlsplane-handoff-c/preload/tlsplane_preload.c`, issue 21):
 //! programs never written for tlsplane, unmodified, behind `tlsplane handoff` (user relay
 //! plane): `python3 -m http.server` and a C echo server using `accept4`. Each test builds the
-//! shim with `cc` as the README says, and each fails without it (no receiver connects).
+//! shim with `cc` as docs/HANDOFF.md says, and each fails without it (no receiver connects).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

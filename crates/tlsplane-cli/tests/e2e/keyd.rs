@@ -1117,8 +1117,8 @@ fn a_server_signs_through_a_keyd_over_tls_and_never_reads_the_key_file() {
     keyds.clear();
     keyds.push(TlsKeyd::start(&pki, &site.key_pem, keyd_port));
     // With a request: a client that closes right after its handshake may have its FIN reach
-    // the server before the handshake ends there, which the kernel plane refuses (README,
-    // Current limits) and the guests' check of every connection's plane would count.
+    // the server before the handshake ends there, which the kernel plane refuses
+    // (docs/LIMITS.md) and the guests' check of every connection's plane would count.
     let mut first = TlsClient::connect_version(port, Tls::V13);
     assert_eq!(
         first.get("/").status,

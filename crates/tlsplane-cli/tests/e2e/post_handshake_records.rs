@@ -120,7 +120,7 @@ fn records_without_content_type_or_interleaved_with_a_key_update_get_unexpected_
     if mode() == Mode::Kernel {
         // The kernel decrypts these records, not rustls: a record with no content type is
         // EBADMSG to it, as a record that fails to decrypt (bad_record_mac), and it stops at
-        // the first fragment of a KeyUpdate (decode_error). README, "Data plane".
+        // the first fragment of a KeyUpdate (decode_error). docs/LIMITS.md, the rustls record errors.
         eprintln!("SKIPPED: the user plane's alerts (the kernel plane answers these itself)");
         return;
     }
