@@ -2,17 +2,11 @@
 //! runtimes, shows progress, and collects the merged [`Stats`].
 //!
 //! Why blocking is the default whenever each loop has its own thread
-//! (`--connections` <= `--threads`, including the default 1/1): against
-//! nginx on this 2-core box (client on core 1, nginx on core 0, `--count
-//! 2000 --insecure-no-verify`, 7 interleaved runs, perf task-clock medians)
-//! the client's CPU per handshake was
-//!
-//! | mode            | blocking | tokio-rustls (current-thread) |
-//! |-----------------|----------|-------------------------------|
-//! | TLS 1.3 full    | 365 µs   | 400 µs                        |
-//! | TLS 1.2 full    | 295 µs   | 337 µs                        |
-//! | TLS 1.2 tickets | 155 µs   | 189 µs                        |
-//! | TLS 1.3 psk     | 267 µs   | 295 µs                        |
+//! (`--connections` <= `--threads`, including the default 1/1): the client's
+//! CPU per handshake is lower in every mode, because a load generator that
+//! costs less leaves more of the machine to the server it measures (the
+//! figures: CLIENT_COST.md, "Blocking vs tokio engine", and docs/BENCHMARKS.md,
+//! "Client cost").
 //!
 //! The blocking cycle is 11 syscalls (socket, 3 setsockopt, connect, writev
 //! of the ClientHello, 2 recvfrom, one send of Finished + close_notify with

@@ -331,7 +331,7 @@ where
         // are queued go out while the rest are served, so that the client works on them
         // meanwhile instead of the two taking turns. With other connections busy the worker
         // does their work in the gaps, and writing early only cuts every connection's rounds
-        // smaller (10 connections × 100 streams: 7.8 -> 11.0 µs per request).
+        // smaller (docs/BENCHMARKS.md, "One HTTP/2 connection, 10 streams").
         if BUSY_HERE.with(Cell::get) == 1 {
             flush.flush_if_due().await;
         }

@@ -60,15 +60,14 @@ pub const FORGOTTEN: usize = 4;
 /// Bytes queued at which the pump may send them before h2's side has served all it can
 /// ([`Flusher`]). Answering a round of 10 small requests in one write made the client and the
 /// server take turns, each idle while the other worked (one h2 connection, `h2load -m 10`:
-/// server 70 % of its core, client 25 %); writing every ~4 responses of 1 KiB lets the two
-/// overlap, at few more writes. In one run, 2 KiB cost more CPU per request (13.4 against
-/// 12.0 µs) and 6 KiB overlapped less (74.9k against 78.6k req/s) (docs/BENCHMARKS.md,
-/// "One HTTP/2 connection, 10 streams").
+/// the server used a fraction of its core); writing every ~4 responses of 1 KiB lets the two
+/// overlap, at few more writes; 2 KiB cost more CPU per request and 6 KiB overlapped less
+/// (docs/BENCHMARKS.md, "One HTTP/2 connection, 10 streams").
 pub const EARLY_FLUSH: usize = 4 * 1024;
 /// User plane: file DATA frames up to this long are read from the file in one piece when
 /// their header comes ([`Outbox::take`]): small responses, where the second read was a large
-/// share of the work. With 16 KiB frames read whole too, the 10 MiB row of bench/h2-peers
-/// cost 1.12–1.14× the build before in two runs (1.07 and 0.98 with this limit, ±5 %).
+/// share of the work. Reading 16 KiB frames whole too made large files cost more
+/// (docs/BENCHMARKS.md, "One HTTP/2 connection, 10 streams").
 const SMALL_FILE_FRAME: usize = 4 * 1024;
 /// The frame header's length (RFC 9113 §4.1).
 const FRAME_HEADER: usize = 9;

@@ -341,8 +341,8 @@ fn resolve_path(root: &DocRoot, target: &Target<'_>) -> Result<Resolved, HttpErr
 /// Beneath the root, the file is opened before it is looked at, as nginx does: the open is
 /// `O_NONBLOCK | O_NOCTTY`, so a fifo cannot hang it, and only someone privileged can put a
 /// device node inside the root (symlinks cannot lead out of it). A stat before the open cost a
-/// second path walk on every request (12 % of serve's CPU per 1 KiB request over HTTP/2,
-/// docs/BENCHMARKS.md), and never closed the window in which a path is swapped after it.
+/// second path walk on every request (docs/BENCHMARKS.md, "System calls per connection"),
+/// and never closed the window in which a path is swapped after it.
 /// With `allow_symlinks_outside` any symlink may lead to a device, so there the path is still
 /// stat'ed first and only a regular file is opened.
 ///

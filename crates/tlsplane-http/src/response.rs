@@ -312,8 +312,8 @@ fn make_etag(mtime: Option<SystemTime>, size: u64) -> String {
     let nanos = mtime
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_nanos());
-    // By hand rather than `format!`: `u128`'s formatting was 2.5 % of serve's CPU per 1 KiB
-    // request over h2 (perf).
+    // By hand rather than `format!`: `u128`'s formatting showed in serve's profile of small
+    // requests over h2 (docs/BENCHMARKS.md, "HTTP/2 against peers").
     let mut tag = String::with_capacity(2 + 32 + 1 + 16);
     tag.push('"');
     push_hex(&mut tag, nanos);

@@ -10,7 +10,7 @@
 //!   to wait for its client (the socket moves between the loops' epoll sets), and runs the
 //!   handler on it from there on.
 //!
-//! Why: a handshake step is ~100 µs of public-key crypto that no event loop can interrupt. When
+//! Why: a handshake step is public-key crypto that no event loop can interrupt. When
 //! both kinds of work shared one loop, every established connection's next request queued
 //! behind all the handshake steps that were ready first; a flood of cheap fake ClientHellos
 //! (no crypto on the attacker's side) cut a keep-alive client from 11k to ~110 requests/s.

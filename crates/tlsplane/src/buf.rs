@@ -1,6 +1,6 @@
 //! Output buffer for TLS bytes: grown (and zero-filled) only when it must get bigger, then
 //! reused. `Vec::resize` before every encryption would zero-fill the whole chunk each time,
-//! which showed up at ~2% of server CPU in bulk transfers.
+//! which showed in profiles of bulk transfers (docs/BENCHMARKS.md, "Where the time goes").
 
 pub(crate) struct OutBuf {
     buf: Vec<u8>,

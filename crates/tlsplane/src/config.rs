@@ -137,9 +137,9 @@ pub const DEFAULT_MAX_CLIENT_HELLO: usize = 16384;
 /// The default cap on the records a ClientHello may span. Clients send one record (two for a
 /// hello over 16 KB); tools that fragment it to get past censoring middleboxes cut it at the
 /// server name (2-3 records) or into ~100-byte records (~16 for a 1.6 KB hello). Each record
-/// sent on its own costs the server a read and a wakeup (~10 µs, more under load): at 16, a
-/// hello in 1-byte records costs about one full handshake of server CPU (measured: 32 cost
-/// 1.6x, up to 2.5x on a loaded machine), where 16,000 of them cost hundreds.
+/// sent on its own costs the server a read and a wakeup: at 16, a hello in 1-byte records
+/// costs about one full handshake of server CPU, where 16,000 of them cost hundreds
+/// (docs/BENCHMARKS.md, "Trickled input").
 pub const DEFAULT_MAX_CLIENT_HELLO_RECORDS: usize = 16;
 
 /// Browsers and TLS libraries offer one session ticket (OpenSSL may add an external PSK):
@@ -176,8 +176,9 @@ impl ServerOptions {
 ///
 /// The order is the server's preference (see `ignore_client_order` below): AES-128-GCM first.
 /// Its SHA-256 transcript and key schedule run on SHA-NI, while the SHA-384 of the AES-256
-/// suites has no hardware path on CPUs without SHA-512 instructions (AMD Zen 3 here), where it
-/// measured at ~15% of a full TLS 1.3 handshake; AES-128-GCM is also what browsers prefer.
+/// suites has no hardware path on CPUs without SHA-512 instructions, where it is a large share
+/// of a full TLS 1.3 handshake (docs/BENCHMARKS.md, "Where the time goes"); AES-128-GCM is
+/// also what browsers prefer.
 pub fn crypto_provider() -> CryptoProvider {
     CryptoProvider {
         cipher_suites: vec![
