@@ -1,7 +1,6 @@
 //! `tlsplane-bench`: the load generator as its own binary, so that the server binary does not
 //! link it. `tlsplane bench ARGS` runs this binary (the one beside it) with the same ARGS;
 //! run it directly the same way: `tlsplane-bench handshake 127.0.0.1:8443 --insecure-no-verify`.
-#![forbid(unsafe_code)]
 
 use clap::Parser;
 

@@ -1,7 +1,6 @@
 //! `tlsplane`: HTTPS static files, a TLS-terminating proxy and the hand-off of TLS
 //! connections over split-plane TLS, and their key daemon. `tlsplane bench` runs the load
 //! generator, a separate binary (`tlsplane-bench`) that this one does not link.
-#![forbid(unsafe_code)]
 
 mod check;
 mod h2_connection;

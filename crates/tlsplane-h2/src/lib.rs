@@ -12,8 +12,6 @@
 //! - [`settings`]: the h2 settings every product uses, each with its reason;
 //! - [`serve`]: `serve`'s answers to h2 requests, planned by `tlsplane-http`.
 
-#![forbid(unsafe_code)]
-
 pub mod flood;
 pub mod greeting;
 pub mod serve;

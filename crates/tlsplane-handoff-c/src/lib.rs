@@ -7,8 +7,6 @@
 //! depends on, nor in `tlsplane-handoff`, which forbids `unsafe` — and `#[no_mangle]` is
 //! `unsafe_code` too.)
 
-#![deny(unsafe_op_in_unsafe_fn)]
-
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::io;

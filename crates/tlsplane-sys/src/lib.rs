@@ -1,7 +1,8 @@
-//! Every `unsafe` line of tlsplane lives here.
+//! Every `unsafe` line of tlsplane's server lives here (the hand-off's C ABI,
+//! tlsplane-handoff-c, has its own).
 //!
-//! The rest of the workspace is `#![forbid(unsafe_code)]` and reaches the kernel only through the
-//! safe functions below: kTLS set-up (`TCP_ULP`, `SOL_TLS`/`TLS_TX`/`TLS_RX`), record-typed
+//! The rest of the workspace forbids unsafe code (`[workspace.lints]` in the root Cargo.toml)
+//! and reaches the kernel only through the safe functions below: kTLS set-up (`TCP_ULP`, `SOL_TLS`/`TLS_TX`/`TLS_RX`), record-typed
 //! `recvmsg`/`sendmsg` (`TLS_GET_RECORD_TYPE`/`TLS_SET_RECORD_TYPE` control messages),
 //! `sendfile(2)` and descriptor passing (`SCM_RIGHTS`). The server's calls are non-blocking
 //! (`MSG_DONTWAIT` or a non-blocking descriptor), so callers drive them from an event loop and
