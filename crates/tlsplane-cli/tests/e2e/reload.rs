@@ -132,7 +132,10 @@ fn reload_swaps_certificates_without_dropping_connections_downloads_or_tickets()
     let out = s.reload();
     let took = started.elapsed();
     assert!(out.status.success(), "{}", out.describe());
-    assert!(took < Duration::from_secs(1), "reload took {took:?}");
+    // Bounded far below what the rest of the paused download would take: a reload that waited
+    // for open connections fails; the bound is loose because an emulated guest on a busy
+    // machine takes over a second for a reload that does not wait.
+    assert!(took < Duration::from_secs(5), "reload took {took:?}");
     assert_eq!(
         served_leaf(port, "localhost", &[]),
         new,
