@@ -483,9 +483,15 @@ pub fn recv_nonblocking(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usiz
 /// Waits until `sock` has input or its end (or an error) to read, or `timeout_ms` passes
 /// (`Ok(false)`; -1: no limit), with poll(2).
 pub fn wait_readable(sock: BorrowedFd<'_>, timeout_ms: i32) -> io::Result<bool> {
+    poll_one(sock, libc::POLLIN | libc::POLLRDHUP, timeout_ms)
+}
+
+/// poll(2) on one descriptor for `events`, again after a signal: whether any came within
+/// `timeout_ms` (-1: no limit).
+fn poll_one(sock: BorrowedFd<'_>, events: libc::c_short, timeout_ms: i32) -> io::Result<bool> {
     let mut p = libc::pollfd {
         fd: sock.as_raw_fd(),
-        events: libc::POLLIN | libc::POLLRDHUP,
+        events,
         revents: 0,
     };
     loop {
@@ -1118,19 +1124,7 @@ impl PeerEndWatch {
 /// Waits until `sock` can be written or `timeout_ms` passes (`Ok(false)`), with poll(2): for
 /// a descriptor whose blocking mode belongs to someone else (a handed-off socket).
 pub fn wait_writable(sock: BorrowedFd<'_>, timeout_ms: i32) -> io::Result<bool> {
-    let mut p = libc::pollfd {
-        fd: sock.as_raw_fd(),
-        events: libc::POLLOUT,
-        revents: 0,
-    };
-    loop {
-        // SAFETY: one valid pollfd that outlives the call.
-        match cvt(unsafe { libc::poll(&mut p, 1, timeout_ms) }) {
-            Ok(n) => return Ok(n > 0),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        }
-    }
+    poll_one(sock, libc::POLLOUT, timeout_ms)
 }
 
 #[cfg(test)]
