@@ -559,7 +559,7 @@ fn fork_per_connection_under_the_shim(
 }
 
 /// The children of process `pid` (its main thread's, from /proc).
-fn children_of(pid: u32) -> Vec<u32> {
+pub(crate) fn children_of(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
         .unwrap_or_default()
         .split_whitespace()

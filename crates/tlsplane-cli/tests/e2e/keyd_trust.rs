@@ -608,6 +608,10 @@ fn keyd_makes_its_socket_with_its_mode_only_where_others_cannot_write() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let mode = fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+    // Killing strace detaches keyd, which would live on: end it first.
+    for keyd in crate::handoff_c::children_of(traced.id()) {
+        let _ = Command::new("kill").arg(keyd.to_string()).status();
+    }
     let _ = traced.kill();
     let _ = traced.wait();
     assert_eq!(mode, 0o600);
